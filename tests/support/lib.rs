@@ -1,0 +1,44 @@
+//! Shared pieces of the real-kernel integration tests and the benchmarks: the root gate
+//! and the workloads (O_DIRECT reader, CPU hog) that stand in for a guest's tasks.
+//! Nothing here may pretend to be the kernel: workloads do real I/O and burn real CPU.
+
+pub mod workload;
+
+use std::path::PathBuf;
+
+/// True when running as root. Tests that need the real kernel's privileged paths call
+/// this first and, when it is false, print a loud line and return: a skip must never look
+/// like a pass in the log.
+pub fn require_root(test: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    eprintln!(
+        "\n******** SKIPPED {test}: needs root (BPF, SCHED_FIFO, sched_setaffinity on other \
+         tasks). Run the test suite as root; CI does. ********\n"
+    );
+    false
+}
+
+/// Path of a workspace binary built into the same target profile directory as the running
+/// test or bench executable (`target/<profile>/deps/..` → `target/<profile>/NAME`).
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().expect("exe dir").to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let path = dir.join(name);
+    assert!(
+        path.exists(),
+        "{} not found: build the workspace binaries first (`cargo build --workspace --bins`, \
+         or `make test`, which does)",
+        path.display()
+    );
+    path
+}
+
+/// The calling thread's kernel thread id.
+pub fn gettid() -> u32 {
+    nix::unistd::gettid().as_raw() as u32
+}

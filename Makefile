@@ -1,0 +1,37 @@
+# The two commands of the README are `make run` and `make test`.
+CARGO ?= cargo
+TEST_THREADS ?= 1
+
+.PHONY: setup build run test lint bench bench-contention bench-micro clean
+
+setup:
+	@scripts/setup.sh
+
+build: setup
+	$(CARGO) build --release --workspace --bins
+
+# The daemon in the foreground with the default configuration (needs root).
+run: build
+	./target/release/vmigrater run
+
+lint: setup
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+
+# Unit tests, then the real-kernel tests (root; they print SKIPPED without it). The
+# integration tests share the CPUs with a steal emulator, so they run one at a time.
+test: lint
+	$(CARGO) build --workspace --bins
+	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
+
+bench-micro: setup
+	$(CARGO) bench -p vmigrater-testbed --bench estimator --bench classifier --bench planner
+
+bench-contention: build
+	$(CARGO) bench -p vmigrater-testbed --bench bpf_overhead
+	$(CARGO) bench -p vmigrater-testbed --bench contention
+
+bench: bench-micro bench-contention
+
+clean:
+	$(CARGO) clean

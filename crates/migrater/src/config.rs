@@ -1,0 +1,293 @@
+//! The daemon's configuration: `/etc/vmigrater/vmigrater.toml`, every key optional with a
+//! default that works on a plain Linux guest. Owns parsing and validation only; it must
+//! never touch the system. Unknown keys are errors that name the line, so a typo is never
+//! silently ignored.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/vmigrater/vmigrater.toml";
+pub const DEFAULT_STATE_DIR: &str = "/run/vmigrater";
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Where the journal of original affinity masks and the status socket live.
+    pub state_dir: PathBuf,
+    /// Plan and log migrations but never change a mask.
+    pub dry_run: bool,
+    pub monitor: MonitorSection,
+    pub detector: DetectorSection,
+    pub migration: MigrationSection,
+    pub metrics: MetricsSection,
+    /// User priorities: the first matching rule sets a task's priority (higher wins).
+    #[serde(rename = "priority")]
+    pub priorities: Vec<PriorityRule>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            dry_run: false,
+            monitor: MonitorSection::default(),
+            detector: DetectorSection::default(),
+            migration: MigrationSection::default(),
+            metrics: MetricsSection::default(),
+            priorities: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MonitorSection {
+    /// Sleep period of each vCPU's sleeper while I/O-bound tasks need slice information.
+    pub period_us: u64,
+    /// Period while I/O-bound tasks exist but no descheduling was seen recently.
+    pub probe_period_us: u64,
+    /// Period while no task is I/O-bound: the daemon should cost almost nothing then.
+    pub idle_period_us: u64,
+    /// Floor of the adaptive gap threshold.
+    pub min_gap_threshold_us: u64,
+    /// Slice length assumed before any slice has been measured (paper: 11 ms).
+    pub default_slice_us: u64,
+    /// SCHED_FIFO priority of the sleepers; 0 runs them as normal tasks (less precise).
+    pub rt_priority: i32,
+    /// vCPUs to monitor; empty means every online CPU.
+    pub cpus: Vec<usize>,
+}
+
+impl Default for MonitorSection {
+    fn default() -> Self {
+        MonitorSection {
+            period_us: 300,
+            probe_period_us: 2_000,
+            idle_period_us: 10_000,
+            min_gap_threshold_us: 200,
+            default_slice_us: 11_000,
+            rt_priority: 1,
+            cpus: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DetectorSection {
+    /// BPF attach mode: "auto", "tp_btf", "raw_tp" or "tracepoint".
+    pub attach_mode: String,
+    /// Length of one classification window.
+    pub window_ms: u64,
+    /// Poll period while nothing is I/O-bound and no block I/O is seen.
+    pub idle_poll_ms: u64,
+}
+
+impl Default for DetectorSection {
+    fn default() -> Self {
+        DetectorSection {
+            attach_mode: "auto".into(),
+            window_ms: 5,
+            idle_poll_ms: 20,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MigrationSection {
+    /// Push I/O-bound tasks off a vCPU whose estimated remaining slice is below this.
+    pub push_threshold_us: u64,
+    /// Never put more than this much I/O load (sum of task load levels) on one vCPU while
+    /// another running vCPU has room.
+    pub max_load_per_vcpu: f64,
+    /// Commands (comm) never to migrate.
+    pub exclude_comm: Vec<String>,
+}
+
+impl Default for MigrationSection {
+    fn default() -> Self {
+        MigrationSection {
+            push_threshold_us: 1_000,
+            max_load_per_vcpu: 2.0,
+            exclude_comm: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSection {
+    pub enabled: bool,
+    /// Address of the Prometheus endpoint (`/metrics`). Localhost by default on purpose.
+    pub listen: SocketAddr,
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        MetricsSection {
+            enabled: true,
+            listen: "127.0.0.1:9977".parse().expect("static address"),
+        }
+    }
+}
+
+/// A user priority. At least one of `comm`, `pid` or `cgroup` must be given; all given
+/// ones must match.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct PriorityRule {
+    pub comm: Option<String>,
+    pub pid: Option<u32>,
+    /// Substring of a line of /proc/<pid>/cgroup.
+    pub cgroup: Option<String>,
+    pub priority: i32,
+}
+
+impl PriorityRule {
+    pub fn matches(&self, comm: &str, tgid: u32, cgroup: &str) -> bool {
+        self.comm.as_deref().is_none_or(|c| c == comm)
+            && self.pid.is_none_or(|p| p == tgid)
+            && self.cgroup.as_deref().is_none_or(|c| cgroup.contains(c))
+    }
+}
+
+impl Config {
+    /// Parses TOML text; `origin` names the file in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Config> {
+        let cfg: Config = toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            match line {
+                Some(line) => anyhow::anyhow!(
+                    "{origin}:{line}: {}",
+                    e.message().trim_end()
+                ),
+                None => anyhow::anyhow!("{origin}: {}", e.message().trim_end()),
+            }
+        })?;
+        cfg.validate().with_context(|| format!("{origin}: invalid configuration"))?;
+        Ok(cfg)
+    }
+
+    /// Loads `path`. A missing file at the default location means "all defaults"; a
+    /// missing file that the user named explicitly is an error.
+    pub fn load(path: &Path, explicit: bool) -> Result<Config> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Config::parse(&text, &path.display().to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+                Ok(Config::default())
+            }
+            Err(e) => Err(e).with_context(|| format!("reading config {}", path.display())),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        let m = &self.monitor;
+        if m.period_us < 50 || m.period_us > 100_000 {
+            bail!("monitor.period_us = {} is outside 50..=100000", m.period_us);
+        }
+        if m.probe_period_us < m.period_us || m.idle_period_us < m.period_us {
+            bail!("monitor.probe_period_us and monitor.idle_period_us must be ≥ monitor.period_us");
+        }
+        if m.default_slice_us == 0 {
+            bail!("monitor.default_slice_us must be > 0");
+        }
+        if !(0..=99).contains(&m.rt_priority) {
+            bail!("monitor.rt_priority = {} is outside 0..=99", m.rt_priority);
+        }
+        if !["auto", "tp_btf", "raw_tp", "tracepoint"].contains(&self.detector.attach_mode.as_str()) {
+            bail!(
+                "detector.attach_mode = {:?}: expected \"auto\", \"tp_btf\", \"raw_tp\" or \"tracepoint\"",
+                self.detector.attach_mode
+            );
+        }
+        if self.detector.window_ms == 0 || self.detector.window_ms > 1_000 {
+            bail!("detector.window_ms = {} is outside 1..=1000", self.detector.window_ms);
+        }
+        if self.migration.max_load_per_vcpu <= 0.0 {
+            bail!("migration.max_load_per_vcpu must be > 0");
+        }
+        for (i, rule) in self.priorities.iter().enumerate() {
+            if rule.comm.is_none() && rule.pid.is_none() && rule.cgroup.is_none() {
+                bail!("priority rule #{} matches nothing: give comm, pid or cgroup", i + 1);
+            }
+        }
+        Ok(())
+    }
+
+    /// The priority of a task under the user's rules (0 when no rule matches).
+    pub fn priority_of(&self, comm: &str, tgid: u32, cgroup: &str) -> i32 {
+        self.priorities
+            .iter()
+            .find(|r| r.matches(comm, tgid, cgroup))
+            .map_or(0, |r| r.priority)
+    }
+
+    /// The default configuration as commented TOML, for `vmigrater config` and the package.
+    pub fn default_toml() -> String {
+        toml::to_string_pretty(&Config::default()).expect("defaults serialise")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_all_defaults() {
+        let cfg = Config::parse("", "t.toml").unwrap();
+        assert_eq!(cfg.monitor.period_us, 300);
+        assert_eq!(cfg.metrics.listen.to_string(), "127.0.0.1:9977");
+    }
+
+    #[test]
+    fn unknown_key_names_the_line() {
+        let err = Config::parse("dry_run = true\n\n[monitor]\nperiod_uss = 5\n", "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("t.toml:4:"), "{err}");
+        assert!(err.contains("period_uss"), "{err}");
+    }
+
+    #[test]
+    fn wrong_type_names_the_line() {
+        let err = Config::parse("[migration]\npush_threshold_us = \"fast\"\n", "c")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("c:2:"), "{err}");
+    }
+
+    #[test]
+    fn out_of_range_value_is_refused() {
+        let err = format!("{:#}", Config::parse("[monitor]\nperiod_us = 1\n", "c").unwrap_err());
+        assert!(err.contains("monitor.period_us"), "{err}");
+    }
+
+    #[test]
+    fn priorities_first_match_wins() {
+        let cfg = Config::parse(
+            "[[priority]]\ncomm = \"postgres\"\npriority = 10\n\n[[priority]]\ncgroup = \"db.slice\"\npriority = 5\n",
+            "c",
+        )
+        .unwrap();
+        assert_eq!(cfg.priority_of("postgres", 1, ""), 10);
+        assert_eq!(cfg.priority_of("other", 1, "0::/db.slice/x"), 5);
+        assert_eq!(cfg.priority_of("other", 1, "0::/"), 0);
+    }
+
+    #[test]
+    fn empty_priority_rule_is_refused() {
+        assert!(Config::parse("[[priority]]\npriority = 3\n", "c").is_err());
+    }
+
+    #[test]
+    fn default_toml_round_trips() {
+        let text = Config::default_toml();
+        let cfg = Config::parse(&text, "defaults").unwrap();
+        assert_eq!(cfg.monitor.period_us, 300);
+    }
+}

@@ -1,0 +1,416 @@
+//! `vmigrater run`: wires monitor → detector → migrater together, serves metrics and status,
+//! and on SIGTERM/SIGINT hands every task back with its original mask. Owns start-up order
+//! (crash recovery first, before anything can be moved) and shutdown order (stop moving,
+//! then restore). It must never leave a task pinned on any exit path it controls; for the
+//! ones it does not (kill -9), the journal is recovered at the next start.
+
+use anyhow::{Context, Result};
+use arc_swap::ArcSwap;
+use std::collections::{HashMap, HashSet};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use task_detector::{AttachMode, ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions};
+use tracing::{debug, info, warn};
+use vcpu_monitor::{monotonic_ns, Demand, Monitor, MonitorConfig, VcpuBoard};
+
+use crate::affinity::AffinityExecutor;
+use crate::config::Config;
+use crate::hook::{LatencyRing, MigrationHook, Placement, Shared, TaskEntry};
+use crate::journal::AffinityJournal;
+use crate::metrics::{CpuLabel, Metrics};
+use crate::planner::{Planner, PlannerConfig};
+use crate::status::{self, StatusReport, TaskStatus, VcpuStatus};
+
+pub fn journal_path(state_dir: &Path) -> std::path::PathBuf {
+    state_dir.join("journal.json")
+}
+
+pub fn parse_attach_mode(s: &str) -> Option<AttachMode> {
+    match s {
+        "tp_btf" => Some(AttachMode::TpBtf),
+        "raw_tp" => Some(AttachMode::RawTp),
+        "tracepoint" => Some(AttachMode::Tracepoint),
+        _ => None,
+    }
+}
+
+pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
+    let m = &cfg.monitor;
+    let mut mc = MonitorConfig::default();
+    if !m.cpus.is_empty() {
+        mc.cpus = m.cpus.clone();
+    }
+    mc.period = Duration::from_micros(m.period_us);
+    mc.probe_period = Duration::from_micros(m.probe_period_us);
+    mc.idle_period = Duration::from_micros(m.idle_period_us);
+    mc.min_gap_threshold = Duration::from_micros(m.min_gap_threshold_us);
+    mc.default_slice = Duration::from_micros(m.default_slice_us);
+    mc.rt_priority = (m.rt_priority > 0).then_some(m.rt_priority);
+    anyhow::ensure!(!mc.cpus.is_empty(), "no CPUs to monitor");
+    Ok(mc)
+}
+
+fn classifier_config(cfg: &Config) -> ClassifierConfig {
+    ClassifierConfig {
+        window_ns: cfg.detector.window_ms * 1_000_000,
+        ..ClassifierConfig::default()
+    }
+}
+
+/// Context of the daemon that the control plane needs to answer status requests.
+struct Running {
+    shared: Arc<Shared>,
+    board: Arc<VcpuBoard>,
+    cpu_io: Arc<ArcSwap<Vec<CpuIoSample>>>,
+    attach_mode: String,
+    dry_run: bool,
+    started: Instant,
+}
+
+impl Running {
+    fn report(&self) -> StatusReport {
+        let now = monotonic_ns();
+        let tasks = self.shared.tasks.load();
+        let cpu_io = self.cpu_io.load();
+        let placement = self.shared.placement.lock().expect("placement lock");
+        let placed: Vec<Option<usize>> = tasks.iter().map(|t| placement.placed_on(t.tid)).collect();
+        let vcpus = self
+            .board
+            .snapshot(now)
+            .iter()
+            .map(|s| {
+                let io = cpu_io.iter().find(|c| c.cpu as usize == s.cpu);
+                VcpuStatus {
+                    cpu: s.cpu,
+                    active: s.active,
+                    deschedules: s.deschedules,
+                    inactive_total_ms: s.inactive_total_ns as f64 / 1e6,
+                    last_inactive_ms: s.last_inactive_ns as f64 / 1e6,
+                    est_slice_ms: s.est_slice_ns as f64 / 1e6,
+                    remaining_ms: s.remaining_ns as f64 / 1e6,
+                    gap_threshold_us: s.gap_threshold_ns as f64 / 1e3,
+                    io_completions: io.map_or(0, |c| c.completions),
+                    io_interval_ema_us: io.map_or(0.0, |c| c.ema_interval_ns as f64 / 1e3),
+                    tasks_placed: placed.iter().filter(|p| **p == Some(s.cpu)).count(),
+                }
+            })
+            .collect();
+        StatusReport {
+            version: env!("CARGO_PKG_VERSION").into(),
+            pid: std::process::id(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            dry_run: self.dry_run,
+            attach_mode: self.attach_mode.clone(),
+            demand: if tasks.is_empty() { "idle" } else { "active" }.into(),
+            io_tasks: tasks.len() as u64,
+            managed_tasks: placement.executor.as_ref().map_or(0, |e| e.managed_count()) as u64,
+            migrations: self.shared.migrations.load(Ordering::Relaxed),
+            hands_off_tasks: placement.hands_off.len() as u64,
+            migration_latency_us: status::summarize(&placement.latencies.values(), placement.latencies.total),
+            vcpus,
+            tasks: tasks
+                .iter()
+                .zip(&placed)
+                .map(|(t, p)| TaskStatus {
+                    tid: t.tid,
+                    tgid: t.tgid,
+                    comm: t.comm.clone(),
+                    load: t.load,
+                    priority: t.priority,
+                    placed_on: *p,
+                    allowed: t.allowed.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    fn refresh_metrics(&self) {
+        let now = monotonic_ns();
+        let m = &self.shared.metrics;
+        for s in self.board.snapshot(now) {
+            let l = CpuLabel { cpu: s.cpu as u32 };
+            m.deschedules.get_or_create(&l).inner().store(s.deschedules, Ordering::Relaxed);
+            m.inactive_seconds
+                .get_or_create(&l)
+                .inner()
+                .store((s.inactive_total_ns as f64 / 1e9).to_bits(), Ordering::Relaxed);
+            m.slice_estimate_seconds.get_or_create(&l).set(s.est_slice_ns as f64 / 1e9);
+            m.remaining_slice_seconds.get_or_create(&l).set(s.remaining_ns as f64 / 1e9);
+            m.vcpu_active.get_or_create(&l).set(i64::from(s.active));
+        }
+        for c in self.cpu_io.load().iter() {
+            let l = CpuLabel { cpu: c.cpu };
+            m.io_completions.get_or_create(&l).inner().store(c.completions, Ordering::Relaxed);
+            m.io_interval_ema_seconds.get_or_create(&l).set(c.ema_interval_ns as f64 / 1e9);
+        }
+    }
+}
+
+/// Hands every journaled task of a crashed previous run back its original mask.
+fn recover_journal(state_dir: &Path) -> Result<()> {
+    let path = journal_path(state_dir);
+    if !path.exists() {
+        return Ok(());
+    }
+    let report = AffinityJournal::recover(&path)
+        .with_context(|| format!("recovering {}", path.display()))?;
+    info!(?report, "recovered the journal of a previous run");
+    Ok(())
+}
+
+pub fn run(cfg: Config) -> Result<()> {
+    let state_dir = cfg.state_dir.clone();
+    std::fs::create_dir_all(&state_dir)
+        .with_context(|| format!("creating state dir {}", state_dir.display()))?;
+    recover_journal(&state_dir)?;
+
+    let force_mode = parse_attach_mode(&cfg.detector.attach_mode);
+    let tracker = IoTracker::open(&TrackerOptions { force_mode })
+        .context("loading the block I/O BPF programs (run `vmigrater check` for details)")?;
+    let attach_mode = tracker.mode().to_string();
+    info!(attach_mode, "block I/O tracking attached");
+
+    let mon_cfg = monitor_config(&cfg)?;
+    let cpus = mon_cfg.cpus.clone();
+    let board = Arc::new(VcpuBoard::new(&cpus, &mon_cfg));
+    let executor = if cfg.dry_run {
+        info!("dry-run: migrations are planned and logged, no mask is changed");
+        None
+    } else {
+        Some(AffinityExecutor::new(AffinityJournal::open(&journal_path(&state_dir))?))
+    };
+    let shared = Arc::new(Shared {
+        tasks: ArcSwap::from_pointee(Vec::new()),
+        placement: Mutex::new(Placement {
+            executor,
+            simulated: HashMap::new(),
+            latencies: LatencyRing::new(4096),
+            hands_off: HashSet::new(),
+        }),
+        metrics: Metrics::new(&attach_mode, cfg.dry_run),
+        migrations: AtomicU64::new(0),
+    });
+    let planner = Planner::new(PlannerConfig {
+        push_threshold_ns: cfg.migration.push_threshold_us * 1_000,
+        max_load_per_vcpu: cfg.migration.max_load_per_vcpu,
+        ..PlannerConfig::default()
+    });
+    let hook = Arc::new(MigrationHook::new(
+        shared.clone(),
+        planner,
+        cfg.migration.push_threshold_us * 1_000,
+        &cpus,
+    ));
+    let monitor = Monitor::start(mon_cfg, board.clone(), hook).context("starting vCPU monitors")?;
+    info!(cpus = ?cpus, period_us = cfg.monitor.period_us, "vCPU monitors started");
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
+    let detector = Detector::new(tracker, classifier_config(&cfg));
+    let detect_thread = {
+        let (shared, board, stop, cpu_io, cfg) =
+            (shared.clone(), board.clone(), stop.clone(), cpu_io.clone(), cfg.clone());
+        std::thread::Builder::new()
+            .name("vmigrater-detect".into())
+            .spawn(move || detect_loop(detector, &cfg, &shared, &board, &cpu_io, &stop))?
+    };
+
+    let running = Arc::new(Running {
+        shared: shared.clone(),
+        board,
+        cpu_io,
+        attach_mode,
+        dry_run: cfg.dry_run,
+        started: Instant::now(),
+    });
+    let served = control_plane(&cfg, running);
+
+    // Shutdown: stop deciding first, then hand every task back.
+    stop.store(true, Ordering::Relaxed);
+    monitor.stop();
+    if detect_thread.join().is_err() {
+        warn!("detector thread panicked");
+    }
+    shared.tasks.store(Arc::new(Vec::new()));
+    let mut placement = shared.placement.lock().expect("placement lock");
+    if let Some(ex) = placement.executor.as_mut() {
+        let restored = ex.release_all();
+        info!(restored, "restored original affinity of every managed task");
+    }
+    let _ = std::fs::remove_file(status::socket_path(&state_dir));
+    served
+}
+
+/// Tokio runs only the control plane: metrics HTTP, the status socket and signals.
+fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .thread_name("vmigrater-ctl")
+        .build()?;
+    rt.block_on(async move {
+        let sock_path = status::socket_path(&cfg.state_dir);
+        let _ = std::fs::remove_file(&sock_path);
+        let listener = tokio::net::UnixListener::bind(&sock_path)
+            .with_context(|| format!("binding status socket {}", sock_path.display()))?;
+        let status_task = {
+            let running = running.clone();
+            tokio::spawn(async move {
+                loop {
+                    let Ok((mut conn, _)) = listener.accept().await else { continue };
+                    let report = running.report();
+                    let body = serde_json::to_vec(&report).unwrap_or_default();
+                    let _ = tokio::io::AsyncWriteExt::write_all(&mut conn, &body).await;
+                }
+            })
+        };
+        let metrics_task = if cfg.metrics.enabled {
+            let running = running.clone();
+            let app = axum::Router::new().route(
+                "/metrics",
+                axum::routing::get(move || {
+                    let running = running.clone();
+                    async move {
+                        running.refresh_metrics();
+                        (
+                            [(
+                                axum::http::header::CONTENT_TYPE,
+                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                            )],
+                            running.shared.metrics.encode(),
+                        )
+                    }
+                }),
+            );
+            let listener = tokio::net::TcpListener::bind(cfg.metrics.listen)
+                .await
+                .with_context(|| format!("binding metrics on {}", cfg.metrics.listen))?;
+            info!(addr = %cfg.metrics.listen, "serving /metrics");
+            Some(tokio::spawn(async move { axum::serve(listener, app).await }))
+        } else {
+            None
+        };
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => info!("SIGINT: shutting down"),
+            _ = term.recv() => info!("SIGTERM: shutting down"),
+        }
+        status_task.abort();
+        if let Some(t) = metrics_task {
+            t.abort();
+        }
+        Ok(())
+    })
+}
+
+fn read_cgroup(tgid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{tgid}/cgroup")).unwrap_or_default()
+}
+
+/// The detector loop (a normal-priority OS thread): polls the BPF maps every window,
+/// hands newly I/O-bound tasks to the executor (journaling their mask first) and releases
+/// tasks that stopped being I/O-bound, then publishes the set for the monitor threads.
+fn detect_loop(
+    mut detector: Detector,
+    cfg: &Config,
+    shared: &Shared,
+    board: &VcpuBoard,
+    cpu_io: &ArcSwap<Vec<CpuIoSample>>,
+    stop: &AtomicBool,
+) {
+    let own_pid = std::process::id();
+    let window = Duration::from_millis(cfg.detector.window_ms);
+    let idle = Duration::from_millis(cfg.detector.idle_poll_ms.max(cfg.detector.window_ms));
+    let all_cpus: Vec<usize> = board.snapshot(monotonic_ns()).iter().map(|s| s.cpu).collect();
+    let mut last_completions = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let out = match detector.poll() {
+            Ok(out) => out,
+            Err(e) => {
+                shared.metrics.detector_errors.inc();
+                warn!("polling the BPF maps failed: {e:#}");
+                std::thread::sleep(idle);
+                continue;
+            }
+        };
+        let completions: u64 = out.cpus.iter().map(|c| c.completions).sum();
+        let io_seen = completions != last_completions;
+        last_completions = completions;
+        cpu_io.store(Arc::new(out.cpus));
+
+        let current = shared.tasks.load();
+        let mut next: Vec<TaskEntry> = Vec::with_capacity(out.tasks.len());
+        {
+            let mut placement = shared.placement.lock().expect("placement lock");
+            for info in out.tasks {
+                let t = &info.task;
+                if t.tgid == own_pid
+                    || cfg.migration.exclude_comm.contains(&info.comm)
+                    || placement.hands_off.contains(&(t.tid, info.start_time))
+                {
+                    continue;
+                }
+                let known = current.iter().find(|e| e.tid == t.tid && e.start_time == info.start_time);
+                let (allowed, priority) = match known {
+                    Some(e) => (e.allowed.clone(), e.priority),
+                    None => {
+                        let allowed = match placement.executor.as_mut() {
+                            Some(ex) => match ex.manage(t.tid, t.tgid, info.start_time) {
+                                Ok(a) => a,
+                                Err(e) => {
+                                    debug!(tid = t.tid, "not managing: {e:#}");
+                                    continue;
+                                }
+                            },
+                            None => all_cpus.clone(),
+                        };
+                        let priority = cfg.priority_of(&info.comm, t.tgid, &read_cgroup(t.tgid));
+                        info!(
+                            tid = t.tid,
+                            pid = t.tgid,
+                            comm = %info.comm,
+                            io_fraction = format!("{:.2}", t.io_fraction),
+                            load = format!("{:.2}", t.load),
+                            priority,
+                            "task is I/O-bound: managing it"
+                        );
+                        (allowed, priority)
+                    }
+                };
+                next.push(TaskEntry {
+                    tid: t.tid,
+                    tgid: t.tgid,
+                    start_time: info.start_time,
+                    comm: info.comm.clone(),
+                    load: t.load,
+                    priority,
+                    last_cpu: t.last_cpu as usize,
+                    allowed,
+                });
+            }
+            for gone in current.iter().filter(|e| !next.iter().any(|n| n.tid == e.tid)) {
+                placement.simulated.remove(&gone.tid);
+                if let Some(ex) = placement.executor.as_mut() {
+                    let outcome = ex.release(gone.tid);
+                    shared.metrics.releases.inc();
+                    info!(
+                        tid = gone.tid,
+                        comm = %gone.comm,
+                        result = crate::metrics::outcome_label(&outcome),
+                        "task no longer I/O-bound: original affinity restored"
+                    );
+                }
+            }
+            shared
+                .metrics
+                .managed_tasks
+                .set(placement.executor.as_ref().map_or(0, |e| e.managed_count()) as i64);
+        }
+        let active = !next.is_empty();
+        shared.metrics.io_bound_tasks.set(next.len() as i64);
+        shared.tasks.store(Arc::new(next));
+        board.set_demand(if active { Demand::Active } else { Demand::Idle });
+        std::thread::sleep(if active || io_seen { window } else { idle });
+    }
+}

@@ -1,0 +1,201 @@
+//! The decision point: runs on the monitor thread of the vCPU whose state just changed
+//! (vMigrater: act where the information is fresh). Owns the placement state behind a
+//! mutex that the hot path only ever `try_lock`s, so a SCHED_FIFO sleeper never waits on
+//! a normal thread. It must never do file I/O or allocate much per tick, and never touch a
+//! task that the detector has not handed over (journaled) first.
+
+use arc_swap::ArcSwap;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use tracing::debug;
+use vcpu_monitor::{TickEvent, TickHook, VcpuBoard, VcpuSnapshot};
+
+use crate::affinity::{AffinityExecutor, Outcome};
+use crate::metrics::Metrics;
+use crate::planner::{Move, Planner, TaskView, Trigger, VcpuView};
+
+/// An I/O-bound task the daemon is allowed to move (already journaled unless dry-run).
+#[derive(Clone, Debug)]
+pub struct TaskEntry {
+    pub tid: u32,
+    pub tgid: u32,
+    pub start_time: u64,
+    pub comm: String,
+    pub load: f64,
+    pub priority: i32,
+    pub last_cpu: usize,
+    pub allowed: Vec<usize>,
+}
+
+/// Recent migration latencies, for the status percentiles.
+pub struct LatencyRing {
+    buf: VecDeque<u64>,
+    cap: usize,
+    pub total: u64,
+}
+
+impl LatencyRing {
+    pub fn new(cap: usize) -> Self {
+        LatencyRing {
+            buf: VecDeque::with_capacity(cap),
+            cap,
+            total: 0,
+        }
+    }
+    pub fn push(&mut self, ns: u64) {
+        if self.buf.len() == self.cap {
+            self.buf.pop_front();
+        }
+        self.buf.push_back(ns);
+        self.total += 1;
+    }
+    pub fn values(&self) -> Vec<u64> {
+        self.buf.iter().copied().collect()
+    }
+}
+
+/// Where tasks are, and the executor that changes it.
+pub struct Placement {
+    /// `None` in dry-run: then `simulated` plays the executor's role for the planner.
+    pub executor: Option<AffinityExecutor>,
+    pub simulated: HashMap<u32, usize>,
+    pub latencies: LatencyRing,
+    /// Tasks whose mask someone else changed: never managed again (tid, start_time).
+    pub hands_off: HashSet<(u32, u64)>,
+}
+
+impl Placement {
+    pub fn placed_on(&self, tid: u32) -> Option<usize> {
+        match &self.executor {
+            Some(ex) => ex.placed_on(tid),
+            None => self.simulated.get(&tid).copied(),
+        }
+    }
+}
+
+/// State shared by the monitor threads (hook), the detector loop and the control plane.
+pub struct Shared {
+    pub tasks: ArcSwap<Vec<TaskEntry>>,
+    pub placement: Mutex<Placement>,
+    pub metrics: Metrics,
+    pub migrations: AtomicU64,
+}
+
+pub struct MigrationHook {
+    shared: Arc<Shared>,
+    planner: Planner,
+    push_threshold_ns: u64,
+    /// Per vCPU slot: when its thread last planned, so a running vCPU re-plans at most
+    /// every `replan_ns` unless its slice is ending.
+    last_plan_ns: Vec<AtomicU64>,
+    cpu_slot: HashMap<usize, usize>,
+    replan_ns: u64,
+}
+
+impl MigrationHook {
+    pub fn new(shared: Arc<Shared>, planner: Planner, push_threshold_ns: u64, cpus: &[usize]) -> Self {
+        MigrationHook {
+            shared,
+            planner,
+            push_threshold_ns,
+            last_plan_ns: cpus.iter().map(|_| AtomicU64::new(0)).collect(),
+            cpu_slot: cpus.iter().enumerate().map(|(i, &c)| (c, i)).collect(),
+            replan_ns: 1_000_000,
+        }
+    }
+
+    fn due(&self, cpu: usize, me: Option<&VcpuSnapshot>, now_ns: u64) -> bool {
+        let Some(&slot) = self.cpu_slot.get(&cpu) else {
+            return false;
+        };
+        let last = self.last_plan_ns[slot].load(Ordering::Relaxed);
+        let ending = me.is_some_and(|s| s.remaining_ns < self.push_threshold_ns);
+        ending || now_ns.saturating_sub(last) >= self.replan_ns
+    }
+}
+
+pub fn vcpu_view(s: &VcpuSnapshot) -> VcpuView {
+    VcpuView {
+        cpu: s.cpu,
+        active: s.active,
+        remaining_ns: s.remaining_ns,
+        inactive_for_ns: s.inactive_for_ns,
+        est_slice_ns: s.est_slice_ns,
+    }
+}
+
+impl TickHook for MigrationHook {
+    fn on_tick(&self, cpu: usize, event: TickEvent, board: &VcpuBoard, now_ns: u64) {
+        let tasks = self.shared.tasks.load();
+        if tasks.is_empty() {
+            return;
+        }
+        let snapshot = board.snapshot(now_ns);
+        let trigger = match event {
+            TickEvent::Resumed { .. } => Trigger::Resumed { cpu },
+            TickEvent::Running => {
+                if !self.due(cpu, snapshot.iter().find(|s| s.cpu == cpu), now_ns) {
+                    return;
+                }
+                Trigger::Tick { cpu }
+            }
+        };
+        // Another vCPU's thread is planning right now with the same information.
+        let Ok(mut placement) = self.shared.placement.try_lock() else {
+            return;
+        };
+        if let Some(&slot) = self.cpu_slot.get(&cpu) {
+            self.last_plan_ns[slot].store(now_ns, Ordering::Relaxed);
+        }
+        let vcpus: Vec<VcpuView> = snapshot.iter().map(vcpu_view).collect();
+        let views: Vec<TaskView> = tasks
+            .iter()
+            .map(|t| TaskView {
+                tid: t.tid,
+                load: t.load,
+                priority: t.priority,
+                placed_on: placement.placed_on(t.tid),
+                last_cpu: t.last_cpu,
+                allowed: t.allowed.clone(),
+            })
+            .collect();
+        let moves = self.planner.plan(trigger, &vcpus, &views);
+        for mv in moves {
+            apply(&self.shared, &mut placement, &tasks, mv);
+        }
+    }
+}
+
+fn apply(shared: &Shared, placement: &mut Placement, tasks: &[TaskEntry], mv: Move) {
+    let Move {
+        tid,
+        from,
+        to,
+        reason,
+    } = mv;
+    let Some(executor) = placement.executor.as_mut() else {
+        debug!(tid, ?from, to, reason = reason.as_str(), "dry-run: would migrate");
+        placement.simulated.insert(tid, to);
+        shared.metrics.record_dry_run(reason);
+        return;
+    };
+    let outcome = executor.move_to(tid, to);
+    shared.metrics.record_migration(reason, &outcome);
+    match outcome {
+        Outcome::Moved { latency_ns } => {
+            placement.latencies.push(latency_ns);
+            shared.migrations.fetch_add(1, Ordering::Relaxed);
+            debug!(tid, ?from, to, reason = reason.as_str(), latency_ns, "migrated");
+        }
+        Outcome::External => {
+            if let Some(t) = tasks.iter().find(|t| t.tid == tid) {
+                placement.hands_off.insert((tid, t.start_time));
+            }
+            debug!(tid, "mask changed by someone else: no longer managed");
+        }
+        Outcome::Gone | Outcome::Rejected | Outcome::Unchanged => {
+            debug!(tid, to, reason = reason.as_str(), result = crate::metrics::outcome_label(&outcome), "migration not done");
+        }
+    }
+}

@@ -1,0 +1,210 @@
+//! Prometheus metrics of the guest daemon (OpenMetrics text on `/metrics`). Owns the
+//! registry and the handles the hot path increments; per-vCPU figures are copied from the
+//! lock-free vCPU board when a scrape arrives, so the monitor threads never wait on it.
+//! Must never carry pid or comm labels: their cardinality is unbounded.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
+use std::sync::atomic::AtomicU64;
+
+use crate::affinity::Outcome;
+use crate::planner::Reason;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CpuLabel {
+    pub cpu: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MigrationLabel {
+    pub reason: &'static str,
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ModeLabel {
+    mode: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BuildLabel {
+    version: &'static str,
+    dry_run: &'static str,
+}
+
+type FloatCounter = Counter<f64, AtomicU64>;
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// Results a migration attempt can have, as metric label values.
+pub fn outcome_label(o: &Outcome) -> &'static str {
+    match o {
+        Outcome::Moved { .. } => "moved",
+        Outcome::Unchanged => "unchanged",
+        Outcome::Gone => "gone",
+        Outcome::Rejected => "rejected",
+        Outcome::External => "external",
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub deschedules: Family<CpuLabel, Counter>,
+    pub inactive_seconds: Family<CpuLabel, FloatCounter>,
+    pub slice_estimate_seconds: Family<CpuLabel, FloatGauge>,
+    pub remaining_slice_seconds: Family<CpuLabel, FloatGauge>,
+    pub vcpu_active: Family<CpuLabel, Gauge>,
+    pub io_completions: Family<CpuLabel, Counter>,
+    pub io_interval_ema_seconds: Family<CpuLabel, FloatGauge>,
+    pub io_bound_tasks: Gauge,
+    pub managed_tasks: Gauge,
+    pub migrations: Family<MigrationLabel, Counter>,
+    pub migration_latency: Histogram,
+    pub releases: Counter,
+    pub detector_errors: Counter,
+}
+
+impl Metrics {
+    pub fn new(attach_mode: &str, dry_run: bool) -> Metrics {
+        let mut registry = Registry::with_prefix("vmigrater");
+        let m = Metrics {
+            deschedules: Family::default(),
+            inactive_seconds: Family::default(),
+            slice_estimate_seconds: Family::default(),
+            remaining_slice_seconds: Family::default(),
+            vcpu_active: Family::default(),
+            io_completions: Family::default(),
+            io_interval_ema_seconds: Family::default(),
+            io_bound_tasks: Gauge::default(),
+            managed_tasks: Gauge::default(),
+            migrations: Family::default(),
+            // 1 µs .. ~65 ms: sched_setaffinity is µs; the paper's migrations averaged 1.63 ms.
+            migration_latency: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
+            releases: Counter::default(),
+            detector_errors: Counter::default(),
+            registry: Registry::default(),
+        };
+        let r = &mut registry;
+        r.register(
+            "vcpu_deschedules",
+            "Times a vCPU was seen descheduled (a sleeper woke up later than the gap threshold)",
+            m.deschedules.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_inactive",
+            "Total time a vCPU was seen descheduled",
+            Unit::Seconds,
+            m.inactive_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_slice_estimate",
+            "Estimated length of the vCPU's current time slice",
+            Unit::Seconds,
+            m.slice_estimate_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_remaining_slice",
+            "Estimated time left in the vCPU's current slice at scrape time",
+            Unit::Seconds,
+            m.remaining_slice_seconds.clone(),
+        );
+        r.register(
+            "vcpu_active",
+            "1 when the vCPU's sleeper ran recently (the vCPU is running), else 0",
+            m.vcpu_active.clone(),
+        );
+        r.register(
+            "io_completions",
+            "Block I/O completions handled on the vCPU (ISACS E_n)",
+            m.io_completions.clone(),
+        );
+        r.register_with_unit(
+            "io_completion_interval_ema",
+            "EMA (0.9) of intervals between block I/O completions on the vCPU (ISACS Eq. 1)",
+            Unit::Seconds,
+            m.io_interval_ema_seconds.clone(),
+        );
+        r.register(
+            "io_bound_tasks",
+            "Threads currently classified I/O-bound",
+            m.io_bound_tasks.clone(),
+        );
+        r.register(
+            "managed_tasks",
+            "Threads whose affinity the daemon currently manages (original mask journaled)",
+            m.managed_tasks.clone(),
+        );
+        r.register(
+            "migrations",
+            "Migration attempts by reason (push, pull, balance) and result",
+            m.migrations.clone(),
+        );
+        r.register_with_unit(
+            "migration_latency",
+            "Time of one sched_setaffinity call that moved a task",
+            Unit::Seconds,
+            m.migration_latency.clone(),
+        );
+        r.register(
+            "releases",
+            "Tasks handed back with their original mask (no longer I/O-bound, or exit)",
+            m.releases.clone(),
+        );
+        r.register(
+            "detector_errors",
+            "Failed polls of the BPF maps",
+            m.detector_errors.clone(),
+        );
+        let mode: Family<ModeLabel, Gauge> = Family::default();
+        mode.get_or_create(&ModeLabel {
+            mode: attach_mode.to_string(),
+        })
+        .set(1);
+        r.register(
+            "bpf_attach_mode",
+            "The attach mode of the block I/O programs (value is always 1)",
+            mode,
+        );
+        r.register(
+            "build",
+            "Build information",
+            Info::new(BuildLabel {
+                version: env!("CARGO_PKG_VERSION"),
+                dry_run: if dry_run { "true" } else { "false" },
+            }),
+        );
+        Metrics { registry, ..m }
+    }
+
+    pub fn record_migration(&self, reason: Reason, outcome: &Outcome) {
+        self.migrations
+            .get_or_create(&MigrationLabel {
+                reason: reason.as_str(),
+                result: outcome_label(outcome),
+            })
+            .inc();
+        if let Outcome::Moved { latency_ns } = outcome {
+            self.migration_latency.observe(*latency_ns as f64 * 1e-9);
+        }
+    }
+
+    pub fn record_dry_run(&self, reason: Reason) {
+        self.migrations
+            .get_or_create(&MigrationLabel {
+                reason: reason.as_str(),
+                result: "dry_run",
+            })
+            .inc();
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
+        out
+    }
+}

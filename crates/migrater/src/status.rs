@@ -1,0 +1,211 @@
+//! The status socket: a running daemon answers each connection on
+//! `<state_dir>/status.sock` with one JSON `StatusReport`; `vmigrater status` reads it and
+//! prints a table (or the JSON). Owns the report's shape and its rendering; it must never
+//! change daemon state.
+
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::io::Read;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+pub fn socket_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("status.sock")
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct VcpuStatus {
+    pub cpu: usize,
+    pub active: bool,
+    pub deschedules: u64,
+    pub inactive_total_ms: f64,
+    pub last_inactive_ms: f64,
+    pub est_slice_ms: f64,
+    pub remaining_ms: f64,
+    pub gap_threshold_us: f64,
+    pub io_completions: u64,
+    pub io_interval_ema_us: f64,
+    pub tasks_placed: usize,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct TaskStatus {
+    pub tid: u32,
+    pub tgid: u32,
+    pub comm: String,
+    pub load: f64,
+    pub priority: i32,
+    pub placed_on: Option<usize>,
+    pub allowed: Vec<usize>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub p50: f64,
+    pub p90: f64,
+    pub p99: f64,
+    pub max: f64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct StatusReport {
+    pub version: String,
+    pub pid: u32,
+    pub uptime_s: f64,
+    pub dry_run: bool,
+    pub attach_mode: String,
+    pub demand: String,
+    pub io_tasks: u64,
+    pub managed_tasks: u64,
+    pub migrations: u64,
+    pub hands_off_tasks: u64,
+    /// Microseconds per sched_setaffinity that moved a task (recent window).
+    pub migration_latency_us: LatencySummary,
+    pub vcpus: Vec<VcpuStatus>,
+    pub tasks: Vec<TaskStatus>,
+}
+
+/// Asks the daemon behind `state_dir` for its status.
+pub fn query(state_dir: &Path) -> Result<StatusReport> {
+    let path = socket_path(state_dir);
+    let mut stream = UnixStream::connect(&path).with_context(|| {
+        format!(
+            "connecting to {} (is `vmigrater run` running with this --state-dir?)",
+            path.display()
+        )
+    })?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text)?;
+    serde_json::from_str(&text).with_context(|| format!("bad status from {}", path.display()))
+}
+
+/// Human-readable rendering of a report.
+pub fn render(r: &StatusReport) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "vmigrater {} pid {} up {:.0}s  attach={}  demand={}{}",
+        r.version,
+        r.pid,
+        r.uptime_s,
+        r.attach_mode,
+        r.demand,
+        if r.dry_run { "  DRY-RUN" } else { "" }
+    );
+    let l = &r.migration_latency_us;
+    let _ = writeln!(
+        s,
+        "io-bound tasks {}  managed {}  hands-off {}  migrations {}  latency µs p50 {:.1} p99 {:.1} max {:.1}",
+        r.io_tasks, r.managed_tasks, r.hands_off_tasks, r.migrations, l.p50, l.p99, l.max
+    );
+    let _ = writeln!(
+        s,
+        "\n{:>4} {:>6} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>10} {:>6}",
+        "vCPU",
+        "state",
+        "desched",
+        "inact_ms",
+        "slice_ms",
+        "remain_ms",
+        "gap_us",
+        "io_compl",
+        "io_ema_us",
+        "tasks"
+    );
+    for v in &r.vcpus {
+        let _ = writeln!(
+            s,
+            "{:>4} {:>6} {:>8} {:>10.1} {:>9.2} {:>9.2} {:>8.0} {:>9} {:>10.1} {:>6}",
+            v.cpu,
+            if v.active { "run" } else { "OUT" },
+            v.deschedules,
+            v.inactive_total_ms,
+            v.est_slice_ms,
+            v.remaining_ms,
+            v.gap_threshold_us,
+            v.io_completions,
+            v.io_interval_ema_us,
+            v.tasks_placed
+        );
+    }
+    if !r.tasks.is_empty() {
+        let _ = writeln!(
+            s,
+            "\n{:>8} {:>8} {:<16} {:>6} {:>4} {:>6}  allowed",
+            "tid", "pid", "comm", "load", "prio", "on"
+        );
+        for t in &r.tasks {
+            let _ = writeln!(
+                s,
+                "{:>8} {:>8} {:<16} {:>6.2} {:>4} {:>6}  {:?}",
+                t.tid,
+                t.tgid,
+                t.comm,
+                t.load,
+                t.priority,
+                t.placed_on.map_or("-".to_string(), |c| c.to_string()),
+                t.allowed
+            );
+        }
+    }
+    s
+}
+
+/// Percentiles of recent migration latencies, in microseconds.
+pub fn summarize(latencies_ns: &[u64], count: u64) -> LatencySummary {
+    if latencies_ns.is_empty() {
+        return LatencySummary {
+            count,
+            ..Default::default()
+        };
+    }
+    let mut v = latencies_ns.to_vec();
+    v.sort_unstable();
+    let pick = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize] as f64 / 1e3;
+    LatencySummary {
+        count,
+        p50: pick(0.5),
+        p90: pick(0.9),
+        p99: pick(0.99),
+        max: pick(1.0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_of_a_known_series() {
+        let v: Vec<u64> = (1..=100).map(|i| i * 1000).collect();
+        let s = summarize(&v, 100);
+        assert_eq!(s.p50, 51.0);
+        assert_eq!(s.p99, 99.0);
+        assert_eq!(s.max, 100.0);
+    }
+
+    #[test]
+    fn render_names_every_vcpu() {
+        let r = StatusReport {
+            vcpus: vec![
+                VcpuStatus {
+                    cpu: 0,
+                    active: true,
+                    ..Default::default()
+                },
+                VcpuStatus {
+                    cpu: 1,
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let text = render(&r);
+        assert!(text.contains("   0    run"), "{text}");
+        assert!(text.contains("   1    OUT"), "{text}");
+    }
+}

@@ -1,0 +1,1 @@
+//! Steal emulator (filled in).

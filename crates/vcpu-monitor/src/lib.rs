@@ -1,0 +1,1 @@
+//! Per-vCPU time-slice detection (filled in by the vcpu-monitor work).

@@ -1,0 +1,1 @@
+//! Real-kernel tests: affinity (being written).

@@ -1,0 +1,344 @@
+//! The `vmigrater` binary on the real kernel: migration under emulated descheduling, mask
+//! restoration on SIGTERM and after kill -9, `check`, config errors, dry-run and metrics.
+//! Run as root (CI is); without root every test prints a loud SKIPPED line.
+
+use nix::sched::{sched_getaffinity, CpuSet};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+use steal_emulator::{Emulator, Pattern};
+use vmigrater_testbed::{require_root, workload, workspace_bin};
+
+fn cpus_of(tid: u32) -> Vec<usize> {
+    let set = sched_getaffinity(Pid::from_raw(tid as i32)).expect("sched_getaffinity");
+    (0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect()
+}
+
+fn online_cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// A 256 MiB file on the real disk (O_DIRECT needs a real filesystem, not tmpfs).
+fn data_file() -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR"));
+    let path = dir.join("daemon-test-data.bin");
+    workload::prepare_file(&path, 256 << 20).expect("prepare data file");
+    path
+}
+
+/// An O_DIRECT reader in its own process (dd), so it can be stopped with SIGSTOP.
+struct Reader(Child);
+
+impl Reader {
+    fn start(file: &Path) -> Reader {
+        let child = Command::new("dd")
+            .arg(format!("if={}", file.display()))
+            .args(["of=/dev/null", "bs=4k", "iflag=direct", "count=100000000"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn dd");
+        Reader(child)
+    }
+    fn tid(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        let _ = kill(Pid::from_raw(self.0.id() as i32), Signal::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Daemon {
+    child: Option<Child>,
+    state_dir: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start(extra: &[&str]) -> Daemon {
+        let state_dir = tempfile::tempdir().expect("tempdir");
+        Self::start_in(state_dir, extra)
+    }
+
+    fn start_in(state_dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
+        let child = Command::new(workspace_bin("vmigrater"))
+            .args(["--config", "/nonexistent/vmigrater-test.toml"])
+            .arg("run")
+            .arg("--state-dir")
+            .arg(state_dir.path())
+            .args(extra)
+            .env("VMIGRATER_LOG", "info")
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn vmigrater");
+        let d = Daemon {
+            child: Some(child),
+            state_dir,
+        };
+        d.wait_for(Duration::from_secs(20), "status socket", |_| true);
+        d
+    }
+
+    fn status(&self) -> Option<serde_json::Value> {
+        let out = Command::new(workspace_bin("vmigrater"))
+            .args(["status", "--json", "--state-dir"])
+            .arg(self.state_dir.path())
+            .output()
+            .ok()?;
+        out.status.success().then(|| serde_json::from_slice(&out.stdout).ok())?
+    }
+
+    /// Polls the status until `pred` holds; panics with the last status on timeout.
+    fn wait_for(&self, limit: Duration, what: &str, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+        let t0 = Instant::now();
+        let mut last = None;
+        while t0.elapsed() < limit {
+            if let Some(s) = self.status() {
+                if pred(&s) {
+                    return s;
+                }
+                last = Some(s);
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        panic!("timed out after {limit:?} waiting for {what}; last status: {last:#?}");
+    }
+
+    fn pid(&self) -> Pid {
+        Pid::from_raw(self.child.as_ref().expect("running").id() as i32)
+    }
+
+    /// SIGTERM and wait; returns the daemon's stderr.
+    fn terminate(mut self) -> String {
+        kill(self.pid(), Signal::SIGTERM).expect("SIGTERM");
+        self.collect()
+    }
+
+    fn kill9(mut self) -> tempfile::TempDir {
+        kill(self.pid(), Signal::SIGKILL).expect("SIGKILL");
+        let mut child = self.child.take().expect("running");
+        child.wait().expect("wait");
+        let dir = tempfile::tempdir().expect("tempdir");
+        std::mem::replace(&mut self.state_dir, dir)
+    }
+
+    fn collect(&mut self) -> String {
+        let mut child = self.child.take().expect("running");
+        let status = child.wait().expect("wait vmigrater");
+        let mut err = String::new();
+        child.stderr.take().expect("stderr").read_to_string(&mut err).expect("read stderr");
+        assert!(status.success(), "vmigrater exited with {status}:\n{err}");
+        err
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+fn anti_phase() -> Vec<Pattern> {
+    vec![
+        "0:10000:10000:0".parse().expect("pattern"),
+        "1:10000:10000:10000".parse().expect("pattern"),
+    ]
+}
+
+fn managed(s: &serde_json::Value, tid: u32) -> bool {
+    s["tasks"].as_array().is_some_and(|ts| ts.iter().any(|t| t["tid"] == tid))
+}
+
+#[test]
+fn reader_follows_the_running_cpu_and_is_restored_on_sigterm() {
+    if !require_root("reader_follows_the_running_cpu_and_is_restored_on_sigterm") || online_cpus() < 2 {
+        return;
+    }
+    let file = data_file();
+    let reader = Reader::start(&file);
+    let hogs: Vec<_> = (0..2).map(|c| workload::spawn_hog(Some(c)).expect("hog")).collect();
+    let original = cpus_of(reader.tid());
+    let hog_masks: Vec<_> = hogs.iter().map(|h| cpus_of(h.tid)).collect();
+    let emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
+    let daemon = Daemon::start(&["--no-metrics"]);
+    daemon.wait_for(Duration::from_secs(10), "reader managed and migrated", |s| {
+        managed(s, reader.tid()) && s["migrations"].as_u64() > Some(0)
+    });
+
+    // Sample the reader's mask for 2 s; afterwards compare with the emulator's truth.
+    let mut samples = Vec::new();
+    let t_end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < t_end {
+        let cpus = cpus_of(reader.tid());
+        samples.push((vcpu_monitor::monotonic_ns(), cpus));
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    let status = daemon.status().expect("status");
+    let records = emu.stop();
+    let stolen = |cpu: usize, t: u64| {
+        records
+            .iter()
+            .filter(|r| r.cpu == cpu)
+            .flat_map(|r| r.intervals.iter())
+            .any(|&(a, b)| a <= t && t < b)
+    };
+    let pinned: Vec<_> = samples.iter().filter(|(_, c)| c.len() == 1).collect();
+    let on_running = pinned.iter().filter(|(t, c)| !stolen(c[0], *t)).count();
+    let frac = on_running as f64 / samples.len() as f64;
+    eprintln!(
+        "reader pinned in {}/{} samples, on a running CPU in {:.1}% of all samples; migrations {}; latency µs {}",
+        pinned.len(),
+        samples.len(),
+        frac * 100.0,
+        status["migrations"],
+        status["migration_latency_us"]
+    );
+    // Unmanaged it would sit on whichever CPU it last ran on: ~50% of samples stolen.
+    assert!(frac >= 0.75, "reader on a running CPU in only {:.1}% of samples", frac * 100.0);
+
+    let log = daemon.terminate();
+    assert_eq!(cpus_of(reader.tid()), original, "reader mask not restored; log:\n{log}");
+    for (h, m) in hogs.iter().zip(&hog_masks) {
+        assert_eq!(&cpus_of(h.tid), m, "a hog's mask was touched");
+    }
+    assert!(log.contains("restored original affinity"), "{log}");
+}
+
+#[test]
+fn journal_restores_masks_after_kill_9() {
+    if !require_root("journal_restores_masks_after_kill_9") || online_cpus() < 2 {
+        return;
+    }
+    let file = data_file();
+    let reader = Reader::start(&file);
+    let original = cpus_of(reader.tid());
+    let emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
+    let daemon = Daemon::start(&["--no-metrics"]);
+    daemon.wait_for(Duration::from_secs(10), "reader migrated", |s| {
+        managed(s, reader.tid()) && s["migrations"].as_u64() > Some(0)
+    });
+    let state_dir = daemon.kill9();
+    // Freeze the reader so the restarted daemon has no reason to manage it again.
+    kill(Pid::from_raw(reader.tid() as i32), Signal::SIGSTOP).expect("SIGSTOP");
+    emu.stop();
+    let pinned = cpus_of(reader.tid());
+    assert_eq!(pinned.len(), 1, "after kill -9 the reader should still be pinned: {pinned:?}");
+    assert!(state_dir.path().join("journal.json").exists(), "no journal left behind");
+
+    let daemon = Daemon::start_in(state_dir, &["--no-metrics"]);
+    assert_eq!(cpus_of(reader.tid()), original, "journal did not restore the mask");
+    let log = daemon.terminate();
+    assert!(log.contains("recovered the journal"), "{log}");
+}
+
+#[test]
+fn dry_run_plans_but_never_changes_a_mask() {
+    if !require_root("dry_run_plans_but_never_changes_a_mask") || online_cpus() < 2 {
+        return;
+    }
+    let file = data_file();
+    let reader = Reader::start(&file);
+    let original = cpus_of(reader.tid());
+    let emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
+    let daemon = Daemon::start(&["--dry-run", "--metrics-addr", "127.0.0.1:19978"]);
+    daemon.wait_for(Duration::from_secs(10), "reader classified", |s| managed(s, reader.tid()));
+    let t_end = Instant::now() + Duration::from_secs(1);
+    while Instant::now() < t_end {
+        assert_eq!(cpus_of(reader.tid()), original, "dry-run changed a mask");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let metrics = http_get("127.0.0.1:19978", "/metrics");
+    emu.stop();
+    daemon.terminate();
+    let planned: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("vmigrater_migrations_total{") && l.contains("result=\"dry_run\""))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(planned > 0.0, "dry-run planned no migration:\n{metrics}");
+}
+
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect metrics");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    let mut body = String::new();
+    s.read_to_string(&mut body).expect("read metrics");
+    body
+}
+
+#[test]
+fn metrics_expose_vcpu_and_build_figures() {
+    if !require_root("metrics_expose_vcpu_and_build_figures") {
+        return;
+    }
+    let emu = Emulator::start(&anti_phase()[..online_cpus().min(2)], 50).expect("steal emulator");
+    let daemon = Daemon::start(&["--metrics-addr", "127.0.0.1:19979"]);
+    std::thread::sleep(Duration::from_millis(500));
+    let body = http_get("127.0.0.1:19979", "/metrics");
+    emu.stop();
+    daemon.terminate();
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
+    for name in [
+        "vmigrater_vcpu_deschedules_total{cpu=\"0\"}",
+        "vmigrater_vcpu_inactive_seconds_total{cpu=\"0\"}",
+        "vmigrater_vcpu_slice_estimate_seconds{cpu=\"0\"}",
+        "vmigrater_io_bound_tasks ",
+        "vmigrater_bpf_attach_mode{mode=",
+        "vmigrater_build_info{",
+        "# EOF",
+    ] {
+        assert!(body.contains(name), "missing {name} in:\n{body}");
+    }
+    let desched: f64 = body
+        .lines()
+        .find(|l| l.starts_with("vmigrater_vcpu_deschedules_total{cpu=\"0\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse().ok())
+        .expect("deschedule counter");
+    assert!(desched >= 5.0, "the emulator stole CPU 0 ~25 times, metrics say {desched}");
+}
+
+#[test]
+fn check_names_the_attach_mode() {
+    if !require_root("check_names_the_attach_mode") {
+        return;
+    }
+    let out = Command::new(workspace_bin("vmigrater")).arg("check").output().expect("run check");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("attach mode:"))
+        .unwrap_or_else(|| panic!("no attach mode line in:\n{text}"));
+    let mode = line.split_whitespace().nth(2).unwrap_or("");
+    assert!(["tp_btf", "raw_tp", "tracepoint"].contains(&mode), "{line}");
+    assert_eq!(Some(mode.to_string()), task_detector::probe().best_mode.map(|m| m.to_string()), "{text}");
+}
+
+#[test]
+fn malformed_config_is_refused_with_its_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, "# test\n[monitor]\nperiod_us = 300\nsleep_forever = true\n").unwrap();
+    let out = Command::new(workspace_bin("vmigrater"))
+        .arg("--config")
+        .arg(&path)
+        .args(["run", "--no-metrics", "--state-dir"])
+        .arg(dir.path())
+        .output()
+        .expect("run vmigrater");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "a bad config was accepted");
+    assert!(err.contains(&format!("{}:4:", path.display())), "{err}");
+    assert!(err.contains("sleep_forever"), "{err}");
+}

@@ -1,0 +1,275 @@
+//! The sleepers: one OS thread per vCPU, pinned to it, SCHED_FIFO (below any steal
+//! emulator), 1 ns timer slack, absolute CLOCK_MONOTONIC deadlines. Each wake-up is fed
+//! to that vCPU's `SliceEstimator`, published on the `VcpuBoard`, and handed to the
+//! caller's `TickHook` on the same thread. The sleep period follows demand: short while
+//! I/O-bound tasks need slice information, longer while no deschedule has been seen for a
+//! while (dedicated vCPUs), long when nothing needs it.
+
+use anyhow::{Context, Result};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+use tracing::{debug, warn};
+
+use crate::board::{Demand, VcpuBoard};
+use crate::estimator::{EstimatorConfig, Observation, SliceEstimator};
+use crate::monotonic_ns;
+
+#[derive(Clone, Debug)]
+pub struct MonitorConfig {
+    /// vCPUs to watch; default: every online CPU.
+    pub cpus: Vec<usize>,
+    /// Sleep period while tasks need slice information.
+    pub period: Duration,
+    /// Period while tasks need it but no deschedule was seen for `quiet_after`.
+    pub probe_period: Duration,
+    /// Period while nothing needs slice information.
+    pub idle_period: Duration,
+    pub quiet_after: Duration,
+    /// Floor of the adaptive gap threshold.
+    pub min_gap_threshold: Duration,
+    /// Slice assumed before one is measured (paper: 11 ms).
+    pub default_slice: Duration,
+    /// SCHED_FIFO priority of the sleepers; `None` runs them as normal tasks.
+    pub rt_priority: Option<i32>,
+}
+
+impl Default for MonitorConfig {
+    fn default() -> Self {
+        MonitorConfig {
+            cpus: online_cpus().unwrap_or_else(|_| vec![0]),
+            period: Duration::from_micros(300),
+            probe_period: Duration::from_millis(2),
+            idle_period: Duration::from_millis(10),
+            quiet_after: Duration::from_secs(1),
+            min_gap_threshold: Duration::from_micros(200),
+            default_slice: Duration::from_millis(11),
+            rt_priority: Some(1),
+        }
+    }
+}
+
+/// Online CPUs from sysfs (`VMIGRATER_SYSFS_ROOT` redirects `/sys` for tests).
+pub fn online_cpus() -> Result<Vec<usize>> {
+    let root = std::env::var_os("VMIGRATER_SYSFS_ROOT")
+        .map_or_else(|| PathBuf::from("/sys"), PathBuf::from);
+    let path = root.join("devices/system/cpu/online");
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    parse_cpu_list(text.trim()).with_context(|| format!("parsing {}", path.display()))
+}
+
+/// Parses the kernel's CPU list format: `0-3,5,7-8`.
+pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in s.split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.trim().parse()?, b.trim().parse()?);
+                anyhow::ensure!(a <= b, "bad range {part:?}");
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.trim().parse()?),
+        }
+    }
+    Ok(cpus)
+}
+
+/// What a wake-up was, for the hook.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TickEvent {
+    /// This vCPU just came back from a gap of about `inactive_ns`.
+    Resumed { inactive_ns: u64 },
+    /// An on-time wake-up.
+    Running,
+}
+
+/// Called on the sleeper's own thread after every wake-up; must be cheap and must never
+/// block (it runs SCHED_FIFO).
+pub trait TickHook: Send + Sync + 'static {
+    fn on_tick(&self, cpu: usize, event: TickEvent, board: &VcpuBoard, now_ns: u64);
+}
+
+pub struct Monitor {
+    stop: Arc<AtomicBool>,
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Monitor {
+    pub fn start(
+        cfg: MonitorConfig,
+        board: Arc<VcpuBoard>,
+        hook: Arc<dyn TickHook>,
+    ) -> Result<Monitor> {
+        let stop = Arc::new(AtomicBool::new(false));
+        let warned = Arc::new(AtomicBool::new(false));
+        let mut threads = Vec::new();
+        for &cpu in &cfg.cpus {
+            anyhow::ensure!(board.slot(cpu).is_some(), "CPU {cpu} is not on the board");
+            let (cfg, board, hook, stop, warned) = (
+                cfg.clone(),
+                board.clone(),
+                hook.clone(),
+                stop.clone(),
+                warned.clone(),
+            );
+            let t = std::thread::Builder::new()
+                .name(format!("vcpu-mon-{cpu}"))
+                .spawn(move || sleeper(cpu, &cfg, &board, &*hook, &stop, &warned))
+                .context("spawning a sleeper thread")?;
+            threads.push(t);
+        }
+        Ok(Monitor { stop, threads })
+    }
+
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.store(true, Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for Monitor {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn sleep_until(deadline_ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: valid timespec; an early return (EINTR) is a short sleep, which the next
+    // deadline absorbs.
+    unsafe {
+        libc::clock_nanosleep(
+            libc::CLOCK_MONOTONIC,
+            libc::TIMER_ABSTIME,
+            &ts,
+            std::ptr::null_mut(),
+        );
+    }
+}
+
+fn prepare_thread(cpu: usize, rt_priority: Option<i32>, warned: &AtomicBool) {
+    let mut set = nix::sched::CpuSet::new();
+    if set.set(cpu).is_err()
+        || nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_err()
+    {
+        warn!(
+            cpu,
+            "could not pin the sleeper to its vCPU; its gaps are meaningless"
+        );
+    }
+    // SAFETY: prctl with integer arguments on the calling thread.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1, 0, 0, 0) };
+    if let Some(prio) = rt_priority {
+        let param = libc::sched_param {
+            sched_priority: prio,
+        };
+        // SAFETY: valid param for the calling thread.
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0
+            && !warned.swap(true, Relaxed)
+        {
+            warn!(
+                "sleepers run as normal tasks ({}): expect false gaps under CPU load; run as root or grant CAP_SYS_NICE",
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+}
+
+fn sleeper(
+    cpu: usize,
+    cfg: &MonitorConfig,
+    board: &VcpuBoard,
+    hook: &dyn TickHook,
+    stop: &AtomicBool,
+    warned: &AtomicBool,
+) {
+    prepare_thread(cpu, cfg.rt_priority, warned);
+    let slot = board.slot(cpu).expect("checked in start");
+    let mut est = SliceEstimator::new(EstimatorConfig {
+        min_gap_threshold_ns: cfg.min_gap_threshold.as_nanos() as u64,
+        default_slice_ns: cfg.default_slice.as_nanos() as u64,
+        max_precise_sleep_ns: cfg.probe_period.as_nanos() as u64 * 5 / 4,
+        ..EstimatorConfig::default()
+    });
+    let quiet_ns = cfg.quiet_after.as_nanos() as u64;
+    let mut last_gap_ns = 0u64;
+    let mut next = monotonic_ns();
+    debug!(cpu, "sleeper started");
+    while !stop.load(Relaxed) {
+        let now = monotonic_ns();
+        let period = match board.demand() {
+            Demand::Idle => cfg.idle_period,
+            Demand::Active if now.saturating_sub(last_gap_ns) > quiet_ns => cfg.probe_period,
+            Demand::Active => cfg.period,
+        }
+        .as_nanos() as u64;
+        // Re-base a deadline that fell behind instead of bursting catch-up ticks.
+        next = (next + period).max(now + period / 2);
+        slot.period_ns.store(period, Relaxed);
+        sleep_until(next);
+        let woke = monotonic_ns();
+        let event = match est.observe(next, woke) {
+            Observation::Resumed { inactive_ns } => {
+                last_gap_ns = woke;
+                TickEvent::Resumed { inactive_ns }
+            }
+            Observation::Running => TickEvent::Running,
+        };
+        slot.last_seen_ns.store(woke, Relaxed);
+        slot.gap_threshold_ns.store(est.threshold_ns(), Relaxed);
+        slot.est_slice_ns.store(est.est_slice_ns(), Relaxed);
+        if woke.saturating_sub(last_gap_ns) > quiet_ns {
+            // No descheduling seen lately: as far as we know the slice never ends.
+            slot.slice_start_ns.store(woke, Relaxed);
+        } else if let Some(start) = est.slice_start_ns() {
+            slot.slice_start_ns.store(start, Relaxed);
+        }
+        if let TickEvent::Resumed { .. } = event {
+            slot.deschedules.store(est.deschedules, Relaxed);
+            slot.inactive_total_ns.store(est.inactive_total_ns, Relaxed);
+            slot.last_inactive_ns.store(est.last_inactive_ns, Relaxed);
+        }
+        hook.on_tick(cpu, event, board, woke);
+    }
+    debug!(cpu, "sleeper stopped");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_lists() {
+        assert_eq!(
+            parse_cpu_list("0-3,5,7-8").unwrap(),
+            vec![0, 1, 2, 3, 5, 7, 8]
+        );
+        assert_eq!(parse_cpu_list("0").unwrap(), vec![0]);
+        assert!(parse_cpu_list("3-1").is_err());
+        assert!(parse_cpu_list("x").is_err());
+    }
+
+    #[test]
+    fn online_cpus_honours_the_sysfs_root() {
+        let dir = std::env::temp_dir().join(format!("vmon-sysfs-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("devices/system/cpu")).unwrap();
+        std::fs::write(dir.join("devices/system/cpu/online"), "0-2,4\n").unwrap();
+        std::env::set_var("VMIGRATER_SYSFS_ROOT", &dir);
+        let cpus = online_cpus();
+        std::env::remove_var("VMIGRATER_SYSFS_ROOT");
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(cpus.unwrap(), vec![0, 1, 2, 4]);
+    }
+}

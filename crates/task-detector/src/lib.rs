@@ -1,1 +1,18 @@
-//! Block-I/O accounting and I/O-bound classification (filled in by the task-detector work).
+//! Finds I/O-bound threads (vMigrater §2.4.2): BPF programs on the block request
+//! lifecycle aggregate, per thread, the time with I/O in flight and, per vCPU, the I/O
+//! completions (ISACS Eq. 1); a pure classifier turns windows of those counters into
+//! "I/O-bound" decisions with hysteresis and an I/O load level.
+//!
+//! Data path: `IoTracker` (BPF adapter) → `Detector` (adds /proc facts) → `IoClassifier`
+//! (pure). Kernel threads are never candidates.
+
+mod bpf_skel;
+mod classifier;
+mod detector;
+mod probe;
+mod tracker;
+
+pub use classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
+pub use detector::{Detector, DetectorOutput, IoTaskInfo};
+pub use probe::{probe, Probe};
+pub use tracker::{AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions};

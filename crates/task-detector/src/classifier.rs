@@ -1,0 +1,375 @@
+//! The I/O-bound classifier: pure, fed cumulative per-thread counters at each window and
+//! returning the threads that are I/O-bound now, with an I/O load level. A thread enters
+//! after `enter_windows` consecutive windows with at least `enter_fraction` of the time
+//! spent with block I/O in flight (and a minimum number of requests, so one slow flush is
+//! not "I/O-bound"); it leaves only after `exit_windows` consecutive windows below
+//! `exit_fraction` — the hysteresis that keeps a bursty reader from flapping.
+//! No clocks, no /proc: the caller provides time and counters.
+
+use std::collections::HashMap;
+
+#[derive(Clone, Debug)]
+pub struct ClassifierConfig {
+    /// Nominal window; shorter observed windows are merged until this much time passed.
+    pub window_ns: u64,
+    pub enter_fraction: f64,
+    pub exit_fraction: f64,
+    pub enter_windows: u32,
+    pub exit_windows: u32,
+    /// Requests a window must complete or start to count toward entering.
+    pub min_ios_per_window: u64,
+    /// Threads unseen (no counter change) for this long are forgotten.
+    pub forget_after_ns: u64,
+    /// Smoothing of the load level (weight of the newest window).
+    pub load_alpha: f64,
+}
+
+impl Default for ClassifierConfig {
+    fn default() -> Self {
+        ClassifierConfig {
+            window_ns: 5_000_000,
+            enter_fraction: 0.25,
+            exit_fraction: 0.10,
+            enter_windows: 2,
+            exit_windows: 20,
+            min_ios_per_window: 2,
+            forget_after_ns: 2_000_000_000,
+            load_alpha: 0.3,
+        }
+    }
+}
+
+/// One thread's cumulative counters at the time of `observe`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ThreadObservation {
+    pub tid: u32,
+    pub tgid: u32,
+    /// Cumulative time with ≥ 1 block request in flight.
+    pub busy_ns: u64,
+    pub ios: u64,
+    pub bytes: u64,
+    /// Cumulative on-CPU time (/proc/<tid>/schedstat field 1).
+    pub cpu_ns: u64,
+    pub is_kernel: bool,
+    pub last_cpu: u32,
+}
+
+/// A thread that is I/O-bound now.
+#[derive(Clone, Debug, PartialEq)]
+pub struct IoTask {
+    pub tid: u32,
+    pub tgid: u32,
+    /// Fraction of the last window with I/O in flight.
+    pub io_fraction: f64,
+    /// Fraction of the last window on a CPU.
+    pub cpu_fraction: f64,
+    pub iops: f64,
+    /// Smoothed I/O-in-flight fraction in [0.05, 1]: the planner's weight.
+    pub load: f64,
+    pub last_cpu: u32,
+}
+
+#[derive(Clone, Debug)]
+struct ThreadState {
+    tgid: u32,
+    /// Counters at the start of the current window.
+    base_ts: u64,
+    base_busy: u64,
+    base_ios: u64,
+    base_cpu: u64,
+    above: u32,
+    below: u32,
+    io_bound: bool,
+    load: f64,
+    last: IoTaskFields,
+    last_change_ts: u64,
+    last_busy: u64,
+    last_ios: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+struct IoTaskFields {
+    io_fraction: f64,
+    cpu_fraction: f64,
+    iops: f64,
+    last_cpu: u32,
+}
+
+pub struct IoClassifier {
+    cfg: ClassifierConfig,
+    threads: HashMap<u32, ThreadState>,
+}
+
+impl IoClassifier {
+    pub fn new(cfg: ClassifierConfig) -> Self {
+        IoClassifier {
+            cfg,
+            threads: HashMap::new(),
+        }
+    }
+
+    pub fn config(&self) -> &ClassifierConfig {
+        &self.cfg
+    }
+
+    /// Whether `tid` is being tracked (so the caller keeps feeding it even when idle).
+    pub fn tracks(&self, tid: u32) -> bool {
+        self.threads.contains_key(&tid)
+    }
+
+    /// Feeds the counters of the threads the caller saw at `now_ns`; returns the
+    /// I/O-bound ones, most loaded first (ties by tid).
+    pub fn observe(&mut self, now_ns: u64, threads: &[ThreadObservation]) -> Vec<IoTask> {
+        let cfg = self.cfg.clone();
+        for t in threads {
+            if t.is_kernel || t.tid == 0 {
+                continue;
+            }
+            let st = self.threads.entry(t.tid).or_insert_with(|| ThreadState {
+                tgid: t.tgid,
+                base_ts: now_ns,
+                base_busy: t.busy_ns,
+                base_ios: t.ios,
+                base_cpu: t.cpu_ns,
+                above: 0,
+                below: 0,
+                io_bound: false,
+                load: 0.0,
+                last: IoTaskFields::default(),
+                last_change_ts: now_ns,
+                last_busy: t.busy_ns,
+                last_ios: t.ios,
+            });
+            if t.busy_ns != st.last_busy || t.ios != st.last_ios {
+                st.last_change_ts = now_ns;
+                st.last_busy = t.busy_ns;
+                st.last_ios = t.ios;
+            }
+            // Counters went backwards: a new thread reused the tid. Start over.
+            if t.busy_ns < st.base_busy || t.ios < st.base_ios || t.tgid != st.tgid {
+                self.threads.remove(&t.tid);
+                continue;
+            }
+            let dt = now_ns.saturating_sub(st.base_ts);
+            if dt < cfg.window_ns {
+                continue;
+            }
+            let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
+            let cpu_fraction = (t.cpu_ns.saturating_sub(st.base_cpu) as f64 / dt as f64).min(1.0);
+            let ios = t.ios - st.base_ios;
+            st.last = IoTaskFields {
+                io_fraction,
+                cpu_fraction,
+                iops: ios as f64 * 1e9 / dt as f64,
+                last_cpu: t.last_cpu,
+            };
+            st.base_ts = now_ns;
+            st.base_busy = t.busy_ns;
+            st.base_ios = t.ios;
+            st.base_cpu = t.cpu_ns;
+            st.load = if st.load == 0.0 {
+                io_fraction
+            } else {
+                cfg.load_alpha * io_fraction + (1.0 - cfg.load_alpha) * st.load
+            };
+            if io_fraction >= cfg.enter_fraction && ios >= cfg.min_ios_per_window {
+                st.above += 1;
+            } else {
+                st.above = 0;
+            }
+            if io_fraction < cfg.exit_fraction {
+                st.below += 1;
+            } else {
+                st.below = 0;
+            }
+            if !st.io_bound && st.above >= cfg.enter_windows {
+                st.io_bound = true;
+                st.below = 0;
+            } else if st.io_bound && st.below >= cfg.exit_windows {
+                st.io_bound = false;
+                st.above = 0;
+            }
+        }
+        // Forget idle threads; an I/O-bound one leaves through the exit windows first,
+        // unless it vanished from the caller's view (exited).
+        let seen: std::collections::HashSet<u32> = threads.iter().map(|t| t.tid).collect();
+        self.threads.retain(|tid, st| {
+            seen.contains(tid)
+                && (st.io_bound || now_ns.saturating_sub(st.last_change_ts) < cfg.forget_after_ns)
+        });
+        let mut out: Vec<IoTask> = self
+            .threads
+            .iter()
+            .filter(|(_, st)| st.io_bound)
+            .map(|(&tid, st)| IoTask {
+                tid,
+                tgid: st.tgid,
+                io_fraction: st.last.io_fraction,
+                cpu_fraction: st.last.cpu_fraction,
+                iops: st.last.iops,
+                load: st.load.clamp(0.05, 1.0),
+                last_cpu: st.last.last_cpu,
+            })
+            .collect();
+        out.sort_by(|a, b| b.load.total_cmp(&a.load).then(a.tid.cmp(&b.tid)));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    /// A synthetic thread: per window of `MS*5`, `busy` fraction in flight, `ios` requests,
+    /// `cpu` fraction on CPU.
+    #[derive(Clone)]
+    struct Synth {
+        tid: u32,
+        busy: u64,
+        ios: u64,
+        cpu: u64,
+        kernel: bool,
+    }
+
+    impl Synth {
+        fn new(tid: u32) -> Self {
+            Synth {
+                tid,
+                busy: 0,
+                ios: 0,
+                cpu: 0,
+                kernel: false,
+            }
+        }
+        fn step(&mut self, busy_frac: f64, ios: u64, cpu_frac: f64) -> ThreadObservation {
+            self.busy += (busy_frac * 5.0 * MS as f64) as u64;
+            self.ios += ios;
+            self.cpu += (cpu_frac * 5.0 * MS as f64) as u64;
+            ThreadObservation {
+                tid: self.tid,
+                tgid: self.tid,
+                busy_ns: self.busy,
+                ios: self.ios,
+                bytes: self.ios * 4096,
+                cpu_ns: self.cpu,
+                is_kernel: self.kernel,
+                last_cpu: 1,
+            }
+        }
+    }
+
+    fn run(
+        c: &mut IoClassifier,
+        windows: usize,
+        mut f: impl FnMut(usize) -> Vec<ThreadObservation>,
+    ) -> Vec<Vec<IoTask>> {
+        (0..windows)
+            .map(|w| c.observe((w as u64 + 1) * 5 * MS, &f(w)))
+            .collect()
+    }
+
+    #[test]
+    fn reader_enters_within_the_enter_windows_and_hog_never() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let (mut reader, mut hog) = (Synth::new(10), Synth::new(11));
+        let out = run(&mut c, 20, |_| {
+            vec![reader.step(0.8, 150, 0.2), hog.step(0.0, 0, 1.0)]
+        });
+        // Window 0 is the baseline; windows 1 and 2 are above the threshold.
+        assert!(out[1].is_empty());
+        assert_eq!(out[2].iter().map(|t| t.tid).collect::<Vec<_>>(), vec![10]);
+        assert!(out.iter().all(|o| o.iter().all(|t| t.tid != 11)));
+        let t = &out[19][0];
+        assert!(
+            (t.io_fraction - 0.8).abs() < 1e-9 && (t.iops - 30_000.0).abs() < 1.0,
+            "{t:?}"
+        );
+    }
+
+    #[test]
+    fn hysteresis_keeps_a_bursty_reader_and_releases_an_idle_one() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut r = Synth::new(7);
+        // Enter, then alternate 0.05 / 0.5: never 20 windows below exit.
+        let out = run(&mut c, 60, |w| {
+            let f = if w < 5 || w % 2 == 0 { 0.5 } else { 0.05 };
+            vec![r.step(f, 10, 0.1)]
+        });
+        assert!(
+            out[5..].iter().all(|o| o.len() == 1),
+            "bursty reader flapped"
+        );
+        // Now idle: leaves after exactly 20 windows below the exit fraction.
+        let mut c2 = IoClassifier::new(ClassifierConfig::default());
+        let mut r2 = Synth::new(8);
+        let out = run(&mut c2, 40, |w| {
+            vec![if w < 10 {
+                r2.step(0.9, 50, 0.1)
+            } else {
+                r2.step(0.0, 0, 0.0)
+            }]
+        });
+        assert_eq!(out[28].len(), 1);
+        assert!(out[29].is_empty(), "{:?}", out[29]);
+    }
+
+    #[test]
+    fn near_threshold_without_enough_requests_does_not_enter() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut flush = Synth::new(9);
+        // One 5 ms fsync per window: 100% in flight but one request.
+        let out = run(&mut c, 20, |_| vec![flush.step(1.0, 1, 0.0)]);
+        assert!(out.iter().all(|o| o.is_empty()));
+    }
+
+    #[test]
+    fn kernel_threads_are_never_candidates() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut k = Synth::new(2);
+        k.kernel = true;
+        let out = run(&mut c, 10, |_| vec![k.step(1.0, 100, 0.5)]);
+        assert!(out.iter().all(|o| o.is_empty()));
+        assert!(!c.tracks(2));
+    }
+
+    #[test]
+    fn load_levels_order_the_tasks() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let (mut a, mut b) = (Synth::new(1), Synth::new(2));
+        let out = run(&mut c, 10, |_| {
+            vec![a.step(0.4, 20, 0.1), b.step(0.9, 20, 0.1)]
+        });
+        let last = &out[9];
+        assert_eq!(last.iter().map(|t| t.tid).collect::<Vec<_>>(), vec![2, 1]);
+        assert!(last[0].load > last[1].load);
+    }
+
+    #[test]
+    fn idle_threads_are_forgotten_and_exited_ones_dropped() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut a = Synth::new(1);
+        c.observe(5 * MS, &[a.step(0.0, 1, 0.0)]);
+        let idle = a.step(0.0, 0, 0.0);
+        c.observe(10 * MS, std::slice::from_ref(&idle));
+        assert!(c.tracks(1));
+        c.observe(3_000 * MS, &[idle]);
+        assert!(!c.tracks(1), "idle thread kept");
+        let mut b = Synth::new(2);
+        run(&mut c, 10, |_| vec![b.step(0.9, 20, 0.1)]);
+        assert!(c.tracks(2));
+        c.observe(4_000 * MS, &[]);
+        assert!(!c.tracks(2), "exited thread kept");
+    }
+
+    #[test]
+    fn reused_tid_starts_over() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut a = Synth::new(5);
+        let out = run(&mut c, 5, |_| vec![a.step(0.9, 20, 0.1)]);
+        assert_eq!(out[4].len(), 1);
+        let fresh = Synth::new(5).step(0.9, 20, 0.1);
+        assert!(c.observe(30 * MS, &[fresh]).is_empty());
+    }
+}

@@ -1,0 +1,180 @@
+//! The detector: the BPF counters plus the /proc facts the classifier needs (on-CPU time,
+//! kernel-thread flag, comm, start time), read only for threads that did block I/O
+//! lately. `VMIGRATER_PROCFS_ROOT` redirects /proc for tests. It never changes a task.
+
+use anyhow::Result;
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use crate::classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
+use crate::tracker::{AttachMode, CpuIoSample, IoTracker};
+
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// An I/O-bound thread with what the daemon needs to manage it safely.
+#[derive(Clone, Debug)]
+pub struct IoTaskInfo {
+    pub task: IoTask,
+    pub comm: String,
+    /// Field 22 of /proc/<tid>/stat: tells a reused tid apart.
+    pub start_time: u64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct DetectorOutput {
+    pub tasks: Vec<IoTaskInfo>,
+    pub cpus: Vec<CpuIoSample>,
+}
+
+#[derive(Clone, Debug)]
+struct Identity {
+    comm: String,
+    start_time: u64,
+    is_kernel: bool,
+}
+
+pub struct Detector {
+    tracker: IoTracker,
+    classifier: IoClassifier,
+    proc_root: PathBuf,
+    identities: HashMap<u32, Identity>,
+    last_ios: HashMap<u32, u64>,
+}
+
+/// Parses the fields after `comm` in /proc/<pid>/stat (comm may contain spaces and ')').
+pub fn parse_stat(text: &str) -> Option<(String, Vec<&str>)> {
+    let open = text.find('(')?;
+    let close = text.rfind(')')?;
+    let comm = text.get(open + 1..close)?.to_string();
+    let rest: Vec<&str> = text.get(close + 2..)?.split_whitespace().collect();
+    Some((comm, rest))
+}
+
+impl Detector {
+    pub fn new(tracker: IoTracker, cfg: ClassifierConfig) -> Self {
+        Detector {
+            tracker,
+            classifier: IoClassifier::new(cfg),
+            proc_root: std::env::var_os("VMIGRATER_PROCFS_ROOT")
+                .map_or_else(|| PathBuf::from("/proc"), PathBuf::from),
+            identities: HashMap::new(),
+            last_ios: HashMap::new(),
+        }
+    }
+
+    pub fn mode(&self) -> AttachMode {
+        self.tracker.mode()
+    }
+
+    fn task_dir(&self, tgid: u32, tid: u32) -> PathBuf {
+        self.proc_root
+            .join(tgid.to_string())
+            .join("task")
+            .join(tid.to_string())
+    }
+
+    fn identity(&mut self, tgid: u32, tid: u32) -> Option<Identity> {
+        if let Some(id) = self.identities.get(&tid) {
+            return Some(id.clone());
+        }
+        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("stat")).ok()?;
+        let (comm, rest) = parse_stat(&text)?;
+        // After comm: field 3 is rest[0]; flags is field 9, starttime field 22.
+        let flags: u64 = rest.get(6)?.parse().ok()?;
+        let start_time: u64 = rest.get(19)?.parse().ok()?;
+        let id = Identity {
+            comm,
+            start_time,
+            is_kernel: flags & PF_KTHREAD != 0,
+        };
+        self.identities.insert(tid, id.clone());
+        Some(id)
+    }
+
+    fn cpu_ns(&self, tgid: u32, tid: u32) -> Option<u64> {
+        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("schedstat")).ok()?;
+        text.split_whitespace().next()?.parse().ok()
+    }
+
+    /// One window: read the maps, add /proc facts for threads with fresh I/O, classify.
+    pub fn poll(&mut self) -> Result<DetectorOutput> {
+        let now = vcpu_clock();
+        let samples = self.tracker.sample_threads(now)?;
+        let mut obs = Vec::new();
+        let mut gone = Vec::new();
+        for s in &samples {
+            let prev = self.last_ios.insert(s.tid, s.ios);
+            let fresh = prev != Some(s.ios) || s.in_flight > 0;
+            if !fresh && !self.classifier.tracks(s.tid) {
+                // Idle for long and not tracked: drop it from the kernel map too.
+                if now.saturating_sub(s.last_ts) > 10_000_000_000 {
+                    gone.push(s.tid);
+                }
+                continue;
+            }
+            let (Some(id), Some(cpu_ns)) =
+                (self.identity(s.tgid, s.tid), self.cpu_ns(s.tgid, s.tid))
+            else {
+                gone.push(s.tid); // exited
+                continue;
+            };
+            obs.push((
+                ThreadObservation {
+                    tid: s.tid,
+                    tgid: s.tgid,
+                    busy_ns: s.busy_ns,
+                    ios: s.ios,
+                    bytes: s.bytes,
+                    cpu_ns,
+                    is_kernel: id.is_kernel,
+                    last_cpu: s.last_cpu,
+                },
+                id,
+            ));
+        }
+        for tid in gone {
+            self.tracker.forget_thread(tid);
+            self.identities.remove(&tid);
+            self.last_ios.remove(&tid);
+        }
+        let plain: Vec<ThreadObservation> = obs.iter().map(|(o, _)| o.clone()).collect();
+        let tasks = self.classifier.observe(now, &plain);
+        let tasks = tasks
+            .into_iter()
+            .filter_map(|task| {
+                let id = obs.iter().find(|(o, _)| o.tid == task.tid)?.1.clone();
+                Some(IoTaskInfo {
+                    task,
+                    comm: id.comm,
+                    start_time: id.start_time,
+                })
+            })
+            .collect();
+        Ok(DetectorOutput {
+            tasks,
+            cpus: self.tracker.sample_cpus()?,
+        })
+    }
+}
+
+/// CLOCK_MONOTONIC ns, the clock of bpf_ktime_get_ns.
+fn vcpu_clock() -> u64 {
+    let ts =
+        nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_with_a_tricky_comm() {
+        let line = "1234 (my (evil) task) S 1 1234 1234 0 -1 4194560 100 0 0 0 5 6 0 0 20 0 1 0 98765 1000 10";
+        let (comm, rest) = parse_stat(line).unwrap();
+        assert_eq!(comm, "my (evil) task");
+        assert_eq!(rest[0], "S");
+        assert_eq!(rest[6], "4194560");
+        assert_eq!(rest[19], "98765");
+    }
+}

@@ -1,0 +1,99 @@
+//! What this kernel offers for block I/O tracing, without loading anything: kernel BTF,
+//! which block tracepoints exist (in BTF and in tracefs), and the best attach mode.
+//! It may mount tracefs when it is missing and we are root; it changes nothing else.
+
+use std::path::Path;
+use std::sync::OnceLock;
+
+use crate::tracker::AttachMode;
+
+const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
+const TRACEFS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
+pub const TRACEPOINTS: [&str; 5] = [
+    "block_io_start",
+    "block_io_done",
+    "block_rq_issue",
+    "block_rq_complete",
+    "block_rq_requeue",
+];
+
+#[derive(Clone, Debug)]
+pub struct Probe {
+    pub btf: bool,
+    /// (name, present in BTF or tracefs)
+    pub tracepoints: Vec<(String, bool)>,
+    pub best_mode: Option<AttachMode>,
+    pub notes: Vec<String>,
+}
+
+fn vmlinux_btf() -> &'static [u8] {
+    static BTF: OnceLock<Vec<u8>> = OnceLock::new();
+    BTF.get_or_init(|| std::fs::read(BTF_PATH).unwrap_or_default())
+}
+
+/// A tracepoint has a `btf_trace_<name>` typedef in the kernel's BTF.
+pub fn tracepoint_in_btf(name: &str) -> bool {
+    let needle = format!("btf_trace_{name}\0");
+    let btf = vmlinux_btf();
+    !btf.is_empty() && btf.windows(needle.len()).any(|w| w == needle.as_bytes())
+}
+
+pub fn tracepoint_in_tracefs(name: &str) -> bool {
+    TRACEFS
+        .iter()
+        .any(|root| Path::new(root).join("events/block").join(name).is_dir())
+}
+
+/// Mounts tracefs if no tracefs is visible and we are root (classic tracepoints need it).
+pub fn ensure_tracefs() {
+    if TRACEFS.iter().any(|r| Path::new(r).join("events").is_dir())
+        || !nix::unistd::geteuid().is_root()
+    {
+        return;
+    }
+    let r = nix::mount::mount(
+        Some("nodev"),
+        TRACEFS[0],
+        Some("tracefs"),
+        nix::mount::MsFlags::empty(),
+        None::<&str>,
+    );
+    if let Err(e) = r {
+        tracing::debug!("mounting tracefs on {}: {e}", TRACEFS[0]);
+    }
+}
+
+pub fn probe() -> Probe {
+    ensure_tracefs();
+    let btf = !vmlinux_btf().is_empty();
+    let tracepoints = TRACEPOINTS
+        .iter()
+        .map(|tp| {
+            (
+                tp.to_string(),
+                tracepoint_in_btf(tp) || tracepoint_in_tracefs(tp),
+            )
+        })
+        .collect::<Vec<_>>();
+    let mut notes = Vec::new();
+    let has = |n: &str| tracepoints.iter().any(|(t, p)| t == n && *p);
+    if !has("block_io_start") {
+        notes.push("no block_io_start (kernel < 6.5): I/O is attributed to the issuing thread, not always the submitter".into());
+    }
+    if !TRACEFS.iter().any(|r| Path::new(r).join("events").is_dir()) {
+        notes.push("tracefs is not mounted: classic tracepoints unavailable".into());
+    }
+    let best_mode = if btf && (has("block_io_start") || has("block_rq_issue")) {
+        Some(AttachMode::TpBtf)
+    } else if has("block_rq_issue") && has("block_rq_complete") {
+        Some(AttachMode::RawTp)
+    } else {
+        None
+    };
+    Probe {
+        btf,
+        tracepoints,
+        best_mode,
+        notes,
+    }
+}

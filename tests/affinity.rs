@@ -1,1 +1,507 @@
-//! Real-kernel tests: affinity (being written).
+//! Real-kernel tests of the affinity executor and its journal: real threads of this test
+//! process, real `sched_setaffinity`, real `/proc`. Needs root (it changes masks through
+//! the same privileged path the daemon uses, and creates a cpuset); without root each
+//! test prints a loud SKIPPED line and returns.
+
+use migrater::affinity::{get_cpus, parse_stat, set_cpus, AffinityExecutor, Outcome};
+use migrater::journal::{AffinityJournal, JournalEntry, JournalError};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use vmigrater_testbed::{gettid, require_root};
+
+/// A real thread of this process that waits (or spins) until dropped or `exit()`ed.
+struct Worker {
+    tid: u32,
+    stop: Arc<AtomicBool>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl Worker {
+    fn parked() -> Worker {
+        Self::spawn(false)
+    }
+
+    fn spinning() -> Worker {
+        Self::spawn(true)
+    }
+
+    fn spawn(spin: bool) -> Worker {
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = mpsc::channel();
+        let flag = stop.clone();
+        let handle = std::thread::spawn(move || {
+            tx.send(gettid()).unwrap();
+            while !flag.load(Ordering::Relaxed) {
+                if spin {
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        });
+        Worker {
+            tid: rx.recv().unwrap(),
+            stop,
+            handle: Some(handle),
+        }
+    }
+
+    fn start_time(&self) -> u64 {
+        start_time(self.tid)
+    }
+
+    /// Ends the thread and waits until the kernel has reaped it.
+    fn exit(mut self) -> u32 {
+        self.stop.store(true, Ordering::Relaxed);
+        self.handle.take().unwrap().join().unwrap();
+        let path = format!("/proc/self/task/{}", self.tid);
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Path::new(&path).exists() && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        self.tid
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn start_time(tid: u32) -> u64 {
+    let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
+    parse_stat(&text).unwrap().start_time
+}
+
+fn tgid() -> u32 {
+    std::process::id()
+}
+
+/// The CPUs this test may use, or `None` (with a loud line) when a test needs two.
+fn two_cpus(test: &str) -> Option<(Vec<usize>, usize, usize)> {
+    let cpus = get_cpus(gettid()).unwrap();
+    if cpus.len() < 2 {
+        eprintln!("\n******** SKIPPED {test}: needs at least 2 CPUs in the test's mask ********\n");
+        return None;
+    }
+    let (a, b) = (cpus[0], cpus[1]);
+    Some((cpus, a, b))
+}
+
+fn executor(dir: &Path) -> (AffinityExecutor, PathBuf) {
+    let path = dir.join("journal.json");
+    (
+        AffinityExecutor::new(AffinityJournal::open(&path).unwrap()),
+        path,
+    )
+}
+
+#[test]
+fn manage_move_and_release() {
+    if !require_root("affinity::manage_move_and_release") {
+        return;
+    }
+    let Some((cpus, a, b)) = two_cpus("affinity::manage_move_and_release") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let w = Worker::parked();
+
+    let allowed = ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    assert_eq!(allowed, cpus);
+    assert!(ex.is_managed(w.tid));
+    // The original mask is on disk before any change.
+    let on_disk = AffinityJournal::open(&path).unwrap();
+    let e = on_disk.get(w.tid).expect("journaled at manage time");
+    assert_eq!(
+        (e.original.clone(), e.last_set.clone()),
+        (cpus.clone(), None)
+    );
+    drop(on_disk);
+
+    assert!(matches!(ex.move_to(w.tid, b), Outcome::Moved { .. }));
+    assert_eq!(get_cpus(w.tid).unwrap(), vec![b]);
+    assert_eq!(ex.placed_on(w.tid), Some(b));
+    assert_eq!(ex.move_to(w.tid, b), Outcome::Unchanged);
+    assert!(matches!(ex.move_to(w.tid, a), Outcome::Moved { .. }));
+    assert_eq!(get_cpus(w.tid).unwrap(), vec![a]);
+    // Only the first move was journaled: the hot path does no file I/O afterwards.
+    let journaled = AffinityJournal::open(&path)
+        .unwrap()
+        .get(w.tid)
+        .unwrap()
+        .last_set
+        .clone();
+    assert_eq!(journaled, Some(vec![b]));
+    assert_eq!(ex.managed().collect::<Vec<_>>(), vec![(w.tid, Some(a))]);
+
+    // Outside the allowed set, or a task we do not manage: refused, nothing changes.
+    assert_eq!(ex.move_to(w.tid, 4000), Outcome::Rejected);
+    assert_eq!(ex.move_to(gettid(), a), Outcome::Rejected);
+    assert_eq!(get_cpus(w.tid).unwrap(), vec![a]);
+
+    assert!(matches!(ex.release(w.tid), Outcome::Moved { .. }));
+    assert_eq!(get_cpus(w.tid).unwrap(), cpus);
+    assert!(!ex.is_managed(w.tid));
+    assert!(AffinityJournal::open(&path).unwrap().is_empty());
+}
+
+#[test]
+fn refuses_kernel_threads_and_wrong_identities() {
+    if !require_root("affinity::refuses_kernel_threads_and_wrong_identities") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, _) = executor(dir.path());
+    let w = Worker::parked();
+    let err = ex.manage(w.tid, tgid(), w.start_time() + 1).unwrap_err();
+    assert!(format!("{err:#}").contains("another task"), "{err:#}");
+
+    let kthread = std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .find_map(|pid| {
+            let s = parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?;
+            s.is_kernel_thread().then_some((pid, s.start_time))
+        })
+        .expect("a kernel thread in /proc");
+    let before = get_cpus(kthread.0).unwrap();
+    let err = ex.manage(kthread.0, kthread.0, kthread.1).unwrap_err();
+    assert!(format!("{err:#}").contains("kernel thread"), "{err:#}");
+    assert_eq!(get_cpus(kthread.0).unwrap(), before);
+    assert!(ex.journal().is_empty());
+}
+
+#[test]
+fn external_change_stops_management_and_is_never_restored() {
+    if !require_root("affinity::external_change_stops_management_and_is_never_restored") {
+        return;
+    }
+    let Some((cpus, a, b)) = two_cpus("affinity::external_change") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let w = Worker::parked();
+    ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    assert!(matches!(ex.move_to(w.tid, a), Outcome::Moved { .. }));
+
+    // An administrator (taskset) pins it elsewhere.
+    set_cpus(w.tid, &[b]).unwrap();
+    assert_eq!(ex.move_to(w.tid, a), Outcome::External);
+    assert!(!ex.is_managed(w.tid));
+    assert_eq!(ex.managed_count(), 0);
+    assert_eq!(get_cpus(w.tid).unwrap(), vec![b], "their mask stays");
+    assert!(
+        AffinityJournal::open(&path).unwrap().get(w.tid).is_none(),
+        "no longer ours to restore"
+    );
+    assert_eq!(ex.move_to(w.tid, a), Outcome::External);
+    assert_eq!(ex.release(w.tid), Outcome::External);
+    assert_eq!(
+        get_cpus(w.tid).unwrap(),
+        vec![b],
+        "release does not restore"
+    );
+
+    // Also before our first move: a changed original mask is theirs.
+    let w2 = Worker::parked();
+    ex.manage(w2.tid, tgid(), w2.start_time()).unwrap();
+    set_cpus(w2.tid, &[b]).unwrap();
+    assert_eq!(ex.release(w2.tid), Outcome::External);
+    assert_eq!(get_cpus(w2.tid).unwrap(), vec![b]);
+    set_cpus(w.tid, &cpus).unwrap();
+    set_cpus(w2.tid, &cpus).unwrap();
+}
+
+#[test]
+fn exited_task_is_gone_not_an_error() {
+    if !require_root("affinity::exited_task_is_gone_not_an_error") {
+        return;
+    }
+    let Some((_, a, _)) = two_cpus("affinity::exited_task_is_gone") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let w = Worker::parked();
+    ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    let tid = w.exit();
+    assert_eq!(ex.move_to(tid, a), Outcome::Gone);
+    assert_eq!(ex.release(tid), Outcome::Gone);
+    assert!(AffinityJournal::open(&path).unwrap().is_empty());
+    assert!(
+        ex.manage(tid, tgid(), 1).is_err(),
+        "an exited task cannot be managed"
+    );
+}
+
+#[test]
+fn release_all_restores_every_original_mask() {
+    if !require_root("affinity::release_all_restores_every_original_mask") {
+        return;
+    }
+    let Some((cpus, a, b)) = two_cpus("affinity::release_all") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let workers: Vec<Worker> = (0..3).map(|_| Worker::parked()).collect();
+    // One starts with a narrower mask of its own: that, not "all CPUs", is its original.
+    set_cpus(workers[2].tid, &[a]).unwrap();
+    for (i, w) in workers.iter().enumerate() {
+        let allowed = ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+        let target = if i % 2 == 0 { a } else { b };
+        if allowed.contains(&target) && i != 2 {
+            assert!(matches!(ex.move_to(w.tid, target), Outcome::Moved { .. }));
+        }
+    }
+    assert_eq!(
+        ex.move_to(workers[2].tid, b),
+        Outcome::Rejected,
+        "outside its original mask"
+    );
+    assert_eq!(
+        ex.release_all(),
+        2,
+        "two were moved; the third was never changed"
+    );
+    assert_eq!(get_cpus(workers[0].tid).unwrap(), cpus);
+    assert_eq!(get_cpus(workers[1].tid).unwrap(), cpus);
+    assert_eq!(get_cpus(workers[2].tid).unwrap(), vec![a]);
+    assert_eq!(ex.managed_count(), 0);
+    assert!(AffinityJournal::open(&path).unwrap().is_empty());
+}
+
+#[test]
+fn journal_of_a_crashed_run_is_recovered() {
+    if !require_root("affinity::journal_of_a_crashed_run_is_recovered") {
+        return;
+    }
+    let Some((cpus, a, b)) = two_cpus("affinity::crash_recovery") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let moved_once = Worker::parked();
+    let moved_twice = Worker::parked();
+    let never_moved = Worker::parked();
+    let exited = Worker::parked();
+    for w in [&moved_once, &moved_twice, &never_moved, &exited] {
+        ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    }
+    assert!(matches!(
+        ex.move_to(moved_once.tid, b),
+        Outcome::Moved { .. }
+    ));
+    assert!(matches!(
+        ex.move_to(moved_twice.tid, a),
+        Outcome::Moved { .. }
+    ));
+    // The second move is not journaled: recovery must still recognise it as ours.
+    assert!(matches!(
+        ex.move_to(moved_twice.tid, b),
+        Outcome::Moved { .. }
+    ));
+    assert!(matches!(ex.move_to(exited.tid, a), Outcome::Moved { .. }));
+    // kill -9: no release, no destructor.
+    std::mem::forget(ex);
+    let exited = exited.exit();
+
+    let report = AffinityJournal::recover(&path).unwrap();
+    let mut restored = report.restored.clone();
+    restored.sort_unstable();
+    let mut expect = vec![moved_once.tid, moved_twice.tid];
+    expect.sort_unstable();
+    assert_eq!(restored, expect, "{report:?}");
+    assert_eq!(report.untouched, vec![never_moved.tid]);
+    assert_eq!(report.gone, vec![exited]);
+    assert!(report.failed.is_empty() && report.external.is_empty() && report.reused.is_empty());
+    for w in [&moved_once, &moved_twice, &never_moved] {
+        assert_eq!(get_cpus(w.tid).unwrap(), cpus);
+    }
+    assert!(
+        AffinityJournal::open(&path).unwrap().is_empty(),
+        "cleared after recovery"
+    );
+    assert_eq!(
+        AffinityJournal::recover(&path).unwrap().restored,
+        Vec::<u32>::new()
+    );
+}
+
+#[test]
+fn recovery_leaves_reused_tids_and_foreign_masks_alone() {
+    if !require_root("affinity::recovery_leaves_reused_tids_and_foreign_masks_alone") {
+        return;
+    }
+    let Some((cpus, a, b)) = two_cpus("affinity::recovery_leaves_alone") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.json");
+    let reused = Worker::parked();
+    let foreign = Worker::parked();
+    let mut j = AffinityJournal::open(&path).unwrap();
+    // Same tid, but the journal's task started at another time: a different task now.
+    j.record(JournalEntry {
+        tid: reused.tid,
+        tgid: tgid(),
+        start_time: reused.start_time() + 1,
+        original: cpus.clone(),
+        allowed: cpus.clone(),
+        last_set: Some(vec![a]),
+    })
+    .unwrap();
+    // Same task, but its mask is none we could have set (b is outside what we pinned to).
+    j.record(JournalEntry {
+        tid: foreign.tid,
+        tgid: tgid(),
+        start_time: foreign.start_time(),
+        original: cpus.clone(),
+        allowed: vec![a],
+        last_set: Some(vec![a]),
+    })
+    .unwrap();
+    drop(j);
+    set_cpus(reused.tid, &[a]).unwrap();
+    set_cpus(foreign.tid, &[b]).unwrap();
+
+    let report = AffinityJournal::recover(&path).unwrap();
+    assert_eq!(report.reused, vec![reused.tid], "{report:?}");
+    assert_eq!(report.external, vec![foreign.tid], "{report:?}");
+    assert!(report.restored.is_empty());
+    assert_eq!(get_cpus(reused.tid).unwrap(), vec![a]);
+    assert_eq!(get_cpus(foreign.tid).unwrap(), vec![b]);
+    assert!(AffinityJournal::open(&path).unwrap().is_empty());
+    set_cpus(reused.tid, &cpus).unwrap();
+    set_cpus(foreign.tid, &cpus).unwrap();
+}
+
+#[test]
+fn corrupt_journal_is_a_clear_error_and_kept_aside() {
+    if !require_root("affinity::corrupt_journal_is_a_clear_error_and_kept_aside") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("journal.json");
+    std::fs::write(&path, "{\"version\": 1, \"entries\": [ {\"tid\": 12,").unwrap();
+    let err = AffinityJournal::recover(&path).unwrap_err();
+    let msg = err.to_string();
+    assert!(matches!(err, JournalError::Corrupt { .. }), "{msg}");
+    assert!(
+        msg.contains(&path.display().to_string()),
+        "names the file: {msg}"
+    );
+    let aside = dir.path().join("journal.json.corrupt");
+    assert!(aside.exists() && !path.exists());
+    assert!(
+        std::fs::read_to_string(aside)
+            .unwrap()
+            .contains("\"tid\": 12"),
+        "kept, not deleted"
+    );
+}
+
+#[test]
+fn cpuset_limits_the_allowed_cpus() {
+    if !require_root("affinity::cpuset_limits_the_allowed_cpus") {
+        return;
+    }
+    let Some((_, a, b)) = two_cpus("affinity::cpuset") else {
+        return;
+    };
+    let root = Path::new("/sys/fs/cgroup/cpuset");
+    if !root.join("tasks").exists() {
+        eprintln!("\n******** SKIPPED affinity::cpuset: no cgroup v1 cpuset hierarchy ********\n");
+        return;
+    }
+    let cg = root.join(format!("vmigrater-test-{}", std::process::id()));
+    std::fs::create_dir(&cg).unwrap();
+    let mems = std::fs::read_to_string(root.join("cpuset.mems")).unwrap();
+    std::fs::write(cg.join("cpuset.cpus"), a.to_string()).unwrap();
+    std::fs::write(cg.join("cpuset.mems"), mems.trim()).unwrap();
+
+    let w = Worker::parked();
+    std::fs::write(cg.join("tasks"), w.tid.to_string()).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, _) = executor(dir.path());
+    let allowed = ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    assert_eq!(allowed, vec![a]);
+    assert_eq!(
+        ex.move_to(w.tid, b),
+        Outcome::Rejected,
+        "the cpuset forbids it: refused, no panic"
+    );
+    assert!(ex.is_managed(w.tid));
+    let _ = ex.release_all();
+
+    // Back to the root cpuset, then remove ours.
+    std::fs::write(root.join("tasks"), w.tid.to_string()).unwrap();
+    drop(w);
+    std::fs::remove_dir(&cg).unwrap();
+}
+
+fn percentile(sorted: &[u64], p: f64) -> u64 {
+    sorted[((sorted.len() - 1) as f64 * p).round() as usize]
+}
+
+fn measure(ex: &mut AffinityExecutor, tid: u32, a: usize, b: usize, n: usize) -> (u64, u64, u64) {
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        match ex.move_to(tid, if i % 2 == 0 { a } else { b }) {
+            Outcome::Moved { latency_ns } => lat.push(latency_ns),
+            other => panic!("move {i}: {other:?}"),
+        }
+    }
+    lat.sort_unstable();
+    (
+        percentile(&lat, 0.5),
+        percentile(&lat, 0.99),
+        *lat.last().unwrap(),
+    )
+}
+
+#[test]
+fn move_latency() {
+    if !require_root("affinity::move_latency") {
+        return;
+    }
+    let Some((_, a, b)) = two_cpus("affinity::move_latency") else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, _) = executor(dir.path());
+    // An I/O-bound task mostly sleeps: that is the common case.
+    let sleeper = Worker::parked();
+    ex.manage(sleeper.tid, tgid(), sleeper.start_time())
+        .unwrap();
+    let (p50, p99, max) = measure(&mut ex, sleeper.tid, a, b, 2000);
+    eprintln!(
+        "move_to latency, sleeping thread, 2000 moves: p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
+        p50 as f64 / 1e3,
+        p99 as f64 / 1e3,
+        max as f64 / 1e3
+    );
+    // A running task has to be migrated by the stopper thread before the call returns.
+    let spinner = Worker::spinning();
+    ex.manage(spinner.tid, tgid(), spinner.start_time())
+        .unwrap();
+    let (s50, s99, smax) = measure(&mut ex, spinner.tid, a, b, 2000);
+    eprintln!(
+        "move_to latency, running thread, 2000 moves: p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
+        s50 as f64 / 1e3,
+        s99 as f64 / 1e3,
+        smax as f64 / 1e3
+    );
+    assert_eq!(ex.release_all(), 2);
+    assert!(p50 <= 50_000, "sched_setaffinity move p50 {p50} ns > 50 µs");
+}

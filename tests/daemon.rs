@@ -14,7 +14,9 @@ use vmigrater_testbed::{require_root, workload, workspace_bin};
 
 fn cpus_of(tid: u32) -> Vec<usize> {
     let set = sched_getaffinity(Pid::from_raw(tid as i32)).expect("sched_getaffinity");
-    (0..CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false)).collect()
+    (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .collect()
 }
 
 fn online_cpus() -> usize {
@@ -29,22 +31,40 @@ fn data_file() -> PathBuf {
     path
 }
 
-/// An O_DIRECT reader in its own process (dd), so it can be stopped with SIGSTOP.
+/// An O_DIRECT reader in its own process, so it can be frozen with SIGSTOP.
 struct Reader(Child);
 
 impl Reader {
     fn start(file: &Path) -> Reader {
-        let child = Command::new("dd")
-            .arg(format!("if={}", file.display()))
-            .args(["of=/dev/null", "bs=4k", "iflag=direct", "count=100000000"])
+        let child = Command::new(workspace_bin("vmigrater-workload"))
+            .arg("--file")
+            .arg(file)
+            .args(["--pattern", "random4k", "--readers", "1"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
             .spawn()
-            .expect("spawn dd");
-        Reader(child)
+            .expect("spawn vmigrater-workload");
+        let r = Reader(child);
+        // The reader is the process's only thread doing I/O; wait until it exists.
+        let t0 = Instant::now();
+        while r.tid() == 0 && t0.elapsed() < Duration::from_secs(5) {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_ne!(r.tid(), 0, "workload reader thread did not start");
+        r
     }
+    /// The reader thread's tid: the thread of the workload process named `reader-*`.
     fn tid(&self) -> u32 {
-        self.0.id()
+        let dir = format!("/proc/{}/task", self.0.id());
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .find(|tid| {
+                std::fs::read_to_string(format!("/proc/{}/task/{tid}/comm", self.0.id()))
+                    .is_ok_and(|c| c.starts_with("reader-"))
+            })
+            .unwrap_or(0)
     }
 }
 
@@ -68,8 +88,12 @@ impl Daemon {
     }
 
     fn start_in(state_dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
+        // An empty file: all defaults, whatever /etc/vmigrater holds on this machine.
+        let config = state_dir.path().join("vmigrater.toml");
+        std::fs::write(&config, "").expect("write config");
         let child = Command::new(workspace_bin("vmigrater"))
-            .args(["--config", "/nonexistent/vmigrater-test.toml"])
+            .arg("--config")
+            .arg(&config)
             .arg("run")
             .arg("--state-dir")
             .arg(state_dir.path())
@@ -78,7 +102,7 @@ impl Daemon {
             .stderr(Stdio::piped())
             .spawn()
             .expect("spawn vmigrater");
-        let d = Daemon {
+        let mut d = Daemon {
             child: Some(child),
             state_dir,
         };
@@ -92,14 +116,30 @@ impl Daemon {
             .arg(self.state_dir.path())
             .output()
             .ok()?;
-        out.status.success().then(|| serde_json::from_slice(&out.stdout).ok())?
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).ok())?
     }
 
     /// Polls the status until `pred` holds; panics with the last status on timeout.
-    fn wait_for(&self, limit: Duration, what: &str, pred: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    fn wait_for(
+        &mut self,
+        limit: Duration,
+        what: &str,
+        pred: impl Fn(&serde_json::Value) -> bool,
+    ) -> serde_json::Value {
         let t0 = Instant::now();
         let mut last = None;
         while t0.elapsed() < limit {
+            if let Ok(Some(status)) = self.child.as_mut().expect("running").try_wait() {
+                let mut err = String::new();
+                let _ = self
+                    .child
+                    .as_mut()
+                    .and_then(|c| c.stderr.take())
+                    .map(|mut e| e.read_to_string(&mut err));
+                panic!("vmigrater exited with {status} while waiting for {what}:\n{err}");
+            }
             if let Some(s) = self.status() {
                 if pred(&s) {
                     return s;
@@ -133,7 +173,12 @@ impl Daemon {
         let mut child = self.child.take().expect("running");
         let status = child.wait().expect("wait vmigrater");
         let mut err = String::new();
-        child.stderr.take().expect("stderr").read_to_string(&mut err).expect("read stderr");
+        child
+            .stderr
+            .take()
+            .expect("stderr")
+            .read_to_string(&mut err)
+            .expect("read stderr");
         assert!(status.success(), "vmigrater exited with {status}:\n{err}");
         err
     }
@@ -156,24 +201,32 @@ fn anti_phase() -> Vec<Pattern> {
 }
 
 fn managed(s: &serde_json::Value, tid: u32) -> bool {
-    s["tasks"].as_array().is_some_and(|ts| ts.iter().any(|t| t["tid"] == tid))
+    s["tasks"]
+        .as_array()
+        .is_some_and(|ts| ts.iter().any(|t| t["tid"] == tid))
 }
 
 #[test]
 fn reader_follows_the_running_cpu_and_is_restored_on_sigterm() {
-    if !require_root("reader_follows_the_running_cpu_and_is_restored_on_sigterm") || online_cpus() < 2 {
+    if !require_root("reader_follows_the_running_cpu_and_is_restored_on_sigterm")
+        || online_cpus() < 2
+    {
         return;
     }
     let file = data_file();
     let reader = Reader::start(&file);
-    let hogs: Vec<_> = (0..2).map(|c| workload::spawn_hog(Some(c)).expect("hog")).collect();
+    let hogs: Vec<_> = (0..2)
+        .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect();
     let original = cpus_of(reader.tid());
     let hog_masks: Vec<_> = hogs.iter().map(|h| cpus_of(h.tid)).collect();
     let emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
-    let daemon = Daemon::start(&["--no-metrics"]);
-    daemon.wait_for(Duration::from_secs(10), "reader managed and migrated", |s| {
-        managed(s, reader.tid()) && s["migrations"].as_u64() > Some(0)
-    });
+    let mut daemon = Daemon::start(&["--no-metrics"]);
+    daemon.wait_for(
+        Duration::from_secs(10),
+        "reader managed and migrated",
+        |s| managed(s, reader.tid()) && s["migrations"].as_u64() > Some(0),
+    );
 
     // Sample the reader's mask for 2 s; afterwards compare with the emulator's truth.
     let mut samples = Vec::new();
@@ -204,10 +257,18 @@ fn reader_follows_the_running_cpu_and_is_restored_on_sigterm() {
         status["migration_latency_us"]
     );
     // Unmanaged it would sit on whichever CPU it last ran on: ~50% of samples stolen.
-    assert!(frac >= 0.75, "reader on a running CPU in only {:.1}% of samples", frac * 100.0);
+    assert!(
+        frac >= 0.75,
+        "reader on a running CPU in only {:.1}% of samples",
+        frac * 100.0
+    );
 
     let log = daemon.terminate();
-    assert_eq!(cpus_of(reader.tid()), original, "reader mask not restored; log:\n{log}");
+    assert_eq!(
+        cpus_of(reader.tid()),
+        original,
+        "reader mask not restored; log:\n{log}"
+    );
     for (h, m) in hogs.iter().zip(&hog_masks) {
         assert_eq!(&cpus_of(h.tid), m, "a hog's mask was touched");
     }
@@ -223,7 +284,7 @@ fn journal_restores_masks_after_kill_9() {
     let reader = Reader::start(&file);
     let original = cpus_of(reader.tid());
     let emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
-    let daemon = Daemon::start(&["--no-metrics"]);
+    let mut daemon = Daemon::start(&["--no-metrics"]);
     daemon.wait_for(Duration::from_secs(10), "reader migrated", |s| {
         managed(s, reader.tid()) && s["migrations"].as_u64() > Some(0)
     });
@@ -232,11 +293,22 @@ fn journal_restores_masks_after_kill_9() {
     kill(Pid::from_raw(reader.tid() as i32), Signal::SIGSTOP).expect("SIGSTOP");
     emu.stop();
     let pinned = cpus_of(reader.tid());
-    assert_eq!(pinned.len(), 1, "after kill -9 the reader should still be pinned: {pinned:?}");
-    assert!(state_dir.path().join("journal.json").exists(), "no journal left behind");
+    assert_eq!(
+        pinned.len(),
+        1,
+        "after kill -9 the reader should still be pinned: {pinned:?}"
+    );
+    assert!(
+        state_dir.path().join("journal.json").exists(),
+        "no journal left behind"
+    );
 
     let daemon = Daemon::start_in(state_dir, &["--no-metrics"]);
-    assert_eq!(cpus_of(reader.tid()), original, "journal did not restore the mask");
+    assert_eq!(
+        cpus_of(reader.tid()),
+        original,
+        "journal did not restore the mask"
+    );
     let log = daemon.terminate();
     assert!(log.contains("recovered the journal"), "{log}");
 }
@@ -250,8 +322,10 @@ fn dry_run_plans_but_never_changes_a_mask() {
     let reader = Reader::start(&file);
     let original = cpus_of(reader.tid());
     let emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
-    let daemon = Daemon::start(&["--dry-run", "--metrics-addr", "127.0.0.1:19978"]);
-    daemon.wait_for(Duration::from_secs(10), "reader classified", |s| managed(s, reader.tid()));
+    let mut daemon = Daemon::start(&["--dry-run", "--metrics-addr", "127.0.0.1:19978"]);
+    daemon.wait_for(Duration::from_secs(10), "reader classified", |s| {
+        managed(s, reader.tid())
+    });
     let t_end = Instant::now() + Duration::from_secs(1);
     while Instant::now() < t_end {
         assert_eq!(cpus_of(reader.tid()), original, "dry-run changed a mask");
@@ -262,7 +336,9 @@ fn dry_run_plans_but_never_changes_a_mask() {
     daemon.terminate();
     let planned: f64 = metrics
         .lines()
-        .filter(|l| l.starts_with("vmigrater_migrations_total{") && l.contains("result=\"dry_run\""))
+        .filter(|l| {
+            l.starts_with("vmigrater_migrations_total{") && l.contains("result=\"dry_run\"")
+        })
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert!(planned > 0.0, "dry-run planned no migration:\n{metrics}");
@@ -271,7 +347,11 @@ fn dry_run_plans_but_never_changes_a_mask() {
 fn http_get(addr: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).expect("connect metrics");
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(s, "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut body = String::new();
     s.read_to_string(&mut body).expect("read metrics");
     body
@@ -305,7 +385,10 @@ fn metrics_expose_vcpu_and_build_figures() {
         .find(|l| l.starts_with("vmigrater_vcpu_deschedules_total{cpu=\"0\"}"))
         .and_then(|l| l.rsplit(' ').next()?.parse().ok())
         .expect("deschedule counter");
-    assert!(desched >= 5.0, "the emulator stole CPU 0 ~25 times, metrics say {desched}");
+    assert!(
+        desched >= 5.0,
+        "the emulator stole CPU 0 ~25 times, metrics say {desched}"
+    );
 }
 
 #[test]
@@ -313,23 +396,38 @@ fn check_names_the_attach_mode() {
     if !require_root("check_names_the_attach_mode") {
         return;
     }
-    let out = Command::new(workspace_bin("vmigrater")).arg("check").output().expect("run check");
+    let out = Command::new(workspace_bin("vmigrater"))
+        .arg("check")
+        .output()
+        .expect("run check");
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text}\n{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let line = text
         .lines()
         .find(|l| l.starts_with("attach mode:"))
         .unwrap_or_else(|| panic!("no attach mode line in:\n{text}"));
     let mode = line.split_whitespace().nth(2).unwrap_or("");
     assert!(["tp_btf", "raw_tp", "tracepoint"].contains(&mode), "{line}");
-    assert_eq!(Some(mode.to_string()), task_detector::probe().best_mode.map(|m| m.to_string()), "{text}");
+    assert_eq!(
+        Some(mode.to_string()),
+        task_detector::probe().best_mode.map(|m| m.to_string()),
+        "{text}"
+    );
 }
 
 #[test]
 fn malformed_config_is_refused_with_its_line() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("bad.toml");
-    std::fs::write(&path, "# test\n[monitor]\nperiod_us = 300\nsleep_forever = true\n").unwrap();
+    std::fs::write(
+        &path,
+        "# test\n[monitor]\nperiod_us = 300\nsleep_forever = true\n",
+    )
+    .unwrap();
     let out = Command::new(workspace_bin("vmigrater"))
         .arg("--config")
         .arg(&path)

@@ -13,7 +13,11 @@ pub fn require_root(test: &str) -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
-    eprintln!(
+    // Straight to fd 2: the test harness captures eprintln! of passing tests, and a skip
+    // must be visible.
+    use std::io::Write;
+    let _ = writeln!(
+        std::io::stderr(),
         "\n******** SKIPPED {test}: needs root (BPF, SCHED_FIFO, sched_setaffinity on other \
          tasks). Run the test suite as root; CI does. ********\n"
     );

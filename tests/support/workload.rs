@@ -97,7 +97,8 @@ impl Worker {
     pub fn stop(mut self) -> Result<u64> {
         self.stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.handle.take() {
-            h.join().map_err(|_| anyhow::anyhow!("workload thread panicked"))??;
+            h.join()
+                .map_err(|_| anyhow::anyhow!("workload thread panicked"))??;
         }
         Ok(self.count())
     }
@@ -149,7 +150,11 @@ pub fn spawn_reader(path: &Path, pattern: ReadPattern) -> Result<Worker> {
         .with_context(|| format!("opening {} with O_DIRECT", path.display()))?;
     let len = file.metadata()?.len();
     let bs = pattern.block_size() as u64;
-    anyhow::ensure!(len >= bs * 4, "{} is too small ({len} bytes)", path.display());
+    anyhow::ensure!(
+        len >= bs * 4,
+        "{} is too small ({len} bytes)",
+        path.display()
+    );
     let blocks = len / bs;
     spawn_worker(&format!("reader-{pattern:?}"), move |progress, stop| {
         let mut buf = AlignedBuf::new(bs as usize);

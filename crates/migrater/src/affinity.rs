@@ -1,0 +1,458 @@
+//! The affinity executor: the only code that changes another task's CPU mask
+//! (`sched_setaffinity`), a thin adapter between the planner's moves and the kernel.
+//!
+//! It owns the set of tasks we manage and where we pinned each one. It must never:
+//! change a task before its original mask is in the journal; touch a kernel thread or a
+//! task whose identity (tgid, start time) is not the one handed to it; pin outside the
+//! task's original mask ∩ cpuset; or fight an administrator: when a task's mask is not the
+//! one we last set, someone else changed it, and we stop managing it and never restore it.
+//! ESRCH (the task exited) and EINVAL (e.g. a CPU the cpuset forbids) are normal outcomes,
+//! not errors.
+//!
+//! Hot path (`move_to`, on a SCHED_FIFO monitor thread): one `sched_getaffinity` to
+//! detect outside changes, one `sched_setaffinity`, no allocation, and no file I/O except
+//! on the rare state changes: the first move of a task (the journal's `last_set`, written
+//! before the syscall so a crash right after it is still recoverable) and the discovery of
+//! an outside change (the entry leaves the journal). Later moves are not journaled; see
+//! `journal` for why recovery still recognises every single-CPU mask we may have set.
+
+use anyhow::{bail, Context};
+use nix::errno::Errno;
+use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
+use nix::unistd::Pid;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use tracing::warn;
+
+use crate::journal::{mask_is_ours, AffinityJournal, JournalEntry};
+
+/// `PF_KTHREAD` from include/linux/sched.h: the task is a kernel thread.
+const PF_KTHREAD: u64 = 0x0020_0000;
+
+/// What became of one requested change.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// The mask was changed; `latency_ns` covers the check and the change.
+    Moved { latency_ns: u64 },
+    /// Already there (or never changed, on release): nothing to do.
+    Unchanged,
+    /// ESRCH: the task exited. Normal.
+    Gone,
+    /// EINVAL/EPERM, a CPU outside the task's allowed set, or a task we do not manage
+    /// (not journaled). Normal; the task keeps its mask.
+    Rejected,
+    /// Someone else changed the mask since our last set: no longer managed, never restored.
+    External,
+}
+
+/// Fields of `/proc/<tid>/stat` the executor and recovery need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProcStat {
+    /// Field 9, `PF_*` flags.
+    pub flags: u64,
+    /// Field 22, start time in clock ticks since boot.
+    pub start_time: u64,
+}
+
+impl ProcStat {
+    pub fn is_kernel_thread(&self) -> bool {
+        self.flags & PF_KTHREAD != 0
+    }
+}
+
+/// Parses `/proc/<tid>/stat`; the comm (field 2) may hold spaces and parentheses, so
+/// fields are counted from its last `)`.
+pub fn parse_stat(text: &str) -> Option<ProcStat> {
+    let rest = &text[text.rfind(')')? + 1..];
+    let mut fields = rest.split_ascii_whitespace();
+    // `rest` starts at field 3 (state).
+    let flags = fields.nth(9 - 3)?.parse().ok()?;
+    let start_time = fields.nth(22 - 9 - 1)?.parse().ok()?;
+    Some(ProcStat { flags, start_time })
+}
+
+/// Parses a kernel CPU list such as `0-3,8,10-11` (sorted, deduplicated).
+pub fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
+    let mut cpus = Vec::new();
+    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
+        match part.split_once('-') {
+            Some((a, b)) => {
+                let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+                if b < a || b >= CpuSet::count() {
+                    return None;
+                }
+                cpus.extend(a..=b);
+            }
+            None => cpus.push(part.trim().parse().ok()?),
+        }
+    }
+    cpus.sort_unstable();
+    cpus.dedup();
+    Some(cpus)
+}
+
+fn to_cpuset(cpus: &[usize]) -> Result<CpuSet, Errno> {
+    let mut set = CpuSet::new();
+    for &c in cpus {
+        set.set(c).map_err(|_| Errno::EINVAL)?;
+    }
+    Ok(set)
+}
+
+fn to_list(set: &CpuSet) -> Vec<usize> {
+    (0..CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .collect()
+}
+
+fn single(cpu: usize) -> Result<CpuSet, Errno> {
+    to_cpuset(&[cpu])
+}
+
+/// The CPU list of a task (`sched_getaffinity`).
+pub fn get_cpus(tid: u32) -> Result<Vec<usize>, Errno> {
+    sched_getaffinity(Pid::from_raw(tid as i32)).map(|s| to_list(&s))
+}
+
+/// Sets the CPU list of a task (`sched_setaffinity`).
+pub fn set_cpus(tid: u32, cpus: &[usize]) -> Result<(), Errno> {
+    sched_setaffinity(Pid::from_raw(tid as i32), &to_cpuset(cpus)?)
+}
+
+/// One task we manage.
+#[derive(Debug)]
+struct Managed {
+    start_time: u64,
+    original: CpuSet,
+    allowed: Vec<usize>,
+    /// Where we pinned it; `None`: still its original mask.
+    placed: Option<usize>,
+    /// The journal has a `last_set`, so later moves need no write.
+    journaled_move: bool,
+    /// Outside change seen: hands off until released.
+    external: bool,
+}
+
+impl Managed {
+    fn expected(&self) -> Result<CpuSet, Errno> {
+        match self.placed {
+            Some(c) => single(c),
+            None => Ok(self.original),
+        }
+    }
+}
+
+pub struct AffinityExecutor {
+    journal: AffinityJournal,
+    tasks: BTreeMap<u32, Managed>,
+    proc_root: PathBuf,
+    sys_root: PathBuf,
+}
+
+impl AffinityExecutor {
+    pub fn new(journal: AffinityJournal) -> Self {
+        Self::with_roots(journal, "/proc", "/sys")
+    }
+
+    /// `new` reading `/proc` and `/sys` elsewhere (fake trees in tests, containers).
+    pub fn with_roots(
+        journal: AffinityJournal,
+        proc_root: impl Into<PathBuf>,
+        sys_root: impl Into<PathBuf>,
+    ) -> Self {
+        AffinityExecutor {
+            journal,
+            tasks: BTreeMap::new(),
+            proc_root: proc_root.into(),
+            sys_root: sys_root.into(),
+        }
+    }
+
+    /// Takes a task over: checks it is the expected, non-kernel task, journals its
+    /// original mask (before any change), and returns the CPUs it may be pinned to
+    /// (original mask ∩ cpuset). Calling it again for a managed task returns the same list.
+    pub fn manage(&mut self, tid: u32, tgid: u32, start_time: u64) -> anyhow::Result<Vec<usize>> {
+        if let Some(m) = self.tasks.get(&tid) {
+            if m.start_time == start_time && !m.external {
+                return Ok(m.allowed.clone());
+            }
+            if m.start_time == start_time {
+                bail!("tid {tid}: its mask was changed by someone else; not managing it again");
+            }
+            // The tid was reused: the task we managed is gone, forget it.
+            self.tasks.remove(&tid);
+            journal_remove(&mut self.journal, tid);
+        }
+        let stat_path = self.proc_root.join(format!("{tgid}/task/{tid}/stat"));
+        let text = std::fs::read_to_string(&stat_path)
+            .with_context(|| format!("reading {} (task gone?)", stat_path.display()))?;
+        let stat = parse_stat(&text).with_context(|| format!("parsing {}", stat_path.display()))?;
+        if stat.start_time != start_time {
+            bail!(
+                "tid {tid}: start time {} is not the expected {start_time}: another task",
+                stat.start_time
+            );
+        }
+        if stat.is_kernel_thread() {
+            bail!("tid {tid} is a kernel thread: never managed");
+        }
+        let current = sched_getaffinity(Pid::from_raw(tid as i32))
+            .with_context(|| format!("sched_getaffinity({tid})"))?;
+
+        // A journal entry for this very task survives from an earlier run that was not
+        // recovered: its original mask is the real one, the current one may be ours.
+        let known = self
+            .journal
+            .get(tid)
+            .filter(|e| e.tgid == tgid && e.start_time == start_time)
+            .cloned();
+        let (original, placed, journaled_move) = match &known {
+            Some(e) => {
+                let cur = to_list(&current);
+                let original = to_cpuset(&e.original).context("journaled CPU list")?;
+                if cur == e.original {
+                    (original, None, false)
+                } else if mask_is_ours(e, &cur) && cur.len() == 1 {
+                    (original, Some(cur[0]), true)
+                } else {
+                    bail!("tid {tid}: mask {cur:?} was changed by someone else since the journal was written");
+                }
+            }
+            None => (current, None, false),
+        };
+        let original_list = to_list(&original);
+        let mut allowed = original_list.clone();
+        for limit in [self.status_cpus(tgid, tid), self.cpuset_cpus(tgid, tid)]
+            .into_iter()
+            .flatten()
+        {
+            allowed.retain(|c| limit.contains(c));
+        }
+        if allowed.is_empty() {
+            bail!("tid {tid}: no CPU in its mask {original_list:?} is allowed by its cpuset");
+        }
+        let entry = JournalEntry {
+            tid,
+            tgid,
+            start_time,
+            original: original_list,
+            allowed: allowed.clone(),
+            last_set: known.and_then(|e| e.last_set),
+        };
+        self.journal
+            .record(entry)
+            .context("journaling the original CPU mask")?;
+        self.tasks.insert(
+            tid,
+            Managed {
+                start_time,
+                original,
+                allowed: allowed.clone(),
+                placed,
+                journaled_move,
+                external: false,
+            },
+        );
+        Ok(allowed)
+    }
+
+    /// Managed and not handed off after an outside change.
+    pub fn is_managed(&self, tid: u32) -> bool {
+        self.tasks.get(&tid).is_some_and(|m| !m.external)
+    }
+
+    /// The CPU we pinned `tid` to, if any.
+    pub fn placed_on(&self, tid: u32) -> Option<usize> {
+        self.tasks
+            .get(&tid)
+            .filter(|m| !m.external)
+            .and_then(|m| m.placed)
+    }
+
+    /// Number of tasks managed (outside-changed ones excluded).
+    pub fn managed_count(&self) -> usize {
+        self.tasks.values().filter(|m| !m.external).count()
+    }
+
+    /// (tid, where we pinned it) for every managed task, by tid.
+    pub fn managed(&self) -> impl Iterator<Item = (u32, Option<usize>)> + '_ {
+        self.tasks
+            .iter()
+            .filter(|(_, m)| !m.external)
+            .map(|(&t, m)| (t, m.placed))
+    }
+
+    pub fn journal(&self) -> &AffinityJournal {
+        &self.journal
+    }
+
+    /// Pins a managed task to the single CPU `cpu`.
+    pub fn move_to(&mut self, tid: u32, cpu: usize) -> Outcome {
+        let Some(m) = self.tasks.get_mut(&tid) else {
+            return Outcome::Rejected;
+        };
+        if m.external {
+            return Outcome::External;
+        }
+        if !m.allowed.contains(&cpu) {
+            return Outcome::Rejected;
+        }
+        let (Ok(target), Ok(expected)) = (single(cpu), m.expected()) else {
+            return Outcome::Rejected;
+        };
+        let pid = Pid::from_raw(tid as i32);
+        let start = Instant::now();
+        let current = match sched_getaffinity(pid) {
+            Ok(c) => c,
+            Err(e) => return errno_outcome(e),
+        };
+        if current != expected {
+            m.external = true;
+            journal_remove(&mut self.journal, tid);
+            return Outcome::External;
+        }
+        if m.placed == Some(cpu) {
+            return Outcome::Unchanged;
+        }
+        if !m.journaled_move {
+            // The first change of this task: after it, recovery must know a mask of ours
+            // may be in place. Written before the syscall, so no crash window exists.
+            if let Err(e) = self.journal.update_last_set(tid, &[cpu]) {
+                warn!(tid, "not moving: the journal cannot be written: {e}");
+                return Outcome::Rejected;
+            }
+            m.journaled_move = true;
+        }
+        match sched_setaffinity(pid, &target) {
+            Ok(()) => {
+                m.placed = Some(cpu);
+                Outcome::Moved {
+                    latency_ns: start.elapsed().as_nanos() as u64,
+                }
+            }
+            Err(e) => errno_outcome(e),
+        }
+    }
+
+    /// Gives a task its original mask back (unless someone else changed it since our last
+    /// set) and forgets it. `Moved` means restored.
+    pub fn release(&mut self, tid: u32) -> Outcome {
+        let Some(m) = self.tasks.remove(&tid) else {
+            return Outcome::Unchanged;
+        };
+        if m.external {
+            return Outcome::External;
+        }
+        let pid = Pid::from_raw(tid as i32);
+        let start = Instant::now();
+        let outcome = match (sched_getaffinity(pid), m.expected()) {
+            (Err(e), _) | (_, Err(e)) => errno_outcome(e),
+            (Ok(current), Ok(expected)) if current != expected => Outcome::External,
+            (Ok(_), Ok(_)) if m.placed.is_none() => Outcome::Unchanged,
+            (Ok(_), Ok(_)) => match sched_setaffinity(pid, &m.original) {
+                Ok(()) => Outcome::Moved {
+                    latency_ns: start.elapsed().as_nanos() as u64,
+                },
+                Err(e) => {
+                    warn!(tid, "restoring the original CPU mask failed: {e}");
+                    errno_outcome(e)
+                }
+            },
+        };
+        journal_remove(&mut self.journal, tid);
+        outcome
+    }
+
+    /// Releases every task (on exit); returns how many got their original mask back.
+    pub fn release_all(&mut self) -> usize {
+        let tids: Vec<u32> = self.tasks.keys().copied().collect();
+        tids.into_iter()
+            .filter(|&t| matches!(self.release(t), Outcome::Moved { .. }))
+            .count()
+    }
+
+    /// `Cpus_allowed_list` of `/proc/<tid>/status`.
+    fn status_cpus(&self, tgid: u32, tid: u32) -> Option<Vec<usize>> {
+        let path = self.proc_root.join(format!("{tgid}/task/{tid}/status"));
+        let text = std::fs::read_to_string(path).ok()?;
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
+        parse_cpu_list(line)
+    }
+
+    /// The effective CPUs of the task's cpuset (cgroup v1 or v2), when readable.
+    fn cpuset_cpus(&self, tgid: u32, tid: u32) -> Option<Vec<usize>> {
+        let rel = std::fs::read_to_string(self.proc_root.join(format!("{tgid}/task/{tid}/cpuset")))
+            .ok()?;
+        let rel = rel.trim().trim_start_matches('/');
+        let cg = self.sys_root.join("fs/cgroup");
+        [
+            cg.join("cpuset").join(rel).join("cpuset.effective_cpus"),
+            cg.join(rel).join("cpuset.cpus.effective"),
+        ]
+        .iter()
+        .find_map(|p| read_list(p))
+    }
+}
+
+fn read_list(path: &Path) -> Option<Vec<usize>> {
+    let text = std::fs::read_to_string(path).ok()?;
+    parse_cpu_list(&text).filter(|l| !l.is_empty())
+}
+
+fn journal_remove(journal: &mut AffinityJournal, tid: u32) {
+    if let Err(e) = journal.remove(tid) {
+        // The stale entry is harmless: recovery re-checks identity and mask.
+        warn!(tid, "dropping the journal entry failed: {e}");
+    }
+}
+
+fn errno_outcome(e: Errno) -> Outcome {
+    match e {
+        Errno::ESRCH => Outcome::Gone,
+        _ => Outcome::Rejected,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_stat_with_awkward_comm() {
+        let text =
+            "1234 (a) b (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 5 6 0 0 20 0 1 0 987654 1000 10";
+        assert_eq!(
+            parse_stat(text),
+            Some(ProcStat {
+                flags: 4194560,
+                start_time: 987654
+            })
+        );
+        let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 3 0 0";
+        assert!(parse_stat(kthread).unwrap().is_kernel_thread());
+        assert_eq!(parse_stat("12 (x) S 1 2"), None);
+    }
+
+    #[test]
+    fn parses_cpu_lists() {
+        assert_eq!(
+            parse_cpu_list("0-3,8,10-11\n"),
+            Some(vec![0, 1, 2, 3, 8, 10, 11])
+        );
+        assert_eq!(parse_cpu_list("1,0,1"), Some(vec![0, 1]));
+        assert_eq!(parse_cpu_list(""), Some(vec![]));
+        assert_eq!(parse_cpu_list("3-1"), None);
+        assert_eq!(parse_cpu_list("a"), None);
+    }
+
+    #[test]
+    fn own_stat_parses() {
+        let text = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
+        let s = parse_stat(&text).unwrap();
+        assert!(!s.is_kernel_thread());
+        assert!(s.start_time > 0);
+    }
+}

@@ -14,9 +14,20 @@ const HINT_PORT: &str = "/dev/virtio-ports/org.vmigrater.hint.0";
 
 pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
     let uname = nix::sys::utsname::uname()?;
-    println!("kernel:        {} {}", uname.release().to_string_lossy(), uname.machine().to_string_lossy());
+    println!(
+        "kernel:        {} {}",
+        uname.release().to_string_lossy(),
+        uname.machine().to_string_lossy()
+    );
     let root = nix::unistd::geteuid().is_root();
-    println!("root:          {}", if root { "yes" } else { "no (run and check need root: BPF, SCHED_FIFO, sched_setaffinity)" });
+    println!(
+        "root:          {}",
+        if root {
+            "yes"
+        } else {
+            "no (run and check need root: BPF, SCHED_FIFO, sched_setaffinity)"
+        }
+    );
     let cfg = match cfg {
         Ok(cfg) => {
             println!("config:        {} ok", config_path.display());
@@ -28,22 +39,39 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
         }
     };
     match monitor_config(&cfg) {
-        Ok(m) => println!("vCPUs:         {:?} (one sleeper each, period {} µs)", m.cpus, cfg.monitor.period_us),
+        Ok(m) => println!(
+            "vCPUs:         {:?} (one sleeper each, period {} µs)",
+            m.cpus, cfg.monitor.period_us
+        ),
         Err(e) => println!("vCPUs:         ERROR {e:#}"),
     }
     let probe = task_detector::probe();
-    println!("kernel BTF:    {}", if probe.btf { "yes" } else { "no (tp_btf unavailable)" });
+    println!(
+        "kernel BTF:    {}",
+        if probe.btf {
+            "yes"
+        } else {
+            "no (tp_btf unavailable)"
+        }
+    );
     for (tp, present) in &probe.tracepoints {
-        println!("tracepoint:    {tp:<22} {}", if *present { "present" } else { "missing" });
+        println!(
+            "tracepoint:    {tp:<22} {}",
+            if *present { "present" } else { "missing" }
+        );
     }
     for note in &probe.notes {
         println!("note:          {note}");
     }
-    let best = probe.best_mode.map_or("none".to_string(), |m| m.to_string());
+    let best = probe
+        .best_mode
+        .map_or("none".to_string(), |m| m.to_string());
     println!("probed mode:   {best}");
     if root {
         let t0 = Instant::now();
-        match IoTracker::open(&TrackerOptions { force_mode: parse_attach_mode(&cfg.detector.attach_mode) }) {
+        match IoTracker::open(&TrackerOptions {
+            force_mode: parse_attach_mode(&cfg.detector.attach_mode),
+        }) {
             Ok(tracker) => println!(
                 "attach mode:   {} (loaded and attached in {:.1} ms)",
                 tracker.mode(),
@@ -56,7 +84,11 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
     }
     println!(
         "host channel:  {}",
-        if Path::new(HINT_PORT).exists() { "virtio port present" } else { "no virtio port (runs standalone)" }
+        if Path::new(HINT_PORT).exists() {
+            "virtio port present"
+        } else {
+            "no virtio port (runs standalone)"
+        }
     );
     Ok(())
 }

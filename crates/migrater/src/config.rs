@@ -162,14 +162,12 @@ impl Config {
                 .span()
                 .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
             match line {
-                Some(line) => anyhow::anyhow!(
-                    "{origin}:{line}: {}",
-                    e.message().trim_end()
-                ),
+                Some(line) => anyhow::anyhow!("{origin}:{line}: {}", e.message().trim_end()),
                 None => anyhow::anyhow!("{origin}: {}", e.message().trim_end()),
             }
         })?;
-        cfg.validate().with_context(|| format!("{origin}: invalid configuration"))?;
+        cfg.validate()
+            .with_context(|| format!("{origin}: invalid configuration"))?;
         Ok(cfg)
     }
 
@@ -199,21 +197,28 @@ impl Config {
         if !(0..=99).contains(&m.rt_priority) {
             bail!("monitor.rt_priority = {} is outside 0..=99", m.rt_priority);
         }
-        if !["auto", "tp_btf", "raw_tp", "tracepoint"].contains(&self.detector.attach_mode.as_str()) {
+        if !["auto", "tp_btf", "raw_tp", "tracepoint"].contains(&self.detector.attach_mode.as_str())
+        {
             bail!(
                 "detector.attach_mode = {:?}: expected \"auto\", \"tp_btf\", \"raw_tp\" or \"tracepoint\"",
                 self.detector.attach_mode
             );
         }
         if self.detector.window_ms == 0 || self.detector.window_ms > 1_000 {
-            bail!("detector.window_ms = {} is outside 1..=1000", self.detector.window_ms);
+            bail!(
+                "detector.window_ms = {} is outside 1..=1000",
+                self.detector.window_ms
+            );
         }
         if self.migration.max_load_per_vcpu <= 0.0 {
             bail!("migration.max_load_per_vcpu must be > 0");
         }
         for (i, rule) in self.priorities.iter().enumerate() {
             if rule.comm.is_none() && rule.pid.is_none() && rule.cgroup.is_none() {
-                bail!("priority rule #{} matches nothing: give comm, pid or cgroup", i + 1);
+                bail!(
+                    "priority rule #{} matches nothing: give comm, pid or cgroup",
+                    i + 1
+                );
             }
         }
         Ok(())
@@ -263,7 +268,10 @@ mod tests {
 
     #[test]
     fn out_of_range_value_is_refused() {
-        let err = format!("{:#}", Config::parse("[monitor]\nperiod_us = 1\n", "c").unwrap_err());
+        let err = format!(
+            "{:#}",
+            Config::parse("[monitor]\nperiod_us = 1\n", "c").unwrap_err()
+        );
         assert!(err.contains("monitor.period_us"), "{err}");
     }
 

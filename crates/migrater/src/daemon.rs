@@ -11,7 +11,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use task_detector::{AttachMode, ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions};
+use task_detector::{
+    AttachMode, ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions,
+};
 use tracing::{debug, info, warn};
 use vcpu_monitor::{monotonic_ns, Demand, Monitor, MonitorConfig, VcpuBoard};
 
@@ -108,7 +110,10 @@ impl Running {
             managed_tasks: placement.executor.as_ref().map_or(0, |e| e.managed_count()) as u64,
             migrations: self.shared.migrations.load(Ordering::Relaxed),
             hands_off_tasks: placement.hands_off.len() as u64,
-            migration_latency_us: status::summarize(&placement.latencies.values(), placement.latencies.total),
+            migration_latency_us: status::summarize(
+                &placement.latencies.values(),
+                placement.latencies.total,
+            ),
             vcpus,
             tasks: tasks
                 .iter()
@@ -131,19 +136,31 @@ impl Running {
         let m = &self.shared.metrics;
         for s in self.board.snapshot(now) {
             let l = CpuLabel { cpu: s.cpu as u32 };
-            m.deschedules.get_or_create(&l).inner().store(s.deschedules, Ordering::Relaxed);
-            m.inactive_seconds
+            m.deschedules
                 .get_or_create(&l)
                 .inner()
-                .store((s.inactive_total_ns as f64 / 1e9).to_bits(), Ordering::Relaxed);
-            m.slice_estimate_seconds.get_or_create(&l).set(s.est_slice_ns as f64 / 1e9);
-            m.remaining_slice_seconds.get_or_create(&l).set(s.remaining_ns as f64 / 1e9);
+                .store(s.deschedules, Ordering::Relaxed);
+            m.inactive_seconds.get_or_create(&l).inner().store(
+                (s.inactive_total_ns as f64 / 1e9).to_bits(),
+                Ordering::Relaxed,
+            );
+            m.slice_estimate_seconds
+                .get_or_create(&l)
+                .set(s.est_slice_ns as f64 / 1e9);
+            m.remaining_slice_seconds
+                .get_or_create(&l)
+                .set(s.remaining_ns as f64 / 1e9);
             m.vcpu_active.get_or_create(&l).set(i64::from(s.active));
         }
         for c in self.cpu_io.load().iter() {
             let l = CpuLabel { cpu: c.cpu };
-            m.io_completions.get_or_create(&l).inner().store(c.completions, Ordering::Relaxed);
-            m.io_interval_ema_seconds.get_or_create(&l).set(c.ema_interval_ns as f64 / 1e9);
+            m.io_completions
+                .get_or_create(&l)
+                .inner()
+                .store(c.completions, Ordering::Relaxed);
+            m.io_interval_ema_seconds
+                .get_or_create(&l)
+                .set(c.ema_interval_ns as f64 / 1e9);
         }
     }
 }
@@ -179,7 +196,9 @@ pub fn run(cfg: Config) -> Result<()> {
         info!("dry-run: migrations are planned and logged, no mask is changed");
         None
     } else {
-        Some(AffinityExecutor::new(AffinityJournal::open(&journal_path(&state_dir))?))
+        Some(AffinityExecutor::new(AffinityJournal::open(
+            journal_path(&state_dir),
+        )?))
     };
     let shared = Arc::new(Shared {
         tasks: ArcSwap::from_pointee(Vec::new()),
@@ -210,8 +229,13 @@ pub fn run(cfg: Config) -> Result<()> {
     let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
     let detector = Detector::new(tracker, classifier_config(&cfg));
     let detect_thread = {
-        let (shared, board, stop, cpu_io, cfg) =
-            (shared.clone(), board.clone(), stop.clone(), cpu_io.clone(), cfg.clone());
+        let (shared, board, stop, cpu_io, cfg) = (
+            shared.clone(),
+            board.clone(),
+            stop.clone(),
+            cpu_io.clone(),
+            cfg.clone(),
+        );
         std::thread::Builder::new()
             .name("vmigrater-detect".into())
             .spawn(move || detect_loop(detector, &cfg, &shared, &board, &cpu_io, &stop))?
@@ -258,7 +282,9 @@ fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
             let running = running.clone();
             tokio::spawn(async move {
                 loop {
-                    let Ok((mut conn, _)) = listener.accept().await else { continue };
+                    let Ok((mut conn, _)) = listener.accept().await else {
+                        continue;
+                    };
                     let report = running.report();
                     let body = serde_json::to_vec(&report).unwrap_or_default();
                     let _ = tokio::io::AsyncWriteExt::write_all(&mut conn, &body).await;
@@ -287,7 +313,9 @@ fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
                 .await
                 .with_context(|| format!("binding metrics on {}", cfg.metrics.listen))?;
             info!(addr = %cfg.metrics.listen, "serving /metrics");
-            Some(tokio::spawn(async move { axum::serve(listener, app).await }))
+            Some(tokio::spawn(
+                async move { axum::serve(listener, app).await },
+            ))
         } else {
             None
         };
@@ -322,7 +350,11 @@ fn detect_loop(
     let own_pid = std::process::id();
     let window = Duration::from_millis(cfg.detector.window_ms);
     let idle = Duration::from_millis(cfg.detector.idle_poll_ms.max(cfg.detector.window_ms));
-    let all_cpus: Vec<usize> = board.snapshot(monotonic_ns()).iter().map(|s| s.cpu).collect();
+    let all_cpus: Vec<usize> = board
+        .snapshot(monotonic_ns())
+        .iter()
+        .map(|s| s.cpu)
+        .collect();
     let mut last_completions = 0u64;
     while !stop.load(Ordering::Relaxed) {
         let out = match detector.poll() {
@@ -351,7 +383,9 @@ fn detect_loop(
                 {
                     continue;
                 }
-                let known = current.iter().find(|e| e.tid == t.tid && e.start_time == info.start_time);
+                let known = current
+                    .iter()
+                    .find(|e| e.tid == t.tid && e.start_time == info.start_time);
                 let (allowed, priority) = match known {
                     Some(e) => (e.allowed.clone(), e.priority),
                     None => {
@@ -389,7 +423,10 @@ fn detect_loop(
                     allowed,
                 });
             }
-            for gone in current.iter().filter(|e| !next.iter().any(|n| n.tid == e.tid)) {
+            for gone in current
+                .iter()
+                .filter(|e| !next.iter().any(|n| n.tid == e.tid))
+            {
                 placement.simulated.remove(&gone.tid);
                 if let Some(ex) = placement.executor.as_mut() {
                     let outcome = ex.release(gone.tid);

@@ -94,7 +94,12 @@ pub struct MigrationHook {
 }
 
 impl MigrationHook {
-    pub fn new(shared: Arc<Shared>, planner: Planner, push_threshold_ns: u64, cpus: &[usize]) -> Self {
+    pub fn new(
+        shared: Arc<Shared>,
+        planner: Planner,
+        push_threshold_ns: u64,
+        cpus: &[usize],
+    ) -> Self {
         MigrationHook {
             shared,
             planner,
@@ -175,7 +180,13 @@ fn apply(shared: &Shared, placement: &mut Placement, tasks: &[TaskEntry], mv: Mo
         reason,
     } = mv;
     let Some(executor) = placement.executor.as_mut() else {
-        debug!(tid, ?from, to, reason = reason.as_str(), "dry-run: would migrate");
+        debug!(
+            tid,
+            ?from,
+            to,
+            reason = reason.as_str(),
+            "dry-run: would migrate"
+        );
         placement.simulated.insert(tid, to);
         shared.metrics.record_dry_run(reason);
         return;
@@ -186,7 +197,14 @@ fn apply(shared: &Shared, placement: &mut Placement, tasks: &[TaskEntry], mv: Mo
         Outcome::Moved { latency_ns } => {
             placement.latencies.push(latency_ns);
             shared.migrations.fetch_add(1, Ordering::Relaxed);
-            debug!(tid, ?from, to, reason = reason.as_str(), latency_ns, "migrated");
+            debug!(
+                tid,
+                ?from,
+                to,
+                reason = reason.as_str(),
+                latency_ns,
+                "migrated"
+            );
         }
         Outcome::External => {
             if let Some(t) = tasks.iter().find(|t| t.tid == tid) {
@@ -195,7 +213,13 @@ fn apply(shared: &Shared, placement: &mut Placement, tasks: &[TaskEntry], mv: Mo
             debug!(tid, "mask changed by someone else: no longer managed");
         }
         Outcome::Gone | Outcome::Rejected | Outcome::Unchanged => {
-            debug!(tid, to, reason = reason.as_str(), result = crate::metrics::outcome_label(&outcome), "migration not done");
+            debug!(
+                tid,
+                to,
+                reason = reason.as_str(),
+                result = crate::metrics::outcome_label(&outcome),
+                "migration not done"
+            );
         }
     }
 }

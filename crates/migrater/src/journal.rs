@@ -1,0 +1,428 @@
+//! The affinity journal: the on-disk record of every managed task's ORIGINAL CPU mask,
+//! written before we first change it, so the mask is given back on exit and, after a
+//! crash or `kill -9`, on the next start (`AffinityJournal::recover`).
+//!
+//! It owns the file format and its atomic replacement (temp file in the same directory,
+//! fsync, rename, fsync the directory): a reader sees the old or the new journal, never a
+//! half-written one. It must never lose a record it has not restored: it does not delete
+//! a journal it cannot parse (that is renamed aside as `<name>.corrupt`), it never
+//! restores a task whose identity (tid + tgid + start time) changed, and never overrides a
+//! mask someone else set after us.
+//!
+//! What "a mask we set" means after a crash: the executor pins tasks to single CPUs from
+//! the entry's `allowed` list and, to keep file I/O off the migration hot path, writes
+//! `last_set` only on the first move of a task, not on every move. Recovery therefore
+//! treats the current mask as ours when it equals `last_set` or, once `last_set` exists,
+//! when it is any single CPU from `allowed`. The one case this misjudges: someone else
+//! pinned a task we were moving to a single CPU of its allowed set, and we crashed before
+//! noticing (the executor checks the mask before every move and drops the task at once
+//! when it differs). We then restore the original mask over theirs.
+
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::fs::{self, File, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+
+/// Where the daemon keeps its journal unless configured otherwise.
+pub const DEFAULT_PATH: &str = "/run/vmigrater/journal.json";
+
+const FORMAT_VERSION: u32 = 1;
+
+/// Everything needed to give one task its mask back, and to be sure it is the same task.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JournalEntry {
+    pub tid: u32,
+    pub tgid: u32,
+    /// Field 22 of `/proc/<tid>/stat` (clock ticks since boot): a reused tid differs here.
+    pub start_time: u64,
+    /// The CPU list before our first change.
+    pub original: Vec<usize>,
+    /// The CPUs we may pin it to: `original` ∩ its cpuset, at the time we took it over.
+    pub allowed: Vec<usize>,
+    /// The mask we last wrote to the journal as set by us; `None`: never changed.
+    pub last_set: Option<Vec<usize>>,
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct JournalFile {
+    version: u32,
+    entries: Vec<JournalEntry>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum JournalError {
+    #[error("{action} {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "the affinity journal {} is corrupt ({reason}); it was moved aside to {} so the \
+         original CPU masks it lists can still be restored by hand (taskset -pc LIST TID)",
+        path.display(),
+        aside.display()
+    )]
+    Corrupt {
+        path: PathBuf,
+        aside: PathBuf,
+        reason: String,
+    },
+}
+
+pub type Result<T> = std::result::Result<T, JournalError>;
+
+fn io_err<'a>(
+    action: &'static str,
+    path: &'a Path,
+) -> impl FnOnce(std::io::Error) -> JournalError + 'a {
+    move |source| JournalError::Io {
+        action,
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+/// What `recover` did with each entry of the previous run's journal (tids).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RecoveryReport {
+    /// Given their original mask back.
+    pub restored: Vec<u32>,
+    /// Still carried their original mask: nothing to do.
+    pub untouched: Vec<u32>,
+    /// No longer exist.
+    pub gone: Vec<u32>,
+    /// The tid now belongs to another task (different tgid or start time): left alone.
+    pub reused: Vec<u32>,
+    /// Someone else changed the mask after us: left alone.
+    pub external: Vec<u32>,
+    /// Restoring failed (e.g. the cpuset no longer allows the original CPUs).
+    pub failed: Vec<(u32, String)>,
+}
+
+/// The journal in memory, mirrored to `path` on every change.
+#[derive(Debug)]
+pub struct AffinityJournal {
+    path: PathBuf,
+    entries: BTreeMap<u32, JournalEntry>,
+}
+
+impl AffinityJournal {
+    /// Opens (or starts) the journal at `path`, creating its directory. Entries already in
+    /// the file are kept, never dropped, so a later `recover` still sees them.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        if let Some(dir) = parent_dir(&path) {
+            fs::create_dir_all(dir).map_err(io_err("creating the journal directory", dir))?;
+        }
+        let entries = load(&path)?
+            .into_iter()
+            .map(|e| (e.tid, e))
+            .collect::<BTreeMap<_, _>>();
+        let journal = AffinityJournal { path, entries };
+        // Write once now, so a read-only or missing state dir fails at start, not mid-run.
+        journal.persist()?;
+        Ok(journal)
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Records a task before its first change (replaces an entry with the same tid).
+    pub fn record(&mut self, entry: JournalEntry) -> Result<()> {
+        let old = self.entries.insert(entry.tid, entry);
+        self.persist().inspect_err(|_| self.undo(old))
+    }
+
+    /// Notes the mask we are about to set (or have set) for `tid`; a no-op for unknown
+    /// tids or an unchanged mask.
+    pub fn update_last_set(&mut self, tid: u32, mask: &[usize]) -> Result<()> {
+        let Some(e) = self.entries.get_mut(&tid) else {
+            return Ok(());
+        };
+        if e.last_set.as_deref() == Some(mask) {
+            return Ok(());
+        }
+        let before = e.last_set.replace(mask.to_vec());
+        self.persist().inspect_err(|_| {
+            if let Some(e) = self.entries.get_mut(&tid) {
+                e.last_set = before;
+            }
+        })
+    }
+
+    /// Forgets a task (its mask was restored, or is no longer ours to restore).
+    pub fn remove(&mut self, tid: u32) -> Result<Option<JournalEntry>> {
+        let Some(old) = self.entries.remove(&tid) else {
+            return Ok(None);
+        };
+        match self.persist() {
+            Ok(()) => Ok(Some(old)),
+            Err(e) => {
+                self.entries.insert(tid, old);
+                Err(e)
+            }
+        }
+    }
+
+    pub fn get(&self, tid: u32) -> Option<&JournalEntry> {
+        self.entries.get(&tid)
+    }
+
+    /// All entries, by tid.
+    pub fn entries(&self) -> impl Iterator<Item = &JournalEntry> {
+        self.entries.values()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// At daemon start: gives every task of a previous run its original mask back when it
+    /// is still the same task and still carries a mask we set, then empties the journal.
+    /// A missing journal is an empty one.
+    pub fn recover(path: impl AsRef<Path>) -> Result<RecoveryReport> {
+        Self::recover_with_proc(path, Path::new("/proc"))
+    }
+
+    /// `recover` with `/proc` elsewhere (tests and containers).
+    pub fn recover_with_proc(path: impl AsRef<Path>, proc_root: &Path) -> Result<RecoveryReport> {
+        let path = path.as_ref();
+        let mut report = RecoveryReport::default();
+        if !path.exists() {
+            return Ok(report);
+        }
+        let mut journal = AffinityJournal::open(path)?;
+        for e in journal.entries.values() {
+            recover_entry(e, proc_root, &mut report);
+        }
+        journal.entries.clear();
+        journal.persist()?;
+        Ok(report)
+    }
+
+    fn undo(&mut self, old: Option<JournalEntry>) {
+        // Called only right after an insert whose write failed: put back what was there.
+        if let Some(old) = old {
+            self.entries.insert(old.tid, old);
+        }
+    }
+
+    fn persist(&self) -> Result<()> {
+        let file = JournalFile {
+            version: FORMAT_VERSION,
+            entries: self.entries.values().cloned().collect(),
+        };
+        let bytes = serde_json::to_vec_pretty(&file).expect("journal entries always serialize");
+        write_atomically(&self.path, &bytes)
+    }
+}
+
+fn recover_entry(e: &JournalEntry, proc_root: &Path, report: &mut RecoveryReport) {
+    let stat = proc_root.join(format!("{}/task/{}/stat", e.tgid, e.tid));
+    let Ok(text) = fs::read_to_string(&stat) else {
+        report.gone.push(e.tid);
+        return;
+    };
+    match crate::affinity::parse_stat(&text) {
+        Some(s) if s.start_time == e.start_time => {}
+        _ => {
+            report.reused.push(e.tid);
+            return;
+        }
+    }
+    let current = match crate::affinity::get_cpus(e.tid) {
+        Ok(c) => c,
+        Err(nix::errno::Errno::ESRCH) => {
+            report.gone.push(e.tid);
+            return;
+        }
+        Err(err) => {
+            report
+                .failed
+                .push((e.tid, format!("reading the mask: {err}")));
+            return;
+        }
+    };
+    if current == e.original {
+        report.untouched.push(e.tid);
+        return;
+    }
+    if !mask_is_ours(e, &current) {
+        report.external.push(e.tid);
+        return;
+    }
+    match crate::affinity::set_cpus(e.tid, &e.original) {
+        Ok(()) => report.restored.push(e.tid),
+        Err(nix::errno::Errno::ESRCH) => report.gone.push(e.tid),
+        Err(err) => report
+            .failed
+            .push((e.tid, format!("restoring {:?}: {err}", e.original))),
+    }
+}
+
+/// Whether a task's current mask is one we may have set (see the module comment).
+pub fn mask_is_ours(e: &JournalEntry, current: &[usize]) -> bool {
+    match &e.last_set {
+        None => false,
+        Some(last) if last.as_slice() == current => true,
+        Some(_) => current.len() == 1 && e.allowed.contains(&current[0]),
+    }
+}
+
+fn parent_dir(path: &Path) -> Option<&Path> {
+    path.parent().filter(|p| !p.as_os_str().is_empty())
+}
+
+fn load(path: &Path) -> Result<Vec<JournalEntry>> {
+    let bytes = match fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => return Err(io_err("reading the affinity journal", path)(e)),
+    };
+    let reason = match serde_json::from_slice::<JournalFile>(&bytes) {
+        Ok(f) if f.version == FORMAT_VERSION => return Ok(f.entries),
+        Ok(f) => format!("unknown format version {}", f.version),
+        Err(e) => e.to_string(),
+    };
+    let aside = corrupt_aside(path);
+    fs::rename(path, &aside).map_err(io_err("moving the corrupt journal aside", path))?;
+    Err(JournalError::Corrupt {
+        path: path.to_path_buf(),
+        aside,
+        reason,
+    })
+}
+
+/// `<path>.corrupt`, or `<path>.corrupt.N` when earlier ones are still there.
+fn corrupt_aside(path: &Path) -> PathBuf {
+    let base = path.as_os_str().to_owned();
+    let with = |suffix: String| {
+        let mut s = base.clone();
+        s.push(suffix);
+        PathBuf::from(s)
+    };
+    let first = with(".corrupt".into());
+    if !first.exists() {
+        return first;
+    }
+    (1..)
+        .map(|n| with(format!(".corrupt.{n}")))
+        .find(|p| !p.exists())
+        .expect("some suffix is free")
+}
+
+fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = parent_dir(path).unwrap_or(Path::new("."));
+    let mut tmp_name = path.file_name().unwrap_or_default().to_owned();
+    tmp_name.push(format!(".tmp.{}", std::process::id()));
+    let tmp = dir.join(tmp_name);
+    let write = || -> std::io::Result<()> {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        fs::rename(&tmp, path)?;
+        // The rename is durable only once the directory entry is.
+        File::open(dir)?.sync_all()
+    };
+    write().map_err(|e| {
+        let _ = fs::remove_file(&tmp);
+        io_err("writing the affinity journal", path)(e)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(tid: u32) -> JournalEntry {
+        JournalEntry {
+            tid,
+            tgid: tid,
+            start_time: 42,
+            original: vec![0, 1],
+            allowed: vec![0, 1],
+            last_set: None,
+        }
+    }
+
+    #[test]
+    fn survives_reopen_and_tracks_changes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("state/journal.json");
+        let mut j = AffinityJournal::open(&path).unwrap();
+        j.record(entry(1)).unwrap();
+        j.record(entry(2)).unwrap();
+        j.update_last_set(1, &[1]).unwrap();
+        j.remove(2).unwrap();
+        drop(j);
+        let j = AffinityJournal::open(&path).unwrap();
+        let all: Vec<_> = j.entries().cloned().collect();
+        assert_eq!(
+            all,
+            vec![JournalEntry {
+                last_set: Some(vec![1]),
+                ..entry(1)
+            }]
+        );
+        // No temp file is left next to it.
+        let names: Vec<_> = fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("journal.json")]);
+    }
+
+    #[test]
+    fn corrupt_journal_is_moved_aside_with_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.json");
+        fs::write(&path, b"{\"version\":1,\"entries\":[{\"tid\":").unwrap();
+        let err = AffinityJournal::open(&path).unwrap_err();
+        let msg = err.to_string();
+        assert!(msg.contains(&path.display().to_string()), "{msg}");
+        assert!(msg.contains("corrupt"), "{msg}");
+        assert!(dir.path().join("journal.json.corrupt").exists());
+        // Second corruption does not overwrite the first.
+        fs::write(&path, b"garbage").unwrap();
+        let err = AffinityJournal::recover(&path).unwrap_err();
+        assert!(matches!(err, JournalError::Corrupt { .. }));
+        assert!(dir.path().join("journal.json.corrupt.1").exists());
+    }
+
+    #[test]
+    fn which_masks_count_as_ours() {
+        let mut e = entry(1);
+        assert!(
+            !mask_is_ours(&e, &[1]),
+            "never moved: any change is someone else's"
+        );
+        e.last_set = Some(vec![0]);
+        assert!(mask_is_ours(&e, &[0]));
+        assert!(
+            mask_is_ours(&e, &[1]),
+            "a later single-CPU move that was not journaled"
+        );
+        assert!(!mask_is_ours(&e, &[0, 1]));
+        e.allowed = vec![0];
+        assert!(!mask_is_ours(&e, &[1]));
+    }
+
+    #[test]
+    fn missing_journal_recovers_nothing() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = AffinityJournal::recover(dir.path().join("none.json")).unwrap();
+        assert_eq!(r, RecoveryReport::default());
+    }
+}

@@ -1,4 +1,12 @@
-//! vMigrater guest daemon library.
+//! vMigrater guest daemon: the data path is monitor (vcpu-monitor) → detector
+//! (task-detector) → planner → affinity executor, decided on the monitor thread of the
+//! vCPU whose state changed (`hook`), wired together by `daemon`.
 pub mod affinity;
+pub mod check;
+pub mod config;
+pub mod daemon;
+pub mod hook;
 pub mod journal;
+pub mod metrics;
 pub mod planner;
+pub mod status;

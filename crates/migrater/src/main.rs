@@ -1,1 +1,150 @@
-fn main() {}
+//! `vmigrater`: keeps I/O-bound tasks on running vCPUs (see the README).
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use migrater::config::{Config, DEFAULT_CONFIG_PATH};
+use migrater::{check, daemon, status};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+/// Keeps I/O-bound tasks on vCPUs that are running right now, so guest I/O does not stall
+/// while the hypervisor has a vCPU descheduled.
+#[derive(Parser, Debug)]
+#[command(version, about, long_about = None)]
+struct Cli {
+    /// Configuration file (TOML). A missing file at the default path means defaults.
+    #[arg(long, short = 'c', global = true, default_value = DEFAULT_CONFIG_PATH, env = "VMIGRATER_CONFIG")]
+    config: PathBuf,
+    /// Log filter, e.g. `info`, `debug`, `migrater=debug` (RUST_LOG syntax).
+    #[arg(long, global = true, default_value = "info", env = "VMIGRATER_LOG")]
+    log: String,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the daemon in the foreground (the default when no subcommand is given).
+    Run(RunArgs),
+    /// Print what this machine supports and which BPF attach mode will be used.
+    Check,
+    /// Ask a running daemon for its state and print a table.
+    Status(StatusArgs),
+    /// Print the default configuration as TOML.
+    DefaultConfig,
+}
+
+#[derive(clap::Args, Debug, Default)]
+struct RunArgs {
+    /// Plan and log migrations, but never change any task's CPU mask.
+    #[arg(long)]
+    dry_run: bool,
+    /// Address of the Prometheus `/metrics` endpoint (overrides `metrics.listen`).
+    #[arg(long)]
+    metrics_addr: Option<SocketAddr>,
+    /// Disable the metrics endpoint.
+    #[arg(long)]
+    no_metrics: bool,
+    /// Directory of the affinity journal and the status socket (overrides `state_dir`).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+    /// vCPU sleeper period in microseconds while I/O-bound tasks exist (overrides `monitor.period_us`).
+    #[arg(long)]
+    period_us: Option<u64>,
+    /// BPF attach mode: auto, tp_btf, raw_tp or tracepoint (overrides `detector.attach_mode`).
+    #[arg(long)]
+    attach_mode: Option<String>,
+}
+
+#[derive(clap::Args, Debug)]
+struct StatusArgs {
+    /// Print the raw JSON report instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// State directory of the daemon to ask (default: the config's `state_dir`).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    // Under systemd the journal stamps every line already.
+    if std::env::var_os("JOURNAL_STREAM").is_some() {
+        builder.without_time().with_ansi(false).init();
+    } else {
+        builder.init();
+    }
+}
+
+fn load_config(cli: &Cli) -> Result<Config> {
+    let explicit = cli.config.as_os_str() != DEFAULT_CONFIG_PATH;
+    Config::load(&cli.config, explicit)
+}
+
+fn main() {
+    let cli = Cli::parse();
+    init_logging(&cli.log);
+    if let Err(e) = real_main(cli) {
+        eprintln!("vmigrater: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn real_main(cli: Cli) -> Result<()> {
+    match cli
+        .command
+        .as_ref()
+        .unwrap_or(&Command::Run(RunArgs::default()))
+    {
+        Command::Run(args) => {
+            let mut cfg = load_config(&cli)?;
+            cfg.dry_run |= args.dry_run;
+            if let Some(a) = args.metrics_addr {
+                cfg.metrics.listen = a;
+            }
+            if args.no_metrics {
+                cfg.metrics.enabled = false;
+            }
+            if let Some(d) = &args.state_dir {
+                cfg.state_dir = d.clone();
+            }
+            if let Some(p) = args.period_us {
+                cfg.monitor.period_us = p;
+            }
+            if let Some(m) = &args.attach_mode {
+                cfg.detector.attach_mode = m.clone();
+            }
+            // Flags are validated like the file, so `--period-us 1` gets the same message.
+            let cfg = Config::parse(&toml::to_string(&cfg)?, "command line and config")?;
+            daemon::run(cfg)
+        }
+        Command::Check => {
+            let cfg = load_config(&cli);
+            check::run(&cli.config, cfg)
+        }
+        Command::Status(args) => {
+            let state_dir = match &args.state_dir {
+                Some(d) => d.clone(),
+                None => load_config(&cli)?.state_dir,
+            };
+            let report = status::query(&state_dir)?;
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&report).context("encoding")?
+                );
+            } else {
+                print!("{}", status::render(&report));
+            }
+            Ok(())
+        }
+        Command::DefaultConfig => {
+            print!("{}", Config::default_toml());
+            Ok(())
+        }
+    }
+}

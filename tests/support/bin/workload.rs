@@ -1,1 +1,89 @@
-fn main() {}
+//! `vmigrater-workload`: the guest tasks of the tests and benchmarks in a process of
+//! their own, so the daemon, the test and the workload are accounted separately and the
+//! reader can be frozen with SIGSTOP. Prints one JSON line with what each thread did.
+
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+use vmigrater_testbed::workload::{self, ReadPattern};
+
+const USAGE: &str = "usage: vmigrater-workload --file F [--pattern random4k|seq1m] [--readers N] [--hogs N] [--pin-hogs] [--duration-ms MS]
+  Runs N O_DIRECT readers of F and N CPU hogs for MS milliseconds (default: until killed),
+  then prints {\"elapsed_s\", \"readers\": [{\"tid\", \"reads\"}], \"hogs\": [{\"tid\", \"units\"}]}.";
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("vmigrater-workload: {e:#}\n{USAGE}");
+        std::process::exit(2);
+    }
+}
+
+fn run() -> anyhow::Result<()> {
+    let mut file: Option<PathBuf> = None;
+    let (mut pattern, mut readers, mut hogs, mut pin, mut duration) =
+        (ReadPattern::Random4k, 1usize, 0usize, false, None);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = |name: &str| {
+            args.next()
+                .ok_or_else(|| anyhow::anyhow!("{name} needs a value"))
+        };
+        match a.as_str() {
+            "--file" => file = Some(val("--file")?.into()),
+            "--pattern" => {
+                pattern = match val("--pattern")?.as_str() {
+                    "random4k" => ReadPattern::Random4k,
+                    "seq1m" => ReadPattern::Seq1m,
+                    other => anyhow::bail!("--pattern {other:?}: expected random4k or seq1m"),
+                }
+            }
+            "--readers" => readers = val("--readers")?.parse()?,
+            "--hogs" => hogs = val("--hogs")?.parse()?,
+            "--pin-hogs" => pin = true,
+            "--duration-ms" => {
+                duration = Some(Duration::from_millis(val("--duration-ms")?.parse()?))
+            }
+            "-h" | "--help" => {
+                println!("{USAGE}");
+                return Ok(());
+            }
+            other => anyhow::bail!("unknown argument {other:?}"),
+        }
+    }
+    let file = file.ok_or_else(|| anyhow::anyhow!("--file is required"))?;
+    let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let t0 = Instant::now();
+    let hog_workers = (0..hogs)
+        .map(|i| workload::spawn_hog(pin.then_some(i % ncpu)))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    let reader_workers = (0..readers)
+        .map(|_| workload::spawn_reader(&file, pattern))
+        .collect::<anyhow::Result<Vec<_>>>()?;
+    match duration {
+        Some(d) => std::thread::sleep(d),
+        None => loop {
+            std::thread::park();
+        },
+    }
+    let elapsed = t0.elapsed().as_secs_f64();
+    let readers: Vec<_> = reader_workers
+        .into_iter()
+        .map(|w| {
+            let tid = w.tid;
+            w.stop()
+                .map(|n| serde_json::json!({"tid": tid, "reads": n}))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    let hogs: Vec<_> = hog_workers
+        .into_iter()
+        .map(|w| {
+            let tid = w.tid;
+            w.stop()
+                .map(|n| serde_json::json!({"tid": tid, "units": n}))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    println!(
+        "{}",
+        serde_json::json!({"elapsed_s": elapsed, "pattern": format!("{pattern:?}"), "readers": readers, "hogs": hogs})
+    );
+    Ok(())
+}

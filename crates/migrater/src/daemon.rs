@@ -196,9 +196,9 @@ pub fn run(cfg: Config) -> Result<()> {
         info!("dry-run: migrations are planned and logged, no mask is changed");
         None
     } else {
-        Some(AffinityExecutor::new(AffinityJournal::open(
-            journal_path(&state_dir),
-        )?))
+        Some(AffinityExecutor::new(AffinityJournal::open(journal_path(
+            &state_dir,
+        ))?))
     };
     let shared = Arc::new(Shared {
         tasks: ArcSwap::from_pointee(Vec::new()),

@@ -220,8 +220,15 @@ fn round(mode: &str, file: &Path, pattern: &str, secs: u64) -> Result<Value> {
     let workload_s = 2.0 * elapsed; // two pinned hogs keep both CPUs busy when allowed
     let ours = (me1 - me0) + daemon_cpu_s;
     let window_s = (total1 - total0) as f64 / clk_tck();
+    let reader_cpu = out["readers"][0]["cpu_s"].as_f64().unwrap_or(0.0);
+    let hog_cpu: f64 = out["hogs"]
+        .as_array()
+        .map_or(0.0, |h| h.iter().filter_map(|x| x["cpu_s"].as_f64()).sum());
     Ok(json!({
         "mode": mode,
+        "reader_cpu_pct": reader_cpu / elapsed * 100.0,
+        "hogs_cpu_pct": hog_cpu / elapsed * 100.0,
+        "reader_cpu_us_per_read": reader_cpu * 1e6 / reads.max(1.0),
         "elapsed_s": elapsed,
         "iops": reads / elapsed,
         "mb_s": reads * block / elapsed / 1e6,
@@ -323,6 +330,18 @@ fn main() -> Result<()> {
             "vanilla_vs_no_sharing": va / ns,
             "hog_units_per_s": {"no_sharing": hns, "vanilla": hva, "vmigrater": hvm},
             "hog_slowdown": 1.0 - hvm / hva,
+            // Where the CPU went (% of one CPU): the reader's I/O path costs CPU here, so
+            // what the hogs lose under vmigrater is what the faster reader uses.
+            "cpu_pct": {
+                "no_sharing": {"reader": med("no_sharing", "reader_cpu_pct"), "hogs": med("no_sharing", "hogs_cpu_pct")},
+                "vanilla": {"reader": med("vanilla", "reader_cpu_pct"), "hogs": med("vanilla", "hogs_cpu_pct")},
+                "vmigrater": {"reader": med("vmigrater", "reader_cpu_pct"), "hogs": med("vmigrater", "hogs_cpu_pct")},
+            },
+            "reader_cpu_us_per_read": {
+                "no_sharing": med("no_sharing", "reader_cpu_us_per_read"),
+                "vanilla": med("vanilla", "reader_cpu_us_per_read"),
+                "vmigrater": med("vmigrater", "reader_cpu_us_per_read"),
+            },
             "daemon_cpu_pct_of_one_cpu": median(&dcpu_pct),
             "daemon_cpu_s_per_round": median(&dcpu_pct) / 100.0 * median(&dcpu),
             "migrations_per_round": median(&migrations),

@@ -364,7 +364,9 @@ fn metrics_expose_vcpu_and_build_figures() {
     }
     let emu = Emulator::start(&anti_phase()[..online_cpus().min(2)], 50).expect("steal emulator");
     let daemon = Daemon::start(&["--metrics-addr", "127.0.0.1:19979"]);
-    std::thread::sleep(Duration::from_millis(500));
+    // No I/O-bound task: the sleepers use the idle period (50 ms), so a deadline lands in
+    // a stolen burst about half the time: ~15 detections in 1.5 s.
+    std::thread::sleep(Duration::from_millis(1500));
     let body = http_get("127.0.0.1:19979", "/metrics");
     emu.stop();
     daemon.terminate();

@@ -143,10 +143,10 @@ fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
     // With nothing stealing, a SCHED_FIFO sleeper is late only by scheduler noise.
     assert!(false_gaps <= 3, "{false_gaps} gaps with no steal");
     // Active demand without deschedules probes every 2 ms after the first second; idle
-    // sleeps 10 ms: at least 3× fewer wake-ups.
+    // sleeps 50 ms: at least 3× fewer wake-ups.
     assert!(ti * 3 <= ta, "idle {ti} ticks vs active {ta}");
     assert!(
-        ti <= 110 * n,
+        ti <= 30 * n,
         "idle demand woke {ti} times in 1 s on {n} CPUs"
     );
 }

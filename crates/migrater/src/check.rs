@@ -30,7 +30,12 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
     );
     let cfg = match cfg {
         Ok(cfg) => {
-            println!("config:        {} ok", config_path.display());
+            let state = if config_path.exists() {
+                "ok"
+            } else {
+                "not present: defaults"
+            };
+            println!("config:        {} {state}", config_path.display());
             cfg
         }
         Err(e) => {

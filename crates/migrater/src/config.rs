@@ -65,7 +65,7 @@ impl Default for MonitorSection {
         MonitorSection {
             period_us: 300,
             probe_period_us: 2_000,
-            idle_period_us: 10_000,
+            idle_period_us: 50_000,
             min_gap_threshold_us: 200,
             default_slice_us: 11_000,
             rt_priority: 1,
@@ -90,7 +90,7 @@ impl Default for DetectorSection {
         DetectorSection {
             attach_mode: "auto".into(),
             window_ms: 5,
-            idle_poll_ms: 20,
+            idle_poll_ms: 40,
         }
     }
 }

@@ -177,7 +177,30 @@ fn recover_journal(state_dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Two daemons on one machine would fight over the same tasks' masks (each would see the
+/// other's change as an administrator's and give up), so only one may run at a time.
+const INSTANCE_LOCK: &str = "/run/lock/vmigrater.lock";
+
+fn lock_instance() -> Result<nix::fcntl::Flock<std::fs::File>> {
+    let path = Path::new(INSTANCE_LOCK);
+    if let Some(dir) = path.parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {INSTANCE_LOCK}"))?;
+    nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock).map_err(|(_, e)| {
+        anyhow::anyhow!(
+            "another vmigrater is already running on this machine ({INSTANCE_LOCK} is locked: {e})"
+        )
+    })
+}
+
 pub fn run(cfg: Config) -> Result<()> {
+    let _instance = lock_instance()?;
     let state_dir = cfg.state_dir.clone();
     std::fs::create_dir_all(&state_dir)
         .with_context(|| format!("creating state dir {}", state_dir.display()))?;

@@ -112,6 +112,11 @@ impl IoClassifier {
         &self.cfg
     }
 
+    /// True when no thread is being tracked.
+    pub fn is_empty(&self) -> bool {
+        self.threads.is_empty()
+    }
+
     /// Whether `tid` is being tracked (so the caller keeps feeding it even when idle).
     pub fn tracks(&self, tid: u32) -> bool {
         self.threads.contains_key(&tid)

@@ -39,6 +39,7 @@ pub struct Detector {
     proc_root: PathBuf,
     identities: HashMap<u32, Identity>,
     last_ios: HashMap<u32, u64>,
+    last_completions: u64,
 }
 
 /// Parses the fields after `comm` in /proc/<pid>/stat (comm may contain spaces and ')').
@@ -59,6 +60,7 @@ impl Detector {
                 .map_or_else(|| PathBuf::from("/proc"), PathBuf::from),
             identities: HashMap::new(),
             last_ios: HashMap::new(),
+            last_completions: u64::MAX,
         }
     }
 
@@ -99,12 +101,28 @@ impl Detector {
     /// One window: read the maps, add /proc facts for threads with fresh I/O, classify.
     pub fn poll(&mut self) -> Result<DetectorOutput> {
         let now = vcpu_clock();
+        let cpus = self.tracker.sample_cpus()?;
+        // Idle fast path: no completion anywhere since the last poll and nobody being
+        // classified means no thread can have become I/O-bound; skip the thread map.
+        let completions: u64 = cpus.iter().map(|c| c.completions).sum();
+        let quiet = completions == self.last_completions && self.classifier.is_empty();
+        self.last_completions = completions;
+        if quiet {
+            return Ok(DetectorOutput {
+                tasks: Vec::new(),
+                cpus,
+            });
+        }
         let samples = self.tracker.sample_threads(now)?;
         let mut obs = Vec::new();
         let mut gone = Vec::new();
         for s in &samples {
             let prev = self.last_ios.insert(s.tid, s.ios);
-            let fresh = prev != Some(s.ios) || s.in_flight > 0;
+            // A thread starts being classified only with enough requests in one poll to
+            // possibly qualify; a lone background write costs no /proc read.
+            let new_ios = s.ios.saturating_sub(prev.unwrap_or(s.ios));
+            let min_ios = self.classifier.config().min_ios_per_window;
+            let fresh = new_ios >= min_ios || (prev.is_none() && s.in_flight > 0);
             if !fresh && !self.classifier.tracks(s.tid) {
                 // Idle for long and not tracked: drop it from the kernel map too.
                 if now.saturating_sub(s.last_ts) > 10_000_000_000 {
@@ -150,10 +168,7 @@ impl Detector {
                 })
             })
             .collect();
-        Ok(DetectorOutput {
-            tasks,
-            cpus: self.tracker.sample_cpus()?,
-        })
+        Ok(DetectorOutput { tasks, cpus })
     }
 }
 

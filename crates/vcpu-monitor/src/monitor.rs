@@ -42,7 +42,7 @@ impl Default for MonitorConfig {
             cpus: online_cpus().unwrap_or_else(|_| vec![0]),
             period: Duration::from_micros(300),
             probe_period: Duration::from_millis(2),
-            idle_period: Duration::from_millis(10),
+            idle_period: Duration::from_millis(50),
             quiet_after: Duration::from_secs(1),
             min_gap_threshold: Duration::from_micros(200),
             default_slice: Duration::from_millis(11),

@@ -8,7 +8,7 @@ use vmigrater_testbed::workload::{self, ReadPattern};
 
 const USAGE: &str = "usage: vmigrater-workload --file F [--pattern random4k|seq1m] [--readers N] [--hogs N] [--pin-hogs] [--duration-ms MS]
   Runs N O_DIRECT readers of F and N CPU hogs for MS milliseconds (default: until killed),
-  then prints {\"elapsed_s\", \"readers\": [{\"tid\", \"reads\"}], \"hogs\": [{\"tid\", \"units\"}]}.";
+  then prints {\"elapsed_s\", \"readers\": [{\"tid\", \"reads\", \"cpu_s\"}], \"hogs\": [{\"tid\", \"units\", \"cpu_s\"}]}.";
 
 fn main() {
     if let Err(e) = run() {
@@ -68,17 +68,17 @@ fn run() -> anyhow::Result<()> {
     let readers: Vec<_> = reader_workers
         .into_iter()
         .map(|w| {
-            let tid = w.tid;
+            let (tid, cpu_s) = (w.tid, thread_cpu_s(w.tid));
             w.stop()
-                .map(|n| serde_json::json!({"tid": tid, "reads": n}))
+                .map(|n| serde_json::json!({"tid": tid, "reads": n, "cpu_s": cpu_s}))
         })
         .collect::<anyhow::Result<_>>()?;
     let hogs: Vec<_> = hog_workers
         .into_iter()
         .map(|w| {
-            let tid = w.tid;
+            let (tid, cpu_s) = (w.tid, thread_cpu_s(w.tid));
             w.stop()
-                .map(|n| serde_json::json!({"tid": tid, "units": n}))
+                .map(|n| serde_json::json!({"tid": tid, "units": n, "cpu_s": cpu_s}))
         })
         .collect::<anyhow::Result<_>>()?;
     println!(
@@ -86,4 +86,12 @@ fn run() -> anyhow::Result<()> {
         serde_json::json!({"elapsed_s": elapsed, "pattern": format!("{pattern:?}"), "readers": readers, "hogs": hogs})
     );
     Ok(())
+}
+
+/// On-CPU seconds of one of our threads (schedstat field 1).
+fn thread_cpu_s(tid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0.0, |ns| ns / 1e9)
 }

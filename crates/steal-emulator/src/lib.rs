@@ -74,27 +74,7 @@ pub struct Emulator {
     threads: Vec<JoinHandle<Result<StealRecord>>>,
 }
 
-pub fn monotonic_ns() -> u64 {
-    let ts =
-        nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("CLOCK_MONOTONIC");
-    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
-}
-
-fn sleep_until(deadline_ns: u64) {
-    let ts = libc::timespec {
-        tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
-    };
-    // SAFETY: plain syscall with a valid timespec; EINTR just ends the sleep early.
-    unsafe {
-        libc::clock_nanosleep(
-            libc::CLOCK_MONOTONIC,
-            libc::TIMER_ABSTIME,
-            &ts,
-            std::ptr::null_mut(),
-        );
-    }
-}
+pub use vcpu_monitor::{monotonic_ns, sleep_until};
 
 fn become_fifo_on(cpu: usize, priority: i32) -> Result<()> {
     let mut set = nix::sched::CpuSet::new();

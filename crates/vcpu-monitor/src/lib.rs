@@ -14,7 +14,7 @@ mod monitor;
 
 pub use board::{Demand, VcpuBoard, VcpuSnapshot};
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
-pub use monitor::{online_cpus, Monitor, MonitorConfig, TickEvent, TickHook};
+pub use monitor::{online_cpus, sleep_until, Monitor, MonitorConfig, TickEvent, TickHook};
 
 /// CLOCK_MONOTONIC in nanoseconds: the one clock of the sleepers, the board and callers.
 pub fn monotonic_ns() -> u64 {

@@ -142,7 +142,8 @@ impl Drop for Monitor {
     }
 }
 
-fn sleep_until(deadline_ns: u64) {
+/// Sleeps until an absolute CLOCK_MONOTONIC deadline.
+pub fn sleep_until(deadline_ns: u64) {
     let ts = libc::timespec {
         tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,

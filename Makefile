@@ -25,7 +25,7 @@ test: lint
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
 
 bench-micro: setup
-	$(CARGO) bench -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core
+	$(CARGO) bench -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse
 
 bench-contention: build
 	$(CARGO) bench -p vmigrater-testbed --bench bpf_overhead

@@ -89,8 +89,16 @@ impl Daemon {
 
     fn start_in(state_dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
         // An empty file: all defaults, whatever /etc/vmigrater holds on this machine.
+        Self::start_with_config(state_dir, "", extra)
+    }
+
+    fn start_with_config(
+        state_dir: tempfile::TempDir,
+        config_text: &str,
+        extra: &[&str],
+    ) -> Daemon {
         let config = state_dir.path().join("vmigrater.toml");
-        std::fs::write(&config, "").expect("write config");
+        std::fs::write(&config, config_text).expect("write config");
         let child = Command::new(workspace_bin("vmigrater"))
             .arg("--config")
             .arg(&config)
@@ -273,6 +281,8 @@ fn reader_follows_the_running_cpu_and_is_restored_on_sigterm() {
         assert_eq!(&cpus_of(h.tid), m, "a hog's mask was touched");
     }
     assert!(log.contains("restored original affinity"), "{log}");
+    // No virtio port on this machine: said once, and the daemon worked all the same.
+    assert_eq!(log.matches("no host channel").count(), 1, "{log}");
 }
 
 #[test]
@@ -441,4 +451,79 @@ fn malformed_config_is_refused_with_its_line() {
     assert!(!out.status.success(), "a bad config was accepted");
     assert!(err.contains(&format!("{}:4:", path.display())), "{err}");
     assert!(err.contains("sleep_forever"), "{err}");
+}
+
+/// A pty stands in for the virtio port: the daemon opens the slave like
+/// /dev/virtio-ports/org.vmigrater.hint.0, the test plays the host on the master.
+#[test]
+fn reports_reach_the_host_end_of_the_channel() {
+    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+    use std::os::fd::AsFd;
+    if !require_root("reports_reach_the_host_end_of_the_channel") {
+        return;
+    }
+    let pty = nix::pty::openpty(None, None).expect("openpty");
+    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
+    cfmakeraw(&mut raw);
+    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
+    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    let config = format!(
+        "[channel]\npath = {:?}\nperiod_ms = 50\n",
+        slave.display().to_string()
+    );
+    let mut daemon =
+        Daemon::start_with_config(tempfile::tempdir().unwrap(), &config, &["--no-metrics"]);
+    // Non-blocking, so a silent daemon fails the test instead of hanging it.
+    nix::fcntl::fcntl(
+        &pty.master,
+        nix::fcntl::FcntlArg::F_SETFL(nix::fcntl::OFlag::O_NONBLOCK),
+    )
+    .expect("O_NONBLOCK");
+    let mut master = std::fs::File::from(pty.master);
+    let mut reader = proto::LineReader::new();
+    let (mut hello, mut reports) = (None, Vec::new());
+    let mut buf = [0u8; 4096];
+    let t0 = Instant::now();
+    while reports.len() < 5 && t0.elapsed() < Duration::from_secs(10) {
+        let n = match master.read(&mut buf) {
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            Err(e) => panic!("reading the pty master: {e}"),
+        };
+        for line in reader.push(&buf[..n]) {
+            match proto::Message::parse(&line.expect("line")).expect("valid message") {
+                proto::Message::Hello(h) => hello = Some(h),
+                proto::Message::Report(r) => reports.push(r),
+                other => panic!("unexpected {other:?}"),
+            }
+        }
+    }
+    let hello = hello.expect("no hello");
+    assert_eq!(hello.version, proto::PROTOCOL_VERSION);
+    assert_eq!(hello.vcpus as usize, online_cpus());
+    assert!(reports.len() >= 5, "only {} reports in 10 s", reports.len());
+    assert!(
+        reports.windows(2).all(|w| w[1].seq == w[0].seq + 1),
+        "seq not consecutive"
+    );
+    assert!(reports
+        .iter()
+        .all(|r| r.vcpus.len() == online_cpus() && r.period_ms == 50));
+    let welcome = proto::Message::Welcome(proto::Welcome {
+        version: 1,
+        host_slice_us: None,
+    });
+    master
+        .write_all(welcome.to_line().as_bytes())
+        .expect("write welcome");
+    let s = daemon.wait_for(
+        Duration::from_secs(5),
+        "the daemon to read the welcome",
+        |s| s["channel_replies"].as_u64() >= Some(1),
+    );
+    assert_eq!(s["channel_connected"], true);
+    daemon.terminate();
 }

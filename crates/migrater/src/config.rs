@@ -22,6 +22,7 @@ pub struct Config {
     pub detector: DetectorSection,
     pub migration: MigrationSection,
     pub metrics: MetricsSection,
+    pub channel: ChannelSection,
     /// User priorities: the first matching rule sets a task's priority (higher wins).
     #[serde(rename = "priority")]
     pub priorities: Vec<PriorityRule>,
@@ -36,6 +37,7 @@ impl Default for Config {
             detector: DetectorSection::default(),
             migration: MigrationSection::default(),
             metrics: MetricsSection::default(),
+            channel: ChannelSection::default(),
             priorities: Vec::new(),
         }
     }
@@ -113,6 +115,27 @@ impl Default for MigrationSection {
             push_threshold_us: 1_000,
             max_load_per_vcpu: 2.0,
             exclude_comm: Vec::new(),
+        }
+    }
+}
+
+/// The host channel: per-vCPU I/O reports to `vmigrater-hv-agent` over a virtio port.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ChannelSection {
+    pub enabled: bool,
+    /// The virtio-serial port (any character device or FIFO works for tests).
+    pub path: std::path::PathBuf,
+    /// Report period.
+    pub period_ms: u64,
+}
+
+impl Default for ChannelSection {
+    fn default() -> Self {
+        ChannelSection {
+            enabled: true,
+            path: format!("/dev/virtio-ports/{}", proto::PORT_NAME).into(),
+            period_ms: 100,
         }
     }
 }
@@ -208,6 +231,12 @@ impl Config {
             bail!(
                 "detector.window_ms = {} is outside 1..=1000",
                 self.detector.window_ms
+            );
+        }
+        if !(10..=60_000).contains(&self.channel.period_ms) {
+            bail!(
+                "channel.period_ms = {} is outside 10..=60000",
+                self.channel.period_ms
             );
         }
         if self.migration.max_load_per_vcpu <= 0.0 {

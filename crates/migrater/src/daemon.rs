@@ -18,6 +18,7 @@ use tracing::{debug, info, warn};
 use vcpu_monitor::{monotonic_ns, Demand, Monitor, MonitorConfig, VcpuBoard};
 
 use crate::affinity::AffinityExecutor;
+use crate::channel::{self, ChannelStats, VcpuSample};
 use crate::config::Config;
 use crate::hook::{LatencyRing, MigrationHook, Placement, Shared, TaskEntry};
 use crate::journal::AffinityJournal;
@@ -69,9 +70,41 @@ struct Running {
     attach_mode: String,
     dry_run: bool,
     started: Instant,
+    channel: Arc<ChannelStats>,
 }
 
 impl Running {
+    /// Cumulative per-vCPU figures for the host channel.
+    fn channel_sample(&self) -> Vec<VcpuSample> {
+        let now = monotonic_ns();
+        let tasks = self.shared.tasks.load();
+        let cpu_io = self.cpu_io.load();
+        // try_lock: the channel must never hold up the planner; a busy lock only means
+        // this period's per-vCPU task counts use the tasks' last CPU instead.
+        let placement = self.shared.placement.try_lock().ok();
+        let on = |t: &TaskEntry| {
+            placement
+                .as_ref()
+                .and_then(|p| p.placed_on(t.tid))
+                .unwrap_or(t.last_cpu)
+        };
+        self.board
+            .snapshot(now)
+            .iter()
+            .map(|s| {
+                let io = cpu_io.iter().find(|c| c.cpu as usize == s.cpu);
+                VcpuSample {
+                    cpu: s.cpu as u32,
+                    completions: io.map_or(0, |c| c.completions),
+                    ema_interval_ns: io.map_or(0, |c| c.ema_interval_ns),
+                    io_bound_tasks: tasks.iter().filter(|t| on(t) == s.cpu).count() as u32,
+                    inactive_total_ns: s.inactive_total_ns,
+                    est_slice_ns: s.est_slice_ns,
+                }
+            })
+            .collect()
+    }
+
     fn report(&self) -> StatusReport {
         let now = monotonic_ns();
         let tasks = self.shared.tasks.load();
@@ -110,6 +143,10 @@ impl Running {
             managed_tasks: placement.executor.as_ref().map_or(0, |e| e.managed_count()) as u64,
             migrations: self.shared.migrations.load(Ordering::Relaxed),
             hands_off_tasks: placement.hands_off.len() as u64,
+            channel_connected: self.channel.connected.load(Ordering::Relaxed),
+            channel_reports_sent: self.channel.reports_sent.load(Ordering::Relaxed),
+            channel_reports_dropped: self.channel.reports_dropped.load(Ordering::Relaxed),
+            channel_replies: self.channel.replies.load(Ordering::Relaxed),
             migration_latency_us: status::summarize(
                 &placement.latencies.values(),
                 placement.latencies.total,
@@ -271,7 +308,27 @@ pub fn run(cfg: Config) -> Result<()> {
         attach_mode,
         dry_run: cfg.dry_run,
         started: Instant::now(),
+        channel: Arc::new(ChannelStats::default()),
     });
+    let channel_thread = if cfg.channel.enabled {
+        let (running, stop, path) = (running.clone(), stop.clone(), cfg.channel.path.clone());
+        let period = Duration::from_millis(cfg.channel.period_ms);
+        Some(
+            std::thread::Builder::new()
+                .name("vmigrater-chan".into())
+                .spawn(move || {
+                    channel::run(
+                        &path,
+                        period,
+                        || running.channel_sample(),
+                        &running.channel,
+                        &stop,
+                    )
+                })?,
+        )
+    } else {
+        None
+    };
     let served = control_plane(&cfg, running);
 
     // Shutdown: stop deciding first, then hand every task back.
@@ -279,6 +336,9 @@ pub fn run(cfg: Config) -> Result<()> {
     monitor.stop();
     if detect_thread.join().is_err() {
         warn!("detector thread panicked");
+    }
+    if channel_thread.is_some_and(|t| t.join().is_err()) {
+        warn!("channel thread panicked");
     }
     shared.tasks.store(Arc::new(Vec::new()));
     let mut placement = shared.placement.lock().expect("placement lock");

@@ -2,6 +2,7 @@
 //! (task-detector) → planner → affinity executor, decided on the monitor thread of the
 //! vCPU whose state changed (`hook`), wired together by `daemon`.
 pub mod affinity;
+pub mod channel;
 pub mod check;
 pub mod config;
 pub mod daemon;

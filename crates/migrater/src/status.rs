@@ -62,6 +62,10 @@ pub struct StatusReport {
     pub managed_tasks: u64,
     pub migrations: u64,
     pub hands_off_tasks: u64,
+    pub channel_connected: bool,
+    pub channel_reports_sent: u64,
+    pub channel_reports_dropped: u64,
+    pub channel_replies: u64,
     /// Microseconds per sched_setaffinity that moved a task (recent window).
     pub migration_latency_us: LatencySummary,
     pub vcpus: Vec<VcpuStatus>,
@@ -101,6 +105,18 @@ pub fn render(r: &StatusReport) -> String {
         s,
         "io-bound tasks {}  managed {}  hands-off {}  migrations {}  latency µs p50 {:.1} p99 {:.1} max {:.1}",
         r.io_tasks, r.managed_tasks, r.hands_off_tasks, r.migrations, l.p50, l.p99, l.max
+    );
+    let _ = writeln!(
+        s,
+        "host channel {}  reports sent {}  dropped {}  replies {}",
+        if r.channel_connected {
+            "connected"
+        } else {
+            "not connected"
+        },
+        r.channel_reports_sent,
+        r.channel_reports_dropped,
+        r.channel_replies
     );
     let _ = writeln!(
         s,

@@ -1,0 +1,324 @@
+//! Backends apply the credit core's settings to a real hypervisor and undo them on exit.
+//! - `KvmQemu`: per vCPU thread, nice and EEVDF slice in one `sched_setattr`; the
+//!   original attributes are saved at first touch and restored by `restore`. Threads
+//!   that are not SCHED_OTHER (someone made them real-time) are left alone.
+//! - `Xen`: one credit2 weight per domain (`xl sched-credit2 -d DOM -w W`), 256 being the
+//!   default, through a command runner so tests can check the exact commands.
+//! - `DryRun`: computes and logs, touches nothing.
+
+use anyhow::{bail, Context, Result};
+use std::collections::{BTreeMap, HashMap};
+use tracing::{debug, info, warn};
+
+use crate::weights::Setting;
+
+pub trait Backend: Send {
+    fn name(&self) -> &'static str;
+    /// Applies one vCPU's setting; `tid` is its host thread where known, `domain` the VM's
+    /// Xen domain. Returns whether anything changed.
+    fn apply(
+        &mut self,
+        vm: &str,
+        domain: Option<&str>,
+        tid: Option<u32>,
+        s: &Setting,
+    ) -> Result<bool>;
+    /// Called once per period after every `apply`.
+    fn flush(&mut self) -> Result<()> {
+        Ok(())
+    }
+    /// Puts back everything this backend changed; returns how many objects it restored.
+    fn restore(&mut self) -> usize;
+}
+
+pub fn for_name(name: &str) -> Result<Box<dyn Backend>> {
+    Ok(match name {
+        "kvm-qemu" => Box::new(KvmQemu::default()),
+        "xen" => Box::new(Xen::new(Box::new(RealRunner))),
+        "dry-run" => Box::new(DryRun),
+        other => bail!("unknown backend {other:?}"),
+    })
+}
+
+/// Raw `sched_{get,set}attr` (not wrapped by libc): the only way to set a fair-class
+/// thread's custom slice (`sched_runtime`, Linux 6.12+) together with its nice.
+pub fn get_attr(tid: u32) -> std::io::Result<libc::sched_attr> {
+    // SAFETY: zeroed sched_attr is a valid out-parameter; size tells the kernel its length.
+    let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::sched_attr>() as u32;
+    // SAFETY: valid pointer and size for the duration of the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_sched_getattr,
+            tid as libc::pid_t,
+            &mut attr as *mut _,
+            size,
+            0u32,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(attr)
+}
+
+pub fn set_attr(tid: u32, attr: &libc::sched_attr) -> std::io::Result<()> {
+    let mut a = *attr;
+    a.size = std::mem::size_of::<libc::sched_attr>() as u32;
+    // SAFETY: valid pointer to an initialised sched_attr for the duration of the call.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_sched_setattr,
+            tid as libc::pid_t,
+            &a as *const _,
+            0u32,
+        )
+    };
+    if r != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+#[derive(Default)]
+pub struct KvmQemu {
+    originals: HashMap<u32, libc::sched_attr>,
+}
+
+impl Backend for KvmQemu {
+    fn name(&self) -> &'static str {
+        "kvm-qemu"
+    }
+
+    fn apply(
+        &mut self,
+        vm: &str,
+        _domain: Option<&str>,
+        tid: Option<u32>,
+        s: &Setting,
+    ) -> Result<bool> {
+        let Some(tid) = tid else { return Ok(false) };
+        let current = match get_attr(tid) {
+            Ok(a) => a,
+            Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {
+                self.originals.remove(&tid);
+                return Ok(false);
+            }
+            Err(e) => return Err(e).with_context(|| format!("sched_getattr({tid})")),
+        };
+        if current.sched_policy != libc::SCHED_OTHER as u32 {
+            debug!(
+                vm,
+                tid,
+                policy = current.sched_policy,
+                "not a SCHED_OTHER thread: left alone"
+            );
+            return Ok(false);
+        }
+        let original = *self.originals.entry(tid).or_insert(current);
+        let mut want = current;
+        want.sched_nice = (original.sched_nice + s.nice).clamp(-20, 19);
+        want.sched_runtime = s.slice_ns.unwrap_or(original.sched_runtime);
+        if want.sched_nice == current.sched_nice && want.sched_runtime == current.sched_runtime {
+            return Ok(false);
+        }
+        set_attr(tid, &want).with_context(|| format!("sched_setattr({tid})"))?;
+        debug!(
+            vm,
+            vcpu = s.key.1,
+            tid,
+            nice = want.sched_nice,
+            slice_ns = want.sched_runtime,
+            iv = s.iv_credit,
+            cv = s.cv_credit,
+            boost = s.boost,
+            "vCPU thread re-weighted"
+        );
+        Ok(true)
+    }
+
+    fn restore(&mut self) -> usize {
+        let mut n = 0;
+        for (tid, attr) in self.originals.drain() {
+            match set_attr(tid, &attr) {
+                Ok(()) => n += 1,
+                Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                Err(e) => warn!(tid, "could not restore scheduling attributes: {e}"),
+            }
+        }
+        n
+    }
+}
+
+/// Runs external commands (`xl`); replaced in tests.
+pub trait CommandRunner: Send {
+    fn run(&mut self, argv: &[String]) -> Result<()>;
+}
+
+pub struct RealRunner;
+
+impl CommandRunner for RealRunner {
+    fn run(&mut self, argv: &[String]) -> Result<()> {
+        let status = std::process::Command::new(&argv[0])
+            .args(&argv[1..])
+            .status()
+            .with_context(|| format!("running {}", argv.join(" ")))?;
+        anyhow::ensure!(status.success(), "{} exited with {status}", argv.join(" "));
+        Ok(())
+    }
+}
+
+pub const XEN_DEFAULT_WEIGHT: u32 = 256;
+
+pub struct Xen {
+    runner: Box<dyn CommandRunner>,
+    /// Σ nice and count per domain, gathered by `apply`, turned into weights by `flush`.
+    pending: BTreeMap<String, (i32, u32)>,
+    applied: BTreeMap<String, u32>,
+}
+
+impl Xen {
+    pub fn new(runner: Box<dyn CommandRunner>) -> Self {
+        Xen {
+            runner,
+            pending: BTreeMap::new(),
+            applied: BTreeMap::new(),
+        }
+    }
+
+    fn set(&mut self, domain: &str, weight: u32) -> Result<()> {
+        let argv = [
+            "xl",
+            "sched-credit2",
+            "-d",
+            domain,
+            "-w",
+            &weight.to_string(),
+        ]
+        .map(String::from);
+        self.runner.run(&argv)
+    }
+}
+
+impl Backend for Xen {
+    fn name(&self) -> &'static str {
+        "xen"
+    }
+
+    fn apply(
+        &mut self,
+        _vm: &str,
+        domain: Option<&str>,
+        _tid: Option<u32>,
+        s: &Setting,
+    ) -> Result<bool> {
+        let Some(domain) = domain else {
+            return Ok(false);
+        };
+        let e = self.pending.entry(domain.to_string()).or_insert((0, 0));
+        e.0 += s.nice;
+        e.1 += 1;
+        Ok(false)
+    }
+
+    fn flush(&mut self) -> Result<()> {
+        for (domain, (sum, n)) in std::mem::take(&mut self.pending) {
+            let mean_nice = sum as f64 / n.max(1) as f64;
+            let weight = (XEN_DEFAULT_WEIGHT as f64 * 1.25f64.powf(-mean_nice))
+                .round()
+                .clamp(1.0, 65535.0) as u32;
+            if self.applied.get(&domain) != Some(&weight) {
+                self.set(&domain, weight)?;
+                info!(domain, weight, "credit2 weight set");
+                self.applied.insert(domain, weight);
+            }
+        }
+        Ok(())
+    }
+
+    fn restore(&mut self) -> usize {
+        let domains: Vec<String> = std::mem::take(&mut self.applied).into_keys().collect();
+        domains
+            .iter()
+            .filter(|d| match self.set(d, XEN_DEFAULT_WEIGHT) {
+                Ok(()) => true,
+                Err(e) => {
+                    warn!(domain = %d, "could not restore the credit2 weight: {e:#}");
+                    false
+                }
+            })
+            .count()
+    }
+}
+
+pub struct DryRun;
+
+impl Backend for DryRun {
+    fn name(&self) -> &'static str {
+        "dry-run"
+    }
+
+    fn apply(
+        &mut self,
+        vm: &str,
+        _domain: Option<&str>,
+        tid: Option<u32>,
+        s: &Setting,
+    ) -> Result<bool> {
+        debug!(vm, vcpu = s.key.1, ?tid, nice = s.nice, slice_ns = ?s.slice_ns, iv = s.iv_credit, cv = s.cv_credit, "dry-run: would apply");
+        Ok(false)
+    }
+
+    fn restore(&mut self) -> usize {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::{Arc, Mutex};
+
+    struct Recorder(Arc<Mutex<Vec<String>>>);
+
+    impl CommandRunner for Recorder {
+        fn run(&mut self, argv: &[String]) -> Result<()> {
+            self.0.lock().unwrap().push(argv.join(" "));
+            Ok(())
+        }
+    }
+
+    fn setting(cpu: u32, nice: i32) -> Setting {
+        Setting {
+            key: (0, cpu),
+            nice,
+            slice_ns: None,
+            iv_credit: 0.0,
+            cv_credit: 0.0,
+            boost: false,
+        }
+    }
+
+    #[test]
+    fn xen_issues_exactly_the_credit2_commands() {
+        let log = Arc::new(Mutex::new(Vec::new()));
+        let mut x = Xen::new(Box::new(Recorder(log.clone())));
+        x.apply("a", Some("vm-a"), None, &setting(0, -1)).unwrap();
+        x.apply("a", Some("vm-a"), None, &setting(1, -1)).unwrap();
+        x.apply("b", Some("7"), None, &setting(0, 2)).unwrap();
+        x.flush().unwrap();
+        // Same weights again: no new commands.
+        x.apply("a", Some("vm-a"), None, &setting(0, -1)).unwrap();
+        x.flush().unwrap();
+        assert_eq!(x.restore(), 2);
+        assert_eq!(
+            *log.lock().unwrap(),
+            vec![
+                "xl sched-credit2 -d 7 -w 164",
+                "xl sched-credit2 -d vm-a -w 320",
+                "xl sched-credit2 -d 7 -w 256",
+                "xl sched-credit2 -d vm-a -w 256",
+            ]
+        );
+    }
+}

@@ -1,0 +1,132 @@
+//! Agent configuration (`/etc/vmigrater/hv-agent.toml`): every key has a default; unknown
+//! keys are errors naming the line. Owns parsing and validation only.
+
+use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/vmigrater/hv-agent.toml";
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Credit period.
+    pub period_ms: u64,
+    /// `kvm-qemu`, `xen` or `dry-run`.
+    pub backend: String,
+    /// Reports closer together than this are refused (per guest).
+    pub min_report_interval_ms: u64,
+    /// Nice range the CPU-BOOST weights may use (0 = never change weights).
+    pub max_nice_delta: i32,
+    /// EEVDF slice for I/O-intensive vCPU threads (0 = never change slices).
+    pub io_slice_us: u64,
+    #[serde(rename = "vm")]
+    pub vms: Vec<VmConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            period_ms: 100,
+            backend: "kvm-qemu".into(),
+            min_report_interval_ms: 20,
+            max_nice_delta: 3,
+            io_slice_us: 500,
+            vms: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct VmConfig {
+    pub name: String,
+    /// Host end of the guest's `org.vmigrater.hint.0` port (QEMU chardev unix socket).
+    pub hint_socket: Option<PathBuf>,
+    /// QMP socket, to find the vCPU threads.
+    pub qmp_socket: Option<PathBuf>,
+    /// vCPU thread ids, in vCPU order, when there is no QMP (tests, other VMMs).
+    #[serde(default)]
+    pub vcpu_threads: Vec<u32>,
+    /// Xen domain name or id (xen backend).
+    pub domain: Option<String>,
+}
+
+impl Config {
+    pub fn parse(text: &str, origin: &str) -> Result<Config> {
+        let cfg: Config = toml::from_str(text).map_err(|e| {
+            let line = e
+                .span()
+                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+            match line {
+                Some(l) => anyhow::anyhow!("{origin}:{l}: {}", e.message().trim_end()),
+                None => anyhow::anyhow!("{origin}: {}", e.message().trim_end()),
+            }
+        })?;
+        cfg.validate()
+            .with_context(|| format!("{origin}: invalid configuration"))?;
+        Ok(cfg)
+    }
+
+    pub fn load(path: &Path, explicit: bool) -> Result<Config> {
+        match std::fs::read_to_string(path) {
+            Ok(text) => Config::parse(&text, &path.display().to_string()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+                Ok(Config::default())
+            }
+            Err(e) => Err(e).with_context(|| format!("reading config {}", path.display())),
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        if !(10..=60_000).contains(&self.period_ms) {
+            bail!("period_ms = {} is outside 10..=60000", self.period_ms);
+        }
+        if !["kvm-qemu", "xen", "dry-run"].contains(&self.backend.as_str()) {
+            bail!(
+                "backend = {:?}: expected \"kvm-qemu\", \"xen\" or \"dry-run\"",
+                self.backend
+            );
+        }
+        if !(0..=19).contains(&self.max_nice_delta) {
+            bail!("max_nice_delta = {} is outside 0..=19", self.max_nice_delta);
+        }
+        let mut names = std::collections::HashSet::new();
+        for vm in &self.vms {
+            if !names.insert(&vm.name) {
+                bail!("vm {:?} is configured twice", vm.name);
+            }
+            if vm.qmp_socket.is_none() && vm.vcpu_threads.is_empty() && vm.domain.is_none() {
+                bail!("vm {:?}: give qmp_socket, vcpu_threads or domain", vm.name);
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defaults_and_a_vm() {
+        let c = Config::parse(
+            "[[vm]]\nname = \"a\"\nhint_socket = \"/run/a.sock\"\nvcpu_threads = [1, 2]\n",
+            "t",
+        )
+        .unwrap();
+        assert_eq!(c.period_ms, 100);
+        assert_eq!(c.vms[0].vcpu_threads, vec![1, 2]);
+    }
+
+    #[test]
+    fn errors_name_the_line() {
+        let e = Config::parse("period_ms = 100\nbackend = \"kvm\"\n", "t").unwrap_err();
+        assert!(format!("{e:#}").contains("backend"), "{e:#}");
+        let e = Config::parse("\n\nperiod = 5\n", "t")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("t:3:"), "{e}");
+        assert!(Config::parse("[[vm]]\nname = \"a\"\n", "t").is_err());
+    }
+}

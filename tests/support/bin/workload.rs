@@ -8,7 +8,9 @@ use vmigrater_testbed::workload::{self, ReadPattern};
 
 const USAGE: &str = "usage: vmigrater-workload --file F [--pattern random4k|seq1m] [--readers N] [--hogs N] [--pin-hogs] [--duration-ms MS]
   Runs N O_DIRECT readers of F and N CPU hogs for MS milliseconds (default: until killed),
-  then prints {\"elapsed_s\", \"readers\": [{\"tid\", \"reads\", \"cpu_s\"}], \"hogs\": [{\"tid\", \"units\", \"cpu_s\"}]}.";
+  then prints {\"elapsed_s\", \"readers\": [{\"tid\", \"reads\", \"cpu_s\", \"migrations\", \"last_cpu\"}],
+  \"hogs\": [{\"tid\", \"units\", \"cpu_s\", \"migrations\", \"last_cpu\"}]} (migrations: the kernel's
+  se.nr_migrations of the thread, whoever moved it).";
 
 fn main() {
     if let Err(e) = run() {
@@ -68,17 +70,21 @@ fn run() -> anyhow::Result<()> {
     let readers: Vec<_> = reader_workers
         .into_iter()
         .map(|w| {
-            let (tid, cpu_s) = (w.tid, thread_cpu_s(w.tid));
-            w.stop()
-                .map(|n| serde_json::json!({"tid": tid, "reads": n, "cpu_s": cpu_s}))
+            let (tid, cpu_s, sched) = (w.tid, thread_cpu_s(w.tid), thread_sched(w.tid));
+            w.stop().map(|n| {
+                serde_json::json!({"tid": tid, "reads": n, "cpu_s": cpu_s,
+                    "migrations": sched.0, "last_cpu": sched.1})
+            })
         })
         .collect::<anyhow::Result<_>>()?;
     let hogs: Vec<_> = hog_workers
         .into_iter()
         .map(|w| {
-            let (tid, cpu_s) = (w.tid, thread_cpu_s(w.tid));
-            w.stop()
-                .map(|n| serde_json::json!({"tid": tid, "units": n, "cpu_s": cpu_s}))
+            let (tid, cpu_s, sched) = (w.tid, thread_cpu_s(w.tid), thread_sched(w.tid));
+            w.stop().map(|n| {
+                serde_json::json!({"tid": tid, "units": n, "cpu_s": cpu_s,
+                    "migrations": sched.0, "last_cpu": sched.1})
+            })
         })
         .collect::<anyhow::Result<_>>()?;
     println!(
@@ -94,4 +100,24 @@ fn thread_cpu_s(tid: u32) -> f64 {
         .ok()
         .and_then(|s| s.split_whitespace().next()?.parse::<f64>().ok())
         .map_or(0.0, |ns| ns / 1e9)
+}
+
+/// (CPU migrations so far, CPU it last ran on) of one of our threads, from
+/// /proc/self/task/TID/sched (`se.nr_migrations`) and stat (field 39); None if unreadable.
+fn thread_sched(tid: u32) -> (Option<u64>, Option<u32>) {
+    let migrations = std::fs::read_to_string(format!("/proc/self/task/{tid}/sched"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.trim_start().starts_with("se.nr_migrations"))
+                .and_then(|l| l.split(':').nth(1)?.trim().parse().ok())
+        });
+    let last_cpu = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat"))
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 2..];
+            // Fields after the comm start at field 3; `processor` is field 39.
+            rest.split_whitespace().nth(39 - 3)?.parse().ok()
+        });
+    (migrations, last_cpu)
 }

@@ -1,45 +1,235 @@
-//! vCPU monitor on the real kernel: the steal emulator takes CPUs away on a known
-//! schedule and the sleepers must see it (issue 2 acceptance (a)). Root only.
+//! vCPU monitor on the real kernel: the steal emulator takes CPUs away on a known schedule
+//! and the sleepers must see it (issue 2 acceptance (a)); with nothing stealing they must
+//! stay quiet, and with nothing to do they must sleep long and cost next to nothing.
+//! Root only (SCHED_FIFO).
+//!
+//! These tests own the CPUs' RT band while they run: they wait for (and name) any foreign
+//! RT thread that could preempt the sleepers — e.g. another test run's steal emulator —
+//! instead of measuring it. Normal-priority load (compilers) is allowed: surviving it is
+//! the point.
 
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
-use steal_emulator::{Emulator, Pattern};
+use std::time::{Duration, Instant};
+use steal_emulator::{Emulator, Pattern, StealRecord};
 use vcpu_monitor::{monotonic_ns, Demand, Monitor, MonitorConfig, TickEvent, TickHook, VcpuBoard};
 use vmigrater_testbed::require_root;
 
-#[derive(Default)]
+/// The tests in this binary measure the same CPUs: one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const MS: u64 = 1_000_000;
+
+/// A gap as the monitor reported it, with what the board predicted right after it.
+#[derive(Clone, Copy, Debug)]
+struct Gap {
+    start_ns: u64,
+    end_ns: u64,
+    /// The board's slice prediction for the slice this resume begins.
+    predicted_slice_ns: u64,
+}
+
+/// One wake-up: (time, the board's hiccup count, gap threshold, period).
+type Wake = (u64, u64, u64, u64);
+
+/// Records on the sleeper threads: per-CPU vectors allocated up front, so a tick costs an
+/// uncontended lock and a push, never an allocation.
 struct Recorder {
-    /// (cpu, resume time, estimated inactive ns)
-    gaps: Mutex<Vec<(usize, u64, u64)>>,
-    ticks: Mutex<u64>,
+    cpus: Vec<usize>,
+    gaps: Vec<Mutex<Vec<Gap>>>,
+    ticks: Vec<AtomicU64>,
+    /// Every wake-up time, to explain a missed burst.
+    wakes: Vec<Mutex<Vec<Wake>>>,
+}
+
+impl Recorder {
+    fn new(cpus: &[usize]) -> Self {
+        Recorder {
+            cpus: cpus.to_vec(),
+            gaps: cpus
+                .iter()
+                .map(|_| Mutex::new(Vec::with_capacity(4096)))
+                .collect(),
+            ticks: cpus.iter().map(|_| AtomicU64::new(0)).collect(),
+            wakes: cpus
+                .iter()
+                .map(|_| Mutex::new(Vec::with_capacity(32_768)))
+                .collect(),
+        }
+    }
+    fn idx(&self, cpu: usize) -> usize {
+        self.cpus.iter().position(|&c| c == cpu).expect("known cpu")
+    }
+    fn gaps(&self, cpu: usize) -> Vec<Gap> {
+        self.gaps[self.idx(cpu)].lock().unwrap().clone()
+    }
+    fn total_ticks(&self) -> u64 {
+        self.ticks.iter().map(|t| t.load(Relaxed)).sum()
+    }
+    fn total_gaps(&self) -> usize {
+        self.gaps.iter().map(|g| g.lock().unwrap().len()).sum()
+    }
 }
 
 impl TickHook for Recorder {
-    fn on_tick(&self, cpu: usize, event: TickEvent, _: &VcpuBoard, now_ns: u64) {
-        *self.ticks.lock().unwrap() += 1;
+    fn on_tick(&self, cpu: usize, event: TickEvent, board: &VcpuBoard, now_ns: u64) {
+        let i = self.idx(cpu);
+        self.ticks[i].fetch_add(1, Relaxed);
+        let mut wakes = self.wakes[i].lock().unwrap();
+        if wakes.len() < wakes.capacity() {
+            let s = board.cpu_snapshot(cpu, now_ns).unwrap();
+            wakes.push((now_ns, s.hiccups, s.gap_threshold_ns, s.period_ns));
+        }
+        drop(wakes);
         if let TickEvent::Resumed { inactive_ns } = event {
-            self.gaps.lock().unwrap().push((cpu, now_ns, inactive_ns));
+            let predicted = board
+                .cpu_snapshot(cpu, now_ns)
+                .map_or(0, |s| s.est_slice_ns);
+            self.gaps[i].lock().unwrap().push(Gap {
+                start_ns: now_ns - inactive_ns,
+                end_ns: now_ns,
+                predicted_slice_ns: predicted,
+            });
         }
     }
 }
 
-fn percentile(v: &mut [u64], q: f64) -> u64 {
+/// User-space RT threads of other processes that can preempt a FIFO-1 sleeper: another
+/// steal emulator or benchmark. Kernel threads (migration, irq) are part of the machine.
+fn foreign_rt_threads() -> Vec<String> {
+    const PF_KTHREAD: u64 = 0x0020_0000;
+    let me = std::process::id().to_string();
+    let mut found = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for p in procs.flatten() {
+        let pid = p.file_name().to_string_lossy().into_owned();
+        if pid == me || !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let Ok(tasks) = std::fs::read_dir(p.path().join("task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+                continue;
+            };
+            // Fields after "(comm)" start at field 3; comm may contain spaces.
+            let Some((head, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            let num = |field: usize| f.get(field - 3).and_then(|v| v.parse::<u64>().ok());
+            let (Some(flags), Some(rt_prio), Some(policy)) = (num(9), num(40), num(41)) else {
+                continue;
+            };
+            let rt = policy == libc::SCHED_FIFO as u64 || policy == libc::SCHED_RR as u64;
+            if rt && rt_prio >= 2 && flags & PF_KTHREAD == 0 {
+                let comm = head.split_once('(').map_or("?", |(_, c)| c);
+                found.push(format!(
+                    "pid {pid} tid {} {comm} (prio {rt_prio})",
+                    t.file_name().to_string_lossy()
+                ));
+            }
+        }
+    }
+    found
+}
+
+/// Waits until no foreign RT thread is around, so what we measure is ours.
+fn wait_for_rt_quiet() {
+    let t0 = Instant::now();
+    let mut said = false;
+    loop {
+        let found = foreign_rt_threads();
+        if found.is_empty() {
+            return;
+        }
+        if !said {
+            eprintln!("waiting for foreign RT threads to finish: {found:?}");
+            said = true;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(240),
+            "foreign RT threads kept the CPUs for 4 min, cannot measure: {found:?}"
+        );
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+/// Runs `f` with a monitor started at `demand`, retrying (up to 3 times) a run during which
+/// a foreign RT thread appeared.
+fn with_monitor<T>(
+    cfg: &MonitorConfig,
+    demand: Demand,
+    mut f: impl FnMut(&VcpuBoard, &Recorder) -> T,
+) -> (Arc<Recorder>, Arc<VcpuBoard>, T) {
+    for attempt in 1..=3 {
+        wait_for_rt_quiet();
+        let board = Arc::new(VcpuBoard::new(&cfg.cpus, cfg));
+        board.set_demand(demand);
+        let rec = Arc::new(Recorder::new(&cfg.cpus));
+        let mon = Monitor::start(cfg.clone(), board.clone(), rec.clone()).expect("start monitor");
+        let out = f(&board, &rec);
+        mon.stop();
+        let intruders = foreign_rt_threads();
+        if intruders.is_empty() || attempt == 3 {
+            return (rec, board, out);
+        }
+        eprintln!("attempt {attempt} disturbed by foreign RT threads {intruders:?}; retrying");
+    }
+    unreachable!()
+}
+
+/// The q-quantile; `u64::MAX` for no samples, so that "error below X" cannot pass empty.
+fn percentile(v: &[u64], q: f64) -> u64 {
+    if v.is_empty() {
+        return u64::MAX;
+    }
+    let mut v = v.to_vec();
     v.sort_unstable();
     v[((v.len() - 1) as f64 * q).round() as usize]
 }
 
-fn run_monitor(
-    cfg: MonitorConfig,
-    demand: Demand,
-    f: impl FnOnce(),
-) -> (Arc<Recorder>, Arc<VcpuBoard>) {
-    let board = Arc::new(VcpuBoard::new(&cfg.cpus, &cfg));
-    board.set_demand(demand);
-    let rec = Arc::new(Recorder::default());
-    let mon = Monitor::start(cfg, board.clone(), rec.clone()).expect("start monitor");
-    f();
-    mon.stop();
-    (rec, board)
+fn overlaps(g: &Gap, (a, b): (u64, u64)) -> bool {
+    g.start_ns < b && g.end_ns > a
+}
+
+/// Time the real hypervisor under this machine took from all CPUs so far (the `steal`
+/// column of /proc/stat, in USER_HZ ticks): a stall it causes is a true deschedule, not a
+/// false gap.
+fn host_steal_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    stat.lines()
+        .find(|l| l.starts_with("cpu "))
+        .and_then(|l| l.split_whitespace().nth(8))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Sum of the run time (ns) of this process's threads whose name starts with `prefix`.
+fn threads_runtime_ns(prefix: &str) -> u64 {
+    let mut sum = 0;
+    for t in std::fs::read_dir("/proc/self/task").unwrap().flatten() {
+        let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+        if comm.starts_with(prefix) {
+            let s = std::fs::read_to_string(t.path().join("schedstat")).unwrap_or_default();
+            sum += s
+                .split_whitespace()
+                .next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .unwrap_or(0);
+        }
+    }
+    sum
+}
+
+fn anti_phase_10ms() -> Vec<Pattern> {
+    vec![
+        "0:10000:10000:0".parse().unwrap(),
+        "1:10000:10000:10000".parse().unwrap(),
+    ]
 }
 
 #[test]
@@ -47,72 +237,123 @@ fn detects_emulated_deschedules_and_measures_slices() {
     if !require_root("detects_emulated_deschedules_and_measures_slices") {
         return;
     }
-    let cfg = MonitorConfig {
-        cpus: vec![0, 1],
-        ..MonitorConfig::default()
-    };
-    let patterns: Vec<Pattern> = vec![
-        "0:10000:10000:0".parse().unwrap(),
-        "1:10000:10000:10000".parse().unwrap(),
-    ];
-    let mut truth = Vec::new();
-    let (rec, board) = run_monitor(cfg, Demand::Active, || {
-        let emu = Emulator::start(&patterns, 50).expect("steal emulator");
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = MonitorConfig::default();
+    assert!(
+        cfg.cpus.contains(&0) && cfg.cpus.contains(&1),
+        "needs CPUs 0 and 1 online, have {:?}",
+        cfg.cpus
+    );
+    let (rec, board, truth) = with_monitor(&cfg, Demand::Active, |_, _| {
+        let emu = Emulator::start(&anti_phase_10ms(), 50).expect("steal emulator");
         std::thread::sleep(Duration::from_secs(3));
-        truth = emu.stop();
+        (emu.stop(), monotonic_ns())
     });
-    let gaps = rec.gaps.lock().unwrap().clone();
+    let (truth, ended): (Vec<StealRecord>, u64) = truth;
+    // The first 200 ms: the baseline window fills and the first slices replace the 11 ms
+    // default.
     let warmup = truth
         .iter()
-        .flat_map(|r| r.intervals.first())
+        .filter_map(|r| r.intervals.first())
         .map(|i| i.0)
         .min()
-        .unwrap()
-        + 200_000_000;
-    let (mut bursts, mut detected, mut slice_errs) = (0usize, 0usize, Vec::new());
-    let mut matched_gaps = 0usize;
+        .expect("the emulator ran")
+        + 200 * MS;
+
+    let (mut bursts, mut detected, mut false_gaps) = (0usize, 0usize, 0usize);
+    let (mut predict_errs, mut measured_errs) = (Vec::new(), Vec::new());
+    let mut missed = Vec::new();
     for r in &truth {
-        let cpu_gaps: Vec<_> = gaps.iter().filter(|g| g.0 == r.cpu).collect();
-        let ivs: Vec<_> = r.intervals.iter().filter(|iv| iv.0 >= warmup).collect();
-        for (k, &&(a, b)) in ivs.iter().enumerate() {
-            // The sleeper resumes when the burst ends, plus wake-up latency.
-            let hit = cpu_gaps.iter().find(|g| g.1 >= a && g.1 <= b + 1_000_000);
+        let gaps = rec.gaps(r.cpu);
+        let ivs: Vec<(u64, u64)> = r
+            .intervals
+            .iter()
+            .copied()
+            .filter(|iv| iv.0 >= warmup)
+            .collect();
+        for (k, &iv) in ivs.iter().enumerate() {
             bursts += 1;
-            let Some(hit) = hit else { continue };
+            let Some(hit) = gaps.iter().find(|g| overlaps(g, iv)) else {
+                missed.push((r.cpu, iv));
+                continue;
+            };
             detected += 1;
-            matched_gaps += 1;
-            // Measured slice: from this resume to the start of the next detected gap.
-            if let (Some(&&(na, _)), Some(next)) = (
-                ivs.get(k + 1),
-                cpu_gaps.iter().find(|g| g.1 > hit.1 + 1_000_000),
-            ) {
-                let measured = (next.1 - next.2).saturating_sub(hit.1);
-                let true_slice = na - b;
-                slice_errs.push(measured.abs_diff(true_slice));
+            let Some(&(next_a, _)) = ivs.get(k + 1) else {
+                continue;
+            };
+            let true_slice = next_a - iv.1;
+            predict_errs.push(hit.predicted_slice_ns.abs_diff(true_slice));
+            // Under load one reported gap can span two bursts (the sleeper never ran in
+            // between); then there is no measured slice.
+            if let Some(next) = gaps
+                .iter()
+                .find(|g| g.start_ns >= hit.end_ns && overlaps(g, (next_a, next_a + 1)))
+            {
+                measured_errs.push((next.start_ns - hit.end_ns).abs_diff(true_slice));
             }
         }
+        // A gap is false when no burst on its CPU overlaps it (the sleeper was simply late).
+        let false_here: Vec<(u64, u64)> = gaps
+            .iter()
+            .filter(|g| g.start_ns >= warmup && g.end_ns <= ended)
+            .filter(|g| !r.intervals.iter().any(|&iv| overlaps(g, iv)))
+            .map(|g| ((g.start_ns - warmup) / 1000, (g.end_ns - g.start_ns) / 1000))
+            .collect();
+        if !false_here.is_empty() {
+            eprintln!(
+                "cpu {} false gaps (µs after warm-up, µs long): {false_here:?}",
+                r.cpu
+            );
+        }
+        false_gaps += false_here.len();
     }
-    let after_warmup = gaps.iter().filter(|g| g.1 >= warmup).count();
-    let false_gaps = after_warmup.saturating_sub(matched_gaps);
-    let p50 = percentile(&mut slice_errs.clone(), 0.5);
-    let p99 = percentile(&mut slice_errs, 0.99);
     let snap = board.snapshot(monotonic_ns());
+    let ms = |ns: u64| ns as f64 / 1e6;
     eprintln!(
-        "detected {detected}/{bursts} deschedules, {false_gaps} false gaps; slice error p50 {:.3} ms p99 {:.3} ms; estimates {:?} ms; thresholds {:?} µs",
-        p50 as f64 / 1e6,
-        p99 as f64 / 1e6,
-        snap.iter().map(|s| s.est_slice_ns as f64 / 1e6).collect::<Vec<_>>(),
-        snap.iter().map(|s| s.gap_threshold_ns / 1000).collect::<Vec<_>>(),
+        "detected {detected}/{bursts} emulated 10 ms deschedules ({:.1}%), {false_gaps} false \
+         gaps; slice prediction error p50 {:.3} ms p99 {:.3} ms max {:.3} ms; measured slice \
+         error p50 {:.3} ms p99 {:.3} ms; final estimates {:?} ms; thresholds {:?} µs; \
+         deschedules {:?}",
+        detected as f64 * 100.0 / bursts as f64,
+        ms(percentile(&predict_errs, 0.5)),
+        ms(percentile(&predict_errs, 0.99)),
+        ms(percentile(&predict_errs, 1.0)),
+        ms(percentile(&measured_errs, 0.5)),
+        ms(percentile(&measured_errs, 0.99)),
+        snap.iter().map(|s| ms(s.est_slice_ns)).collect::<Vec<_>>(),
+        snap.iter()
+            .map(|s| s.gap_threshold_ns / 1000)
+            .collect::<Vec<_>>(),
+        snap.iter().map(|s| s.deschedules).collect::<Vec<_>>(),
     );
-    assert!(bursts >= 200, "the emulator ran only {bursts} bursts");
+    for &(cpu, (a, b)) in &missed {
+        let wakes = rec.wakes[rec.idx(cpu)].lock().unwrap().clone();
+        let near: Vec<_> = wakes
+            .iter()
+            .filter(|w| w.0 + 2 * MS >= a && w.0 <= b + 2 * MS)
+            .map(|w| ((w.0 as i64 - a as i64) / 1000, w.1, w.2 / 1000, w.3 / 1000))
+            .collect();
+        eprintln!(
+            "missed burst on cpu {cpu}: {:.3} ms long; wake-ups around it (µs from its start, hiccups, threshold µs, period µs): \
+             {near:?}",
+            (b - a) as f64 / 1e6
+        );
+    }
+    // 2 CPUs × 2.8 s / 20 ms = 280 bursts; the RT throttle must not have eaten them.
+    assert!(bursts >= 250, "the emulator ran only {bursts} bursts");
     assert!(
-        detected as f64 >= 0.95 * bursts as f64,
-        "detected {detected}/{bursts}"
+        detected * 100 >= bursts * 95,
+        "detected only {detected}/{bursts}"
     );
-    assert!(p50 < 1_000_000, "median slice error {p50} ns");
-    for s in &snap {
+    let p50 = percentile(&predict_errs, 0.5);
+    assert!(p50 < MS, "median slice prediction error {p50} ns");
+    assert!(
+        percentile(&measured_errs, 0.5) < MS,
+        "median measured slice error"
+    );
+    for s in snap.iter().filter(|s| s.cpu <= 1) {
         assert!(
-            s.est_slice_ns.abs_diff(10_000_000) < 1_000_000,
+            s.est_slice_ns.abs_diff(10 * MS) < MS,
             "cpu {} estimates {} ns",
             s.cpu,
             s.est_slice_ns
@@ -125,28 +366,171 @@ fn detects_emulated_deschedules_and_measures_slices() {
 }
 
 #[test]
+fn the_emulator_steals_on_schedule() {
+    if !require_root("the_emulator_steals_on_schedule") {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    wait_for_rt_quiet();
+    let emu = Emulator::start(&anti_phase_10ms(), 50).expect("steal emulator");
+    std::thread::sleep(Duration::from_secs(1));
+    let rec = emu.stop();
+    let by_cpu = |cpu: usize| &rec.iter().find(|r| r.cpu == cpu).unwrap().intervals;
+    let (c0, c1) = (by_cpu(0), by_cpu(1));
+    let lens: Vec<u64> = c0.iter().chain(c1).map(|(a, b)| b - a).collect();
+    let periods: Vec<u64> = c0.windows(2).map(|w| w[1].0 - w[0].0).collect();
+    // Anti-phase: each CPU 1 burst starts half a period after the CPU 0 burst before it.
+    let phases: Vec<u64> = c1
+        .iter()
+        .filter_map(|b| c0.iter().rev().find(|a| a.0 <= b.0).map(|a| b.0 - a.0))
+        .collect();
+    let ms = |ns: u64| ns as f64 / 1e6;
+    eprintln!(
+        "bursts {}+{}; burst p50 {:.3} ms min {:.3}; period p50 {:.3} ms; phase p50 {:.3} ms",
+        c0.len(),
+        c1.len(),
+        ms(percentile(&lens, 0.5)),
+        ms(percentile(&lens, 0.0)),
+        ms(percentile(&periods, 0.5)),
+        ms(percentile(&phases, 0.5)),
+    );
+    assert!(
+        c0.len() >= 45 && c1.len() >= 45,
+        "{} + {} bursts in 1 s",
+        c0.len(),
+        c1.len()
+    );
+    // A burst is never shorter than asked; only a foreign higher-priority thread or the
+    // RT throttle could stretch it.
+    assert!(percentile(&lens, 0.0) >= 10 * MS);
+    assert!(percentile(&lens, 0.5).abs_diff(10 * MS) < 200_000);
+    assert!(percentile(&periods, 0.5).abs_diff(20 * MS) < 200_000);
+    assert!(percentile(&phases, 0.5).abs_diff(10 * MS) < 500_000);
+}
+
+#[test]
 fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
     if !require_root("quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer") {
         return;
     }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = MonitorConfig::default();
     let n = cfg.cpus.len() as u64;
-    let (active, _) = run_monitor(cfg.clone(), Demand::Active, || {
-        std::thread::sleep(Duration::from_secs(1))
-    });
-    let (idle, _) = run_monitor(cfg, Demand::Idle, || {
-        std::thread::sleep(Duration::from_secs(1))
-    });
-    let (ta, ti) = (*active.ticks.lock().unwrap(), *idle.ticks.lock().unwrap());
-    let false_gaps = active.gaps.lock().unwrap().len();
-    eprintln!("active: {ta} ticks, {false_gaps} gaps; idle: {ti} ticks ({n} CPUs)");
-    // With nothing stealing, a SCHED_FIFO sleeper is late only by scheduler noise.
-    assert!(false_gaps <= 3, "{false_gaps} gaps with no steal");
-    // Active demand without deschedules probes every 2 ms after the first second; idle
-    // sleeps 50 ms: at least 3× fewer wake-ups.
-    assert!(ti * 3 <= ta, "idle {ti} ticks vs active {ta}");
+    let window = Duration::from_secs(2);
+    // (ticks, sleeper CPU ns) over one window, after the sleepers have started.
+    let measure = |_: &VcpuBoard, rec: &Recorder| {
+        // Skip the first ticks: they fault in code and data, which says nothing of the
+        // steady cost.
+        std::thread::sleep((cfg.idle_period * 5 / 2).max(Duration::from_millis(100)));
+        let (t0, r0) = (rec.total_ticks(), threads_runtime_ns("vcpu-mon-"));
+        std::thread::sleep(window);
+        (rec.total_ticks() - t0, threads_runtime_ns("vcpu-mon-") - r0)
+    };
+    let steal0 = host_steal_ticks();
+    let (active, _, (ta, active_cpu_ns)) = with_monitor(&cfg, Demand::Active, measure);
+    let host_steal = host_steal_ticks() - steal0;
+    let (idle, board, (ti, idle_cpu_ns)) = with_monitor(&cfg, Demand::Idle, measure);
+    let (ga, gi) = (active.total_gaps(), idle.total_gaps());
+    for (what, rec) in [("active", &active), ("idle", &idle)] {
+        for &cpu in &cfg.cpus {
+            let g: Vec<u64> = rec
+                .gaps(cpu)
+                .iter()
+                .map(|g| (g.end_ns - g.start_ns) / 1000)
+                .collect();
+            if !g.is_empty() {
+                eprintln!("{what} cpu {cpu}: gaps with no steal (µs): {g:?}");
+            }
+        }
+    }
+    let snap = board.snapshot(monotonic_ns());
+    // CPU cost as a share of one CPU.
+    let share = |ns: u64| ns as f64 / window.as_nanos() as f64 * 100.0;
+    let load = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    eprintln!(
+        "loadavg {}; host steal {host_steal} ticks; no steal, {n} CPUs, {:?} windows: active {ta} ticks, {ga} gaps, sleepers used \
+         {:.3}% of a CPU; idle {ti} ticks, {gi} gaps, {:.3}% of a CPU; idle periods {:?} µs",
+        load.trim(),
+        window,
+        share(active_cpu_ns),
+        share(idle_cpu_ns),
+        snap.iter().map(|s| s.period_ns / 1000).collect::<Vec<_>>(),
+    );
+    // With nothing stealing, a SCHED_FIFO sleeper is late only by kernel sections that
+    // cannot be preempted (preempt=none): none on an idle machine, but a parallel build
+    // here made 8–31 per second of 0.35–4.8 ms. Those are real unavailability, just not a
+    // hypervisor's; what must hold is that they stay rare and short, i.e. the threshold
+    // sits above the baseline and nothing resembles a 10 ms deschedule.
+    let longest = active
+        .gaps
+        .iter()
+        .flat_map(|g| g.lock().unwrap().clone())
+        .map(|g| g.end_ns - g.start_ns)
+        .max()
+        .unwrap_or(0);
     assert!(
-        ti <= 30 * n,
-        "idle demand woke {ti} times in 1 s on {n} CPUs"
+        ga as u64 * 100 <= ta.max(100 * n),
+        "{ga} gaps in {ta} ticks with no steal"
+    );
+    assert!(
+        longest < 10 * MS || host_steal > 0,
+        "a {longest} ns gap with no steal, not even by the host"
+    );
+    // The window holds ~0.75 s of 300 µs ticks (2500 per CPU), then 2 ms probes once
+    // `quiet_after` has passed without a deschedule (625 per CPU).
+    assert!(ta >= 2_000 * n, "active demand woke only {ta} times");
+    // One wake-up per idle period per CPU, at least 10× fewer than active; and the whole
+    // monitor within the 0.2%-of-a-CPU budget of a daemon with nothing to do.
+    let expected_idle = n * (window.as_nanos() / cfg.idle_period.as_nanos()) as u64;
+    assert!(
+        ti <= expected_idle * 6 / 5 + 2 * n && ti >= expected_idle / 2,
+        "idle demand woke {ti} times, expected ~{expected_idle}"
+    );
+    assert!(ti * 10 <= ta, "idle {ti} ticks vs active {ta}");
+    assert!(
+        share(idle_cpu_ns) <= 0.2,
+        "idle sleepers used {:.3}% of a CPU",
+        share(idle_cpu_ns)
+    );
+}
+
+#[test]
+fn demand_turning_active_wakes_idle_sleepers_at_once() {
+    if !require_root("demand_turning_active_wakes_idle_sleepers_at_once") {
+        return;
+    }
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = MonitorConfig::default();
+    let active_period = cfg.period.as_nanos() as u64;
+    let (_, _, reaction) = with_monitor(&cfg, Demand::Idle, |board, _| {
+        // Let every sleeper settle into a long idle sleep.
+        std::thread::sleep(Duration::from_millis(120));
+        let flip = monotonic_ns();
+        board.set_demand(Demand::Active);
+        loop {
+            let now = monotonic_ns();
+            let snap = board.snapshot(now);
+            if snap
+                .iter()
+                .all(|s| s.period_ns == active_period && s.last_seen_ns >= flip)
+            {
+                return now - flip;
+            }
+            if now - flip > 500 * MS {
+                return now - flip;
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+    });
+    eprintln!(
+        "idle ({:?} period) → active: all sleepers on {:?} after {:.3} ms",
+        cfg.idle_period,
+        cfg.period,
+        reaction as f64 / 1e6
+    );
+    // Without the wake-up this takes up to a whole idle period.
+    assert!(
+        reaction < 5 * MS,
+        "sleepers took {reaction} ns to notice active demand"
     );
 }

@@ -89,7 +89,7 @@ fn become_fifo_on(cpu: usize, priority: i32) -> Result<()> {
     if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
         let err = std::io::Error::last_os_error();
         if err.raw_os_error() == Some(libc::EPERM) {
-            bail!("SCHED_FIFO needs root (CAP_SYS_NICE): {err}");
+            bail!("SCHED_FIFO on CPU {cpu} needs root (CAP_SYS_NICE): {err}; run it as root");
         }
         bail!("sched_setscheduler(SCHED_FIFO, {priority}): {err}");
     }
@@ -101,6 +101,20 @@ fn become_fifo_on(cpu: usize, priority: i32) -> Result<()> {
 impl Emulator {
     /// Starts one thread per pattern; all share one epoch so phases line up.
     pub fn start(patterns: &[Pattern], rt_priority: i32) -> Result<Emulator> {
+        anyhow::ensure!(!patterns.is_empty(), "no pattern: nothing to steal");
+        anyhow::ensure!(
+            (1..=99).contains(&rt_priority),
+            "SCHED_FIFO priority {rt_priority} is outside 1..=99"
+        );
+        for (i, p) in patterns.iter().enumerate() {
+            // Two spinners of one priority on one CPU would take turns, not follow either
+            // schedule, and the ground truth would be wrong.
+            anyhow::ensure!(
+                !patterns[..i].iter().any(|q| q.cpu == p.cpu),
+                "CPU {} has two patterns; give each CPU one",
+                p.cpu
+            );
+        }
         let stop = Arc::new(AtomicBool::new(false));
         // Start slightly in the future so every thread is pinned and FIFO before its phase.
         let epoch = monotonic_ns() + 20_000_000;
@@ -205,6 +219,18 @@ mod tests {
         );
         let p: Pattern = "0:500:1500".parse().unwrap();
         assert_eq!(p.phase, Duration::ZERO);
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_honour_before_touching_the_scheduler() {
+        let p: Pattern = "0:1000:1000".parse().unwrap();
+        assert!(Emulator::start(&[], 50).is_err());
+        assert!(Emulator::start(std::slice::from_ref(&p), 0).is_err());
+        let e = Emulator::start(&[p.clone(), p], 50)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("two patterns"), "{e}");
     }
 
     #[test]

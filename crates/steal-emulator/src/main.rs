@@ -16,7 +16,7 @@ struct Args {
     #[arg(long = "pattern", required = true)]
     patterns: Vec<Pattern>,
     /// SCHED_FIFO priority of the stealing threads (keep it above vmigrater's sleepers).
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(i32).range(1..=99))]
     priority: i32,
     /// Stop after this many seconds (default: until SIGINT/SIGTERM).
     #[arg(long)]
@@ -29,8 +29,19 @@ extern "C" fn on_signal(_: libc::c_int) {
     STOP.store(true, Ordering::Relaxed);
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     let args = Args::parse();
+    match run(&args) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            // One plain line: a backtrace would bury "needs root".
+            eprintln!("steal-emulator: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(args: &Args) -> Result<()> {
     for sig in [libc::SIGINT, libc::SIGTERM] {
         // SAFETY: the handler only stores to an atomic, which is async-signal-safe.
         unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
@@ -42,15 +53,22 @@ fn main() -> Result<()> {
         std::thread::sleep(Duration::from_millis(20));
     }
     let elapsed = t0.elapsed().as_secs_f64();
-    for r in emu.stop() {
-        println!(
-            "cpu {}: {} bursts, stole {:.3} s of {:.3} s ({:.1}%)",
-            r.cpu,
-            r.intervals.len(),
-            r.stolen_ns() as f64 / 1e9,
-            elapsed,
-            r.stolen_ns() as f64 / 1e9 / elapsed * 100.0
-        );
-    }
+    let per_cpu: Vec<String> = emu
+        .stop()
+        .iter()
+        .map(|r| {
+            format!(
+                "cpu{} {} bursts {:.3} s ({:.1}%)",
+                r.cpu,
+                r.intervals.len(),
+                r.stolen_ns() as f64 / 1e9,
+                r.stolen_ns() as f64 / 1e9 / elapsed * 100.0
+            )
+        })
+        .collect();
+    println!(
+        "steal-emulator: ran {elapsed:.3} s, stole {}",
+        per_cpu.join(", ")
+    );
     Ok(())
 }

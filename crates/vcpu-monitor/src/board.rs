@@ -2,8 +2,12 @@
 //! sleeper and read by anyone (other sleepers, the detector, metrics, status) without a
 //! lock. Fields are individually atomic, not a consistent group: a reader may combine
 //! values from two consecutive ticks, which is harmless at 300 µs granularity.
+//!
+//! The board must never take a lock. The one wait it offers is the idle sleep on the
+//! demand word (a futex), so that demand turning active wakes every sleeper at once
+//! instead of after a long idle period.
 
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::monitor::MonitorConfig;
 
@@ -37,6 +41,9 @@ pub struct VcpuSnapshot {
     pub gap_threshold_ns: u64,
     /// The sleep period its sleeper currently uses.
     pub period_ns: u64,
+    /// Late wake-ups judged too short to be deschedules (see `SliceEstimator`): a sign of
+    /// CPU contention inside the guest rather than of the hypervisor.
+    pub hiccups: u64,
 }
 
 #[derive(Default)]
@@ -50,11 +57,16 @@ pub(crate) struct Slot {
     pub deschedules: AtomicU64,
     pub inactive_total_ns: AtomicU64,
     pub gap_threshold_ns: AtomicU64,
+    pub hiccups: AtomicU64,
 }
+
+const DEMAND_IDLE: u32 = 0;
+const DEMAND_ACTIVE: u32 = 1;
 
 pub struct VcpuBoard {
     pub(crate) slots: Vec<Slot>,
-    demand: AtomicU8,
+    /// 0 = idle, 1 = active; a futex word, hence 32 bits.
+    demand: AtomicU32,
 }
 
 impl VcpuBoard {
@@ -80,20 +92,68 @@ impl VcpuBoard {
             .collect();
         VcpuBoard {
             slots,
-            demand: AtomicU8::new(0),
+            demand: AtomicU32::new(DEMAND_IDLE),
         }
     }
 
+    /// Sets what the sleepers should track. Turning active wakes idle sleepers now (one
+    /// syscall, only on a change), so a long idle period costs no reaction time.
     pub fn set_demand(&self, d: Demand) {
-        self.demand
-            .store(matches!(d, Demand::Active) as u8, Relaxed);
+        let v = match d {
+            Demand::Idle => DEMAND_IDLE,
+            Demand::Active => DEMAND_ACTIVE,
+        };
+        if self.demand.swap(v, Relaxed) != v {
+            self.wake_sleepers();
+        }
     }
 
     pub fn demand(&self) -> Demand {
-        if self.demand.load(Relaxed) == 0 {
+        if self.demand.load(Relaxed) == DEMAND_IDLE {
             Demand::Idle
         } else {
             Demand::Active
+        }
+    }
+
+    /// Wakes every sleeper blocked in `idle_sleep_until`.
+    pub(crate) fn wake_sleepers(&self) {
+        // SAFETY: FUTEX_WAKE on a live, aligned u32 owned by self.
+        unsafe {
+            libc::syscall(
+                libc::SYS_futex,
+                self.demand.as_ptr(),
+                libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+                i32::MAX,
+            );
+        }
+    }
+
+    /// Sleeps until the absolute CLOCK_MONOTONIC `deadline_ns`, or until demand stops
+    /// being idle, or until `wake_sleepers`. Returns early on purpose: the caller re-reads
+    /// demand and its stop flag.
+    pub(crate) fn idle_sleep_until(&self, deadline_ns: u64) {
+        let ts = libc::timespec {
+            tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
+            tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
+        };
+        while self.demand.load(Relaxed) == DEMAND_IDLE {
+            // SAFETY: FUTEX_WAIT_BITSET on a live, aligned u32; with WAIT_BITSET the
+            // timeout is absolute on CLOCK_MONOTONIC and honours the timer slack.
+            let rc = unsafe {
+                libc::syscall(
+                    libc::SYS_futex,
+                    self.demand.as_ptr(),
+                    libc::FUTEX_WAIT_BITSET | libc::FUTEX_PRIVATE_FLAG,
+                    DEMAND_IDLE,
+                    &ts as *const libc::timespec,
+                    std::ptr::null::<u32>(),
+                    libc::FUTEX_BITSET_MATCH_ANY,
+                )
+            };
+            if rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+                return;
+            }
         }
     }
 
@@ -130,6 +190,7 @@ impl VcpuBoard {
             last_seen_ns: last_seen,
             gap_threshold_ns: threshold,
             period_ns: period,
+            hiccups: s.hiccups.load(Relaxed),
         }
     }
 
@@ -139,5 +200,61 @@ impl VcpuBoard {
 
     pub fn cpu_snapshot(&self, cpu: usize, now_ns: u64) -> Option<VcpuSnapshot> {
         self.slot(cpu).map(|s| Self::read(s, now_ns))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    fn board() -> VcpuBoard {
+        let b = VcpuBoard::new(&[0, 3], &MonitorConfig::default());
+        let s = b.slot(3).unwrap();
+        s.period_ns.store(300_000, Relaxed);
+        s.gap_threshold_ns.store(200_000, Relaxed);
+        s.last_seen_ns.store(1_000 * MS, Relaxed);
+        s.slice_start_ns.store(996 * MS, Relaxed);
+        s.est_slice_ns.store(10 * MS, Relaxed);
+        b
+    }
+
+    #[test]
+    fn a_sleeper_seen_on_time_is_active_with_its_remaining_slice() {
+        let b = board();
+        let s = b.cpu_snapshot(3, 1_000 * MS + 400_000).unwrap();
+        assert!(s.active);
+        assert_eq!(s.inactive_for_ns, 0);
+        assert_eq!(s.remaining_ns, 6 * MS - 400_000);
+        assert!(b.cpu_snapshot(1, 0).is_none());
+        assert_eq!(
+            b.snapshot(0).iter().map(|s| s.cpu).collect::<Vec<_>>(),
+            [0, 3]
+        );
+    }
+
+    #[test]
+    fn an_overdue_sleeper_means_its_vcpu_is_out_now() {
+        let b = board();
+        // Due at 1000.3 ms; 0.2 ms of threshold later it is out.
+        let s = b.cpu_snapshot(3, 1_000 * MS + 300_000 + 200_001).unwrap();
+        assert!(!s.active);
+        assert_eq!(s.remaining_ns, 0);
+        assert_eq!(s.inactive_for_ns, 200_001);
+        let s = b.cpu_snapshot(3, 1_005 * MS).unwrap();
+        assert_eq!(s.inactive_for_ns, 5 * MS - 300_000);
+    }
+
+    #[test]
+    fn demand_round_trips() {
+        let b = board();
+        assert_eq!(b.demand(), Demand::Idle);
+        b.set_demand(Demand::Active);
+        assert_eq!(b.demand(), Demand::Active);
+        b.set_demand(Demand::Idle);
+        assert_eq!(b.demand(), Demand::Idle);
+        // With demand idle, an idle sleep lasts until its deadline (here: already past).
+        b.idle_sleep_until(crate::monotonic_ns());
     }
 }

@@ -1,12 +1,30 @@
 // SPDX-License-Identifier: GPL-2.0
 /* Block I/O accounting per thread and per CPU for vmigrater's task detector.
  *
- * A request is attributed to the thread that submitted it (block_io_start runs in the
- * submitter's context, 6.5+; block_rq_issue before that, less precise), keyed by request
- * pointer, and closed at block_io_done / block_rq_complete, which run in completion
- * context where `current` is someone else. Everything is aggregated in maps: nothing
- * wakes user space per I/O. Three flavours of the same logic (tp_btf, raw_tp, classic
- * tracepoint) let the loader fall back on kernels that lack one.
+ * Owns: the per-thread counters (requests, bytes, time with >= 1 request in flight), the
+ * per-CPU completion counters with the ISACS Eq. 1 interval EMA, and the table of
+ * requests in flight that maps a request back to the thread that submitted it.
+ * Must never: wake user space per I/O (no ring buffer, no perf events: aggregation in
+ * maps costs ~1 us per request, a ring-buffer record with wake-up ~10-15 us), count
+ * kernel threads as submitters, or let a lost completion keep a thread "in flight".
+ *
+ * Request life and the hooks that see it:
+ *  - 6.5+: block_io_start runs in the submitter's context once per request (also after
+ *    splits, before any requeue). Before 6.5: block_rq_insert (submitter context,
+ *    scheduler path) or block_rq_issue (direct issue: also submitter context; a kworker
+ *    dispatch of an inserted request is recognised by the entry already present).
+ *  - block_rq_complete with all remaining bytes ends it, in completion context where
+ *    `current` is whoever was interrupted. Not block_io_done: it only fires when the
+ *    request needs a time stamp (iostats on or an I/O scheduler), so with
+ *    `queue/iostats=0` and scheduler `none` every request would look endless.
+ *  - block_rq_requeue sends a started request back to the queue: its re-issue is not a
+ *    new I/O and the time in between stays busy.
+ *  - block_rq_merge: a queued request merged into another is freed without an end of
+ *    its own; close it there.
+ * tp_btf and raw_tp key requests by pointer (request structs are reused from tag pools,
+ * so a reused key whose end was missed is closed on reuse). Classic tracepoints carry no
+ * pointer: they key by dev+sector, which is less precise (merges and partial completions
+ * do not match; two requests on one sector collide).
  */
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -25,6 +43,8 @@ struct {
 	__type(value, struct thread_stats);
 } threads SEC(".maps");
 
+/* LRU: an entry whose end we never see is evicted under pressure instead of filling the
+ * map; the owning thread's count is then repaired by the INFLIGHT_STALE_NS reset. */
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_INFLIGHT);
@@ -39,25 +59,48 @@ struct {
 	__type(value, struct cpu_stats);
 } cpus SEC(".maps");
 
-static __always_inline void thread_done(__u32 tid, __u64 now)
+/* One of `tid`'s requests ended (or vanished); `bytes` of it were transferred. */
+static __always_inline void thread_done(__u32 tid, __u64 now, __u32 bytes)
 {
 	struct thread_stats *s = bpf_map_lookup_elem(&threads, &tid);
 	if (!s)
 		return;
-	__s32 old = __sync_fetch_and_add(&s->in_flight, -1);
+	if (bytes)
+		__sync_fetch_and_add(&s->bytes, bytes);
+	__s32 old = (__s32)__sync_fetch_and_add(&s->in_flight, -1);
 	if (old == 1) {
 		__u64 since = s->busy_since;
 		if (now > since)
 			__sync_fetch_and_add(&s->busy_ns, now - since);
 	} else if (old <= 0) {
-		/* A completion we never saw start (attached mid-flight): undo. */
+		/* An end whose start we never counted (attached mid-flight, stale reset): undo. */
 		__sync_fetch_and_add(&s->in_flight, 1);
 	}
 	s->last_ts = now;
 }
 
-static __always_inline void on_start(__u64 key, __u32 bytes)
+/* Opens a request for the current thread, or moves an already open one on. `kind` is the
+ * hook (RQ_STARTED, RQ_INSERTED or RQ_ISSUED); `cookie` tells one life of a request slot
+ * from the next (its first bio; 0 when unknown, in classic tracepoint mode). */
+static __always_inline void begin(__u64 key, __u64 cookie, __u32 kind)
 {
+	__u64 now = bpf_ktime_get_ns();
+	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
+	if (fl) {
+		if (kind != RQ_STARTED && (!cookie || fl->cookie == cookie)) {
+			/* The same request moving on: a dispatch after insert (maybe from a
+			 * kworker), a re-insert after requeue, a re-issue after the driver was
+			 * busy (that path has no requeue tracepoint). Not a new I/O. */
+			fl->state = kind;
+			return;
+		}
+		/* The key came back while we still hold it: its end was missed. Close it, so
+		 * the in-flight count of its owner cannot leak. */
+		__u32 owner = fl->tid;
+		if (bpf_map_delete_elem(&inflight, &key) == 0)
+			thread_done(owner, now, 0);
+	}
+
 	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
 	if (BPF_CORE_READ(task, flags) & PF_KTHREAD)
 		return; /* kernel threads are never candidates */
@@ -65,15 +108,6 @@ static __always_inline void on_start(__u64 key, __u32 bytes)
 	__u32 tid = (__u32)id;
 	if (tid == 0)
 		return;
-	__u64 now = bpf_ktime_get_ns();
-
-	/* A request slot reused while we still hold it: its end was missed (requeue, error
-	 * path); close it so in-flight counts cannot leak. */
-	struct inflight *stale = bpf_map_lookup_elem(&inflight, &key);
-	if (stale)
-		thread_done(stale->tid, now);
-	struct inflight fl = { .tid = tid, .start = now };
-	bpf_map_update_elem(&inflight, &key, &fl, BPF_ANY);
 
 	struct thread_stats *s = bpf_map_lookup_elem(&threads, &tid);
 	if (!s) {
@@ -83,16 +117,43 @@ static __always_inline void on_start(__u64 key, __u32 bytes)
 		if (!s)
 			return;
 	}
+	struct inflight nfl = { .tid = tid, .state = kind, .start = now, .cookie = cookie };
+	/* NOEXIST: another CPU may have opened the same key meanwhile (dev+sector keys of
+	 * two threads reading one sector); overwriting its entry would strand its count.
+	 * Then this request is not tracked: never open what could not be closed. */
+	if (bpf_map_update_elem(&inflight, &key, &nfl, BPF_NOEXIST))
+		return;
+
+	if (s->in_flight && now > s->last_ts && now - s->last_ts > INFLIGHT_STALE_NS) {
+		/* Nothing of this thread moved for seconds while "in flight": its ends were
+		 * lost. Close the busy interval at the last event we did see. */
+		if (s->last_ts > s->busy_since)
+			__sync_fetch_and_add(&s->busy_ns, s->last_ts - s->busy_since);
+		s->in_flight = 0;
+		s->stale_resets++;
+	}
 	if (__sync_fetch_and_add(&s->in_flight, 1) == 0)
 		s->busy_since = now;
 	__sync_fetch_and_add(&s->ios, 1);
-	__sync_fetch_and_add(&s->bytes, bytes);
 	s->last_cpu = bpf_get_smp_processor_id();
 	s->last_ts = now;
 }
 
-static __always_inline void on_done(__u64 key)
+/* `bytes` of a request completed; `final` when nothing remains: count the response on
+ * this CPU and close the request. Bytes are taken here, not at start: bios merged into a
+ * request after block_io_start grow it. */
+static __always_inline void end(__u64 key, __u32 bytes, bool final)
 {
+	if (!final) {
+		struct inflight *part = bpf_map_lookup_elem(&inflight, &key);
+		if (part) {
+			__u32 owner = part->tid;
+			struct thread_stats *s = bpf_map_lookup_elem(&threads, &owner);
+			if (s)
+				__sync_fetch_and_add(&s->bytes, bytes);
+		}
+		return;
+	}
 	__u64 now = bpf_ktime_get_ns();
 	__u32 cpu = bpf_get_smp_processor_id();
 	struct cpu_stats *c = bpf_map_lookup_elem(&cpus, &cpu);
@@ -105,92 +166,180 @@ static __always_inline void on_done(__u64 key)
 			c->ema_interval_ns = c->ema_interval_ns ? (9 * iv + c->ema_interval_ns) / 10 : iv;
 		}
 		c->last_ts = now;
-		c->completions++;
+		__sync_fetch_and_add(&c->completions, 1);
 	}
 	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
 	if (!fl)
 		return;
 	__u32 tid = fl->tid;
-	bpf_map_delete_elem(&inflight, &key);
-	thread_done(tid, now);
+	/* Only the CPU whose delete succeeds closes it: a racing duplicate must not
+	 * decrement the owner twice. */
+	if (bpf_map_delete_elem(&inflight, &key) == 0)
+		thread_done(tid, now, bytes);
 }
 
-/* tp_btf: typed arguments, cheapest. */
+/* Back to the queue: still in flight for its owner, and its re-issue is not new I/O. */
+static __always_inline void requeue(__u64 key)
+{
+	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
+	if (!fl)
+		return;
+	fl->state = RQ_REQUEUED;
+	__u32 tid = fl->tid;
+	struct thread_stats *s = bpf_map_lookup_elem(&threads, &tid);
+	if (s)
+		s->last_ts = bpf_ktime_get_ns();
+}
+
+/* Merged into another request and freed: no end of its own will come. Not a response
+ * event, so the CPU counters stay. */
+static __always_inline void merged(__u64 key)
+{
+	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
+	if (!fl)
+		return;
+	__u32 tid = fl->tid;
+	if (bpf_map_delete_elem(&inflight, &key) == 0)
+		thread_done(tid, bpf_ktime_get_ns(), 0);
+}
+
+/* ---- tp_btf: typed arguments, direct loads, cheapest. ---- */
 SEC("tp_btf/block_io_start")
 int BPF_PROG(btf_io_start, struct request *rq)
 {
-	on_start((__u64)rq, BPF_CORE_READ(rq, __data_len));
+	begin((__u64)rq, (__u64)BPF_CORE_READ(rq, bio), RQ_STARTED);
 	return 0;
 }
 
-SEC("tp_btf/block_io_done")
-int BPF_PROG(btf_io_done, struct request *rq)
+SEC("tp_btf/block_rq_insert")
+int BPF_PROG(btf_rq_insert, struct request *rq)
 {
-	on_done((__u64)rq);
+	begin((__u64)rq, (__u64)BPF_CORE_READ(rq, bio), RQ_INSERTED);
 	return 0;
 }
 
 SEC("tp_btf/block_rq_issue")
 int BPF_PROG(btf_rq_issue, struct request *rq)
 {
-	on_start((__u64)rq, BPF_CORE_READ(rq, __data_len));
+	begin((__u64)rq, (__u64)BPF_CORE_READ(rq, bio), RQ_ISSUED);
 	return 0;
 }
 
 SEC("tp_btf/block_rq_complete")
 int BPF_PROG(btf_rq_complete, struct request *rq, blk_status_t error, unsigned int nr_bytes)
 {
-	on_done((__u64)rq);
+	/* A partial completion (the driver finishing a request piecewise) is not its end. */
+	end((__u64)rq, nr_bytes, nr_bytes >= BPF_CORE_READ(rq, __data_len));
 	return 0;
 }
 
-/* raw_tp: same arguments, read through probe helpers. */
+SEC("tp_btf/block_rq_requeue")
+int BPF_PROG(btf_rq_requeue, struct request *rq)
+{
+	requeue((__u64)rq);
+	return 0;
+}
+
+SEC("tp_btf/block_rq_merge")
+int BPF_PROG(btf_rq_merge, struct request *rq)
+{
+	merged((__u64)rq);
+	return 0;
+}
+
+/* ---- raw_tp: the same arguments, read through probe helpers. ---- */
 SEC("raw_tp/block_io_start")
 int BPF_PROG(raw_io_start, struct request *rq)
 {
-	on_start((__u64)rq, BPF_CORE_READ(rq, __data_len));
+	begin((__u64)rq, (__u64)BPF_CORE_READ(rq, bio), RQ_STARTED);
 	return 0;
 }
 
-SEC("raw_tp/block_io_done")
-int BPF_PROG(raw_io_done, struct request *rq)
+SEC("raw_tp/block_rq_insert")
+int BPF_PROG(raw_rq_insert, struct request *rq)
 {
-	on_done((__u64)rq);
+	begin((__u64)rq, (__u64)BPF_CORE_READ(rq, bio), RQ_INSERTED);
 	return 0;
 }
 
 SEC("raw_tp/block_rq_issue")
 int BPF_PROG(raw_rq_issue, struct request *rq)
 {
-	on_start((__u64)rq, BPF_CORE_READ(rq, __data_len));
+	begin((__u64)rq, (__u64)BPF_CORE_READ(rq, bio), RQ_ISSUED);
 	return 0;
 }
 
 SEC("raw_tp/block_rq_complete")
-int BPF_PROG(raw_rq_complete, struct request *rq)
+int BPF_PROG(raw_rq_complete, struct request *rq, blk_status_t error, unsigned int nr_bytes)
 {
-	on_done((__u64)rq);
+	/* A partial completion (the driver finishing a request piecewise) is not its end. */
+	end((__u64)rq, nr_bytes, nr_bytes >= BPF_CORE_READ(rq, __data_len));
 	return 0;
 }
 
-/* Classic tracepoints carry no request pointer: key by device and start sector, taken
- * at issue (block_io_done sees the sector already advanced). Less precise: the issuing
- * thread is not always the submitter. */
+SEC("raw_tp/block_rq_requeue")
+int BPF_PROG(raw_rq_requeue, struct request *rq)
+{
+	requeue((__u64)rq);
+	return 0;
+}
+
+SEC("raw_tp/block_rq_merge")
+int BPF_PROG(raw_rq_merge, struct request *rq)
+{
+	merged((__u64)rq);
+	return 0;
+}
+
+/* ---- classic tracepoints: no request pointer, key by device and start sector. ----
+ * block_rq_complete reports the start sector of the (fully) completed request, like the
+ * start hooks. Fields are read with one constant-offset load each (the verifier refuses
+ * arithmetic on the ctx pointer). */
 static __always_inline __u64 sector_key(__u32 dev, __u64 sector)
 {
 	return ((__u64)dev << 44) ^ sector;
 }
 
+SEC("tracepoint/block/block_io_start")
+int tp_io_start(struct trace_event_raw_block_rq *ctx)
+{
+	begin(sector_key(ctx->dev, ctx->sector), 0, RQ_STARTED);
+	return 0;
+}
+
+SEC("tracepoint/block/block_rq_insert")
+int tp_rq_insert(struct trace_event_raw_block_rq *ctx)
+{
+	begin(sector_key(ctx->dev, ctx->sector), 0, RQ_INSERTED);
+	return 0;
+}
+
 SEC("tracepoint/block/block_rq_issue")
 int tp_rq_issue(struct trace_event_raw_block_rq *ctx)
 {
-	on_start(sector_key(ctx->dev, ctx->sector), ctx->bytes);
+	begin(sector_key(ctx->dev, ctx->sector), 0, RQ_ISSUED);
 	return 0;
 }
 
 SEC("tracepoint/block/block_rq_complete")
 int tp_rq_complete(struct trace_event_raw_block_rq_completion *ctx)
 {
-	on_done(sector_key(ctx->dev, ctx->sector));
+	/* No remaining length here: a partial completion closes the request early; its
+	 * later pieces carry a moved sector and match nothing. */
+	end(sector_key(ctx->dev, ctx->sector), ctx->nr_sector << 9, true);
+	return 0;
+}
+
+SEC("tracepoint/block/block_rq_requeue")
+int tp_rq_requeue(struct trace_event_raw_block_rq_requeue *ctx)
+{
+	requeue(sector_key(ctx->dev, ctx->sector));
+	return 0;
+}
+
+SEC("tracepoint/block/block_rq_merge")
+int tp_rq_merge(struct trace_event_raw_block_rq *ctx)
+{
+	merged(sector_key(ctx->dev, ctx->sector));
 	return 0;
 }

@@ -1,5 +1,6 @@
-/* Shared between bpf/iotrack.bpf.c and crates/task-detector: the layouts of the map
- * values user space reads. Keep in sync with task-detector/src/tracker.rs. */
+/* Shared between bpf/iotrack.bpf.c and crates/task-detector: map sizes and the layouts
+ * of the map values user space reads (the Rust side uses the skeleton's generated types,
+ * so only the meaning has to stay in sync with task-detector/src/tracker.rs). */
 #ifndef VMIGRATER_IOTRACK_H
 #define VMIGRATER_IOTRACK_H
 
@@ -8,32 +9,46 @@
 #define MAX_INFLIGHT 16384
 /* ISACS Eq. 1: intervals longer than this are not I/O-intensive and reset t_e. */
 #define EMA_MAX_INTERVAL_NS 10000000ULL
+/* A thread with requests "in flight" but no start, requeue or completion of its own for
+ * this long lost their ends (LRU eviction of the in-flight entry, a path without a
+ * tracepoint): its in-flight count is reset at its next request. Real block requests on
+ * a guest disk finish in ms; 5 s is far beyond any timeout-free completion. */
+#define INFLIGHT_STALE_NS 5000000000ULL
 
 /* Per thread (key: tid). Cumulative since the thread's first I/O. */
 struct thread_stats {
 	__u64 ios;
-	__u64 bytes;
+	__u64 bytes;       /* completed, counted at the end (requests grow after start) */
 	__u64 busy_ns;     /* time with >= 1 request in flight, closed intervals only */
 	__u64 busy_since;  /* start of the open interval when in_flight > 0 */
-	__u64 last_ts;     /* last start or completion */
+	__u64 last_ts;     /* last start, requeue or completion of this thread's requests */
 	__u32 in_flight;
 	__u32 last_cpu;    /* CPU the thread submitted from last */
 	__u32 tgid;
-	__u32 _pad;
+	__u32 stale_resets; /* times in_flight was reset because its ends were lost */
 };
 
-/* Per CPU (index: the CPU that handled the completion). */
+/* Per CPU (index: the CPU that handled the completion: the vCPU that got the response). */
 struct cpu_stats {
 	__u64 completions;
-	__u64 last_ts;
-	__u64 ema_interval_ns;
+	__u64 last_ts;         /* t_e of ISACS Eq. 1 */
+	__u64 ema_interval_ns; /* mean I_e, EMA with 0.9 on the newest interval */
 };
 
-/* A request in flight (key: request pointer, or dev+sector in tracepoint mode). */
+/* Where a request is in its life: which hook may open it and which merely moves it on. */
+enum rq_state {
+	RQ_STARTED = 1,  /* block_io_start (6.5+): accounted once, ends at block_io_done */
+	RQ_INSERTED = 2, /* block_rq_insert (pre-6.5 path): submitter known, not yet issued */
+	RQ_ISSUED = 3,   /* block_rq_issue (pre-6.5 path) */
+	RQ_REQUEUED = 4, /* block_rq_requeue: back to the queue, its re-issue is not a new I/O */
+};
+
+/* A request in flight (key: request pointer, or dev+sector in classic tracepoint mode). */
 struct inflight {
 	__u32 tid;
-	__u32 _pad;
+	__u32 state;
 	__u64 start;
+	__u64 cookie; /* the request's first bio: tells a re-issue from a reuse of the slot */
 };
 
 #endif

@@ -1,16 +1,44 @@
 //! The task detector on the real kernel with real BPF (issue 2 acceptance (b)): a thread
 //! doing O_DIRECT reads is classified I/O-bound within 50 ms, a CPU hog never; BPF counts
-//! match the reads; every attach mode this kernel supports works. Root only.
+//! match the reads; every attach mode this kernel supports works, also on the pre-6.5
+//! hooks; large split requests leave no in-flight count behind. Root only.
 
-use std::path::PathBuf;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
-use task_detector::{probe, AttachMode, ClassifierConfig, Detector, IoTracker, TrackerOptions};
-use vmigrater_testbed::{require_root, workload};
+use task_detector::{
+    probe, AttachMode, ClassifierConfig, Detector, IoTracker, ThreadIoSample, TrackerOptions,
+};
+use vmigrater_testbed::{gettid, require_root, workload};
 
+/// A 256 MiB file on the real disk (target/tmp is on / here: ext4 on virtio), made once
+/// and reused; O_DIRECT bypasses the page cache, so no cache dropping is needed.
 fn data_file() -> PathBuf {
     let path = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("detector-test-data.bin");
-    workload::prepare_file(&path, 64 << 20).expect("prepare data file");
+    workload::prepare_file(&path, 256 << 20).expect("prepare data file");
     path
+}
+
+/// The tests run one at a time: each attaches its own programs and runs readers of the
+/// same file with the same offsets; side by side they would count each other's requests
+/// (dev+sector keys collide) and slow the disk the latency test measures.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn monotonic_ns() -> u64 {
+    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC).expect("clock");
+    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
+}
+
+fn sample_of(tracker: &mut IoTracker, tid: u32) -> Option<ThreadIoSample> {
+    tracker
+        .sample_threads(monotonic_ns())
+        .expect("sample threads")
+        .into_iter()
+        .find(|s| s.tid == tid)
 }
 
 #[test]
@@ -18,38 +46,57 @@ fn reader_is_io_bound_within_50ms_and_hog_never() {
     if !require_root("reader_is_io_bound_within_50ms_and_hog_never") {
         return;
     }
+    let _serial = serial();
     let file = data_file();
     let tracker = IoTracker::open(&TrackerOptions::default()).expect("load BPF");
-    eprintln!("attach mode: {}", tracker.mode());
-    let mut det = Detector::new(tracker, ClassifierConfig::default());
+    eprintln!(
+        "attach mode: {} hooks {:?}",
+        tracker.mode(),
+        tracker.hooks()
+    );
+    let cfg = ClassifierConfig::default();
+    let window = Duration::from_nanos(cfg.window_ns);
+    let mut det = Detector::new(tracker, cfg);
     let hog = workload::spawn_hog(None).expect("hog");
-    det.poll().expect("baseline poll");
+    let first = det.poll().expect("baseline poll");
+    let completions0: u64 = first.cpus.iter().map(|c| c.completions).sum();
     let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
     let t0 = Instant::now();
     let mut classified_after = None;
-    let mut completions0 = None;
+    let mut poll_us = Vec::new();
     while t0.elapsed() < Duration::from_secs(2) {
+        let p0 = Instant::now();
         let out = det.poll().expect("poll");
-        let total: u64 = out.cpus.iter().map(|c| c.completions).sum();
-        completions0.get_or_insert(total);
+        poll_us.push(p0.elapsed().as_secs_f64() * 1e6);
         assert!(
             out.tasks.iter().all(|t| t.task.tid != hog.tid),
-            "the hog was classified I/O-bound"
+            "the hog was classified I/O-bound: {:?}",
+            out.tasks
         );
         if classified_after.is_none() {
             if let Some(t) = out.tasks.iter().find(|t| t.task.tid == reader.tid) {
                 classified_after = Some(t0.elapsed());
                 eprintln!(
-                    "reader classified after {:?}: {:?} comm {:?}",
+                    "reader classified after {:?} ({} reads done): {:?} comm {:?}",
                     t0.elapsed(),
+                    reader.count(),
                     t.task,
                     t.comm
                 );
                 assert!(t.start_time > 0);
+                assert_eq!(t.comm, "reader-Random4k");
             }
         }
-        std::thread::sleep(Duration::from_millis(5));
+        std::thread::sleep(window);
     }
+    poll_us.sort_by(f64::total_cmp);
+    eprintln!(
+        "poll cost: p50 {:.0} µs, p99 {:.0} µs, max {:.0} µs over {} polls",
+        poll_us[poll_us.len() / 2],
+        poll_us[poll_us.len() * 99 / 100],
+        poll_us[poll_us.len() - 1],
+        poll_us.len()
+    );
     let after = classified_after.expect("the reader was never classified I/O-bound");
     assert!(
         after <= Duration::from_millis(50),
@@ -57,9 +104,10 @@ fn reader_is_io_bound_within_50ms_and_hog_never() {
     );
     let out = det.poll().expect("poll");
     let total: u64 = out.cpus.iter().map(|c| c.completions).sum();
+    eprintln!("per-CPU I/O: {:?}", out.cpus);
     assert!(
-        total > completions0.unwrap_or(0),
-        "per-CPU completions did not grow"
+        total > completions0 + 100,
+        "per-CPU completions did not grow: {completions0} → {total}"
     );
     assert!(
         out.cpus.iter().any(|c| c.ema_interval_ns > 0),
@@ -70,17 +118,64 @@ fn reader_is_io_bound_within_50ms_and_hog_never() {
     hog.stop().expect("hog");
 }
 
+/// Opens `how`, runs a 4 KiB random reader for 300 ms, and checks the BPF counters of
+/// exactly that thread against the reads it issued.
+fn check_counts(label: &str, mode: AttachMode, mut tracker: IoTracker, file: &Path) {
+    assert_eq!(tracker.mode(), mode);
+    let reader = workload::spawn_reader(file, workload::ReadPattern::Random4k).expect("reader");
+    let tid = reader.tid;
+    std::thread::sleep(Duration::from_millis(300));
+    let reads = reader.stop().expect("reader");
+    std::thread::sleep(Duration::from_millis(20));
+    let s = sample_of(&mut tracker, tid)
+        .unwrap_or_else(|| panic!("{label}: reader {tid} not in the map"));
+    eprintln!(
+        "{label} {:?}: {reads} reads, BPF saw {} ios, {} bytes, busy {:.1} ms, in flight {}",
+        tracker.hooks(),
+        s.ios,
+        s.bytes,
+        s.busy_ns as f64 / 1e6,
+        s.in_flight
+    );
+    // Classic tracepoints key by dev+sector: two requests on one sector collide, so
+    // allow a little slack there; by request pointer the count is exact.
+    let slack = if mode == AttachMode::Tracepoint {
+        2 + reads / 100
+    } else {
+        2
+    };
+    assert!(
+        s.ios.abs_diff(reads) <= slack,
+        "{label}: {reads} reads vs {} ios",
+        s.ios
+    );
+    // Bytes are counted at completion; allow the same slack as for the requests.
+    assert!(
+        s.bytes.abs_diff(reads * 4096) <= slack * 4096,
+        "{label}: {} bytes for {reads} reads",
+        s.bytes
+    );
+    assert_eq!(s.in_flight, 0, "{label}: in-flight count leaked");
+    assert!(
+        s.busy_ns > 0 && s.busy_ns < 400_000_000,
+        "{label}: busy {}",
+        s.busy_ns
+    );
+}
+
 #[test]
 fn bpf_counts_match_the_reads_in_every_supported_mode() {
     if !require_root("bpf_counts_match_the_reads_in_every_supported_mode") {
         return;
     }
+    let _serial = serial();
     let file = data_file();
     let p = probe();
     eprintln!("probe: {p:?}");
     let mut worked = Vec::new();
     for mode in AttachMode::ALL {
-        let mut tracker = match IoTracker::open(&TrackerOptions {
+        let t0 = Instant::now();
+        let tracker = match IoTracker::open(&TrackerOptions {
             force_mode: Some(mode),
         }) {
             Ok(t) => t,
@@ -89,59 +184,88 @@ fn bpf_counts_match_the_reads_in_every_supported_mode() {
                 continue;
             }
         };
-        assert_eq!(tracker.mode(), mode);
-        let reader =
-            workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
-        let tid = reader.tid;
-        std::thread::sleep(Duration::from_millis(300));
-        let reads = reader.stop().expect("reader");
-        std::thread::sleep(Duration::from_millis(20));
-        let now = vcpu_monitor::monotonic_ns();
-        let s = tracker
-            .sample_threads(now)
-            .expect("sample")
-            .into_iter()
-            .find(|s| s.tid == tid)
-            .unwrap_or_else(|| panic!("{mode}: reader {tid} not in the map"));
-        eprintln!(
-            "{mode}: {reads} reads, BPF saw {} ios, {} bytes, busy {:.1} ms, in flight {}",
-            s.ios,
-            s.bytes,
-            s.busy_ns as f64 / 1e6,
-            s.in_flight
-        );
-        if mode == AttachMode::Tracepoint {
-            // Classic tracepoints attribute to the issuing thread, which also dispatches
-            // requests queued by others (and keys by sector): close, not exact.
-            assert!(
-                s.ios.abs_diff(reads) <= 2 + reads / 100,
-                "{mode}: {reads} reads vs {} ios",
-                s.ios
-            );
-            assert!(
-                s.in_flight <= 2,
-                "{mode}: {} in flight after the reader stopped",
-                s.in_flight
-            );
-        } else {
-            assert!(
-                s.ios.abs_diff(reads) <= 2,
-                "{mode}: {reads} reads vs {} ios",
-                s.ios
-            );
-            assert_eq!(s.bytes, s.ios * 4096, "{mode}: bytes");
-            assert_eq!(s.in_flight, 0, "{mode}: in-flight count leaked");
-        }
-        assert!(
-            s.busy_ns > 0 && s.busy_ns < 400_000_000,
-            "{mode}: busy {}",
-            s.busy_ns
-        );
+        eprintln!("{mode}: load + attach {:?}", t0.elapsed());
+        check_counts(&mode.to_string(), mode, tracker, &file);
         worked.push(mode);
+        // The pre-6.5 path (insert + issue) on this kernel, by hiding block_io_start.
+        if p.tracepoints
+            .iter()
+            .any(|(tp, ok)| tp == "block_io_start" && *ok)
+        {
+            let tracker =
+                IoTracker::open_without(mode, &["block_io_start"]).expect("pre-6.5 hooks");
+            assert!(!tracker.hooks().contains(&"block_io_start"));
+            check_counts(&format!("{mode} (pre-6.5 hooks)"), mode, tracker, &file);
+        }
     }
     let best = p.best_mode.expect("this kernel has block tracepoints");
     assert!(
         worked.contains(&best),
         "the probed best mode {best} did not work; worked: {worked:?}"
     );
+    assert_eq!(
+        IoTracker::open(&TrackerOptions::default())
+            .expect("default")
+            .mode(),
+        best,
+        "the first mode that loads is the probed best"
+    );
+}
+
+/// Reads of 8 MiB are split into several requests (max_sectors_kb is 4096 here) and,
+/// LAB-NOTES says, requeued at 2–4 MiB: the in-flight table must balance anyway.
+#[test]
+fn large_split_reads_leave_nothing_in_flight() {
+    if !require_root("large_split_reads_leave_nothing_in_flight") {
+        return;
+    }
+    let _serial = serial();
+    let path = data_file();
+    const BS: usize = 8 << 20;
+    for mode in AttachMode::ALL {
+        let Ok(mut tracker) = IoTracker::open(&TrackerOptions {
+            force_mode: Some(mode),
+        }) else {
+            continue;
+        };
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&path)
+            .expect("open O_DIRECT");
+        let blocks = (file.metadata().expect("stat").len() as usize / BS) as u64;
+        let layout = std::alloc::Layout::from_size_align(BS, 4096).expect("layout");
+        let tid = std::thread::scope(|s| {
+            s.spawn(|| {
+                // SAFETY: non-zero size, valid alignment; freed below with the same layout.
+                let ptr = unsafe { std::alloc::alloc(layout) };
+                assert!(!ptr.is_null());
+                // SAFETY: valid for BS bytes and only used by this thread.
+                let buf = unsafe { std::slice::from_raw_parts_mut(ptr, BS) };
+                for i in 0..24u64 {
+                    file.read_exact_at(buf, (i % blocks) * BS as u64)
+                        .expect("8 MiB O_DIRECT read");
+                }
+                // SAFETY: allocated above with this layout.
+                unsafe { std::alloc::dealloc(ptr, layout) };
+                gettid()
+            })
+            .join()
+            .expect("reader thread")
+        });
+        std::thread::sleep(Duration::from_millis(20));
+        let s = sample_of(&mut tracker, tid).expect("reader in the map");
+        eprintln!(
+            "{mode}: 24 reads of 8 MiB: {} requests, {} MiB, busy {:.1} ms, in flight {}",
+            s.ios,
+            s.bytes >> 20,
+            s.busy_ns as f64 / 1e6,
+            s.in_flight
+        );
+        assert_eq!(s.in_flight, 0, "{mode}: in-flight count leaked");
+        assert!(s.ios >= 24, "{mode}: {} requests", s.ios);
+        if mode != AttachMode::Tracepoint {
+            assert_eq!(s.bytes, 24 * BS as u64, "{mode}: bytes");
+        }
+    }
 }

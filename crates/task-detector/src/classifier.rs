@@ -3,7 +3,8 @@
 //! after `enter_windows` consecutive windows with at least `enter_fraction` of the time
 //! spent with block I/O in flight (and a minimum number of requests, so one slow flush is
 //! not "I/O-bound"); it leaves only after `exit_windows` consecutive windows below
-//! `exit_fraction` — the hysteresis that keeps a bursty reader from flapping.
+//! `exit_fraction` — the hysteresis that keeps a bursty reader from flapping. A window
+//! with more than `max_cpu_fraction` on a CPU is CPU-bound and counts as below.
 //! No clocks, no /proc: the caller provides time and counters.
 
 use std::collections::HashMap;
@@ -22,6 +23,11 @@ pub struct ClassifierConfig {
     pub forget_after_ns: u64,
     /// Smoothing of the load level (weight of the newest window).
     pub load_alpha: f64,
+    /// A window with more on-CPU time than this fraction is CPU-bound whatever its I/O
+    /// (async I/O kept in flight by a computing thread): it neither counts toward
+    /// entering nor keeps the thread in. A synchronous reader at 80% in flight is on a
+    /// CPU ≤ 20% of the time.
+    pub max_cpu_fraction: f64,
 }
 
 impl Default for ClassifierConfig {
@@ -35,6 +41,7 @@ impl Default for ClassifierConfig {
             min_ios_per_window: 2,
             forget_after_ns: 2_000_000_000,
             load_alpha: 0.3,
+            max_cpu_fraction: 0.8,
         }
     }
 }
@@ -177,12 +184,13 @@ impl IoClassifier {
             } else {
                 cfg.load_alpha * io_fraction + (1.0 - cfg.load_alpha) * st.load
             };
-            if io_fraction >= cfg.enter_fraction && ios >= cfg.min_ios_per_window {
+            let cpu_ok = cpu_fraction <= cfg.max_cpu_fraction;
+            if io_fraction >= cfg.enter_fraction && ios >= cfg.min_ios_per_window && cpu_ok {
                 st.above += 1;
             } else {
                 st.above = 0;
             }
-            if io_fraction < cfg.exit_fraction {
+            if io_fraction < cfg.exit_fraction || !cpu_ok {
                 st.below += 1;
             } else {
                 st.below = 0;
@@ -366,6 +374,56 @@ mod tests {
         assert!(c.tracks(2));
         c.observe(4_000 * MS, &[]);
         assert!(!c.tracks(2), "exited thread kept");
+    }
+
+    #[test]
+    fn cpu_heavy_async_io_is_not_io_bound_and_turning_cpu_bound_leaves() {
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut busy = Synth::new(3);
+        // Always a request in flight (async I/O) while computing 95% of the time.
+        let out = run(&mut c, 20, |_| vec![busy.step(1.0, 100, 0.95)]);
+        assert!(out.iter().all(|o| o.is_empty()), "CPU-heavy thread entered");
+
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut r = Synth::new(4);
+        let out = run(&mut c, 40, |w| {
+            vec![if w < 10 {
+                r.step(0.8, 100, 0.1)
+            } else {
+                r.step(0.8, 100, 0.95)
+            }]
+        });
+        assert_eq!(out[9].len(), 1);
+        // Leaves after exactly exit_windows CPU-bound windows (10..=29).
+        assert_eq!(out[28].len(), 1);
+        assert!(out[29].is_empty(), "{:?}", out[29]);
+    }
+
+    #[test]
+    fn hovering_around_the_enter_threshold_does_not_flap() {
+        let cfg = ClassifierConfig::default();
+        let (enter, exit) = (cfg.enter_fraction, cfg.exit_fraction);
+        let mut c = IoClassifier::new(cfg);
+        let mut r = Synth::new(6);
+        // Just above, just below, alternating: never two windows above in a row. Then
+        // three clear windows, then hovering between exit and enter: stays in.
+        let out = run(&mut c, 60, |w| {
+            let f = match w {
+                0..30 if w % 2 == 0 => enter + 0.01,
+                0..30 => enter - 0.01,
+                30..33 => 0.9,
+                _ => (enter + exit) / 2.0,
+            };
+            vec![r.step(f, 10, 0.1)]
+        });
+        assert!(
+            out[..31].iter().all(|o| o.is_empty()),
+            "entered without 2 windows above"
+        );
+        assert!(
+            out[31..].iter().all(|o| o.len() == 1),
+            "left between the thresholds"
+        );
     }
 
     #[test]

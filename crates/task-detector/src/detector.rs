@@ -33,10 +33,58 @@ struct Identity {
     is_kernel: bool,
 }
 
+/// Reads the per-thread facts the classifier needs from /proc (or the tree named by
+/// `VMIGRATER_PROCFS_ROOT`). Read-only.
+#[derive(Clone, Debug)]
+pub struct ProcReader {
+    root: PathBuf,
+}
+
+impl ProcReader {
+    pub fn new(root: impl Into<PathBuf>) -> Self {
+        ProcReader { root: root.into() }
+    }
+
+    /// /proc, or `VMIGRATER_PROCFS_ROOT` when set (tests point it at a fake tree).
+    pub fn from_env() -> Self {
+        Self::new(
+            std::env::var_os("VMIGRATER_PROCFS_ROOT")
+                .map_or_else(|| PathBuf::from("/proc"), PathBuf::from),
+        )
+    }
+
+    fn task_dir(&self, tgid: u32, tid: u32) -> PathBuf {
+        self.root
+            .join(tgid.to_string())
+            .join("task")
+            .join(tid.to_string())
+    }
+
+    /// comm, start time and the kernel-thread flag from <root>/<tgid>/task/<tid>/stat.
+    fn identity(&self, tgid: u32, tid: u32) -> Option<Identity> {
+        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("stat")).ok()?;
+        let (comm, rest) = parse_stat(&text)?;
+        // After comm: field 3 is rest[0]; flags is field 9, starttime field 22.
+        let flags: u64 = rest.get(6)?.parse().ok()?;
+        let start_time: u64 = rest.get(19)?.parse().ok()?;
+        Some(Identity {
+            comm,
+            start_time,
+            is_kernel: flags & PF_KTHREAD != 0,
+        })
+    }
+
+    /// Cumulative on-CPU ns, field 1 of <root>/<tgid>/task/<tid>/schedstat.
+    pub fn cpu_ns(&self, tgid: u32, tid: u32) -> Option<u64> {
+        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("schedstat")).ok()?;
+        text.split_whitespace().next()?.parse().ok()
+    }
+}
+
 pub struct Detector {
     tracker: IoTracker,
     classifier: IoClassifier,
-    proc_root: PathBuf,
+    proc: ProcReader,
     identities: HashMap<u32, Identity>,
     last_ios: HashMap<u32, u64>,
     last_completions: u64,
@@ -56,8 +104,7 @@ impl Detector {
         Detector {
             tracker,
             classifier: IoClassifier::new(cfg),
-            proc_root: std::env::var_os("VMIGRATER_PROCFS_ROOT")
-                .map_or_else(|| PathBuf::from("/proc"), PathBuf::from),
+            proc: ProcReader::from_env(),
             identities: HashMap::new(),
             last_ios: HashMap::new(),
             last_completions: u64::MAX,
@@ -68,34 +115,13 @@ impl Detector {
         self.tracker.mode()
     }
 
-    fn task_dir(&self, tgid: u32, tid: u32) -> PathBuf {
-        self.proc_root
-            .join(tgid.to_string())
-            .join("task")
-            .join(tid.to_string())
-    }
-
     fn identity(&mut self, tgid: u32, tid: u32) -> Option<Identity> {
         if let Some(id) = self.identities.get(&tid) {
             return Some(id.clone());
         }
-        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("stat")).ok()?;
-        let (comm, rest) = parse_stat(&text)?;
-        // After comm: field 3 is rest[0]; flags is field 9, starttime field 22.
-        let flags: u64 = rest.get(6)?.parse().ok()?;
-        let start_time: u64 = rest.get(19)?.parse().ok()?;
-        let id = Identity {
-            comm,
-            start_time,
-            is_kernel: flags & PF_KTHREAD != 0,
-        };
+        let id = self.proc.identity(tgid, tid)?;
         self.identities.insert(tid, id.clone());
         Some(id)
-    }
-
-    fn cpu_ns(&self, tgid: u32, tid: u32) -> Option<u64> {
-        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("schedstat")).ok()?;
-        text.split_whitespace().next()?.parse().ok()
     }
 
     /// One window: read the maps, add /proc facts for threads with fresh I/O, classify.
@@ -130,9 +156,10 @@ impl Detector {
                 }
                 continue;
             }
-            let (Some(id), Some(cpu_ns)) =
-                (self.identity(s.tgid, s.tid), self.cpu_ns(s.tgid, s.tid))
-            else {
+            let (Some(id), Some(cpu_ns)) = (
+                self.identity(s.tgid, s.tid),
+                self.proc.cpu_ns(s.tgid, s.tid),
+            ) else {
                 gone.push(s.tid); // exited
                 continue;
             };
@@ -191,5 +218,31 @@ mod tests {
         assert_eq!(rest[0], "S");
         assert_eq!(rest[6], "4194560");
         assert_eq!(rest[19], "98765");
+    }
+
+    fn fake_task(root: &std::path::Path, tgid: u32, tid: u32, flags: u64, cpu_ns: u64) {
+        let dir = root.join(format!("{tgid}/task/{tid}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(
+            dir.join("stat"),
+            format!("{tid} (w) worker) S 1 {tgid} {tgid} 0 -1 {flags} 0 0 0 0 5 6 0 0 20 0 1 0 4242 1000 10\n"),
+        )
+        .unwrap();
+        std::fs::write(dir.join("schedstat"), format!("{cpu_ns} 1000 7\n")).unwrap();
+    }
+
+    #[test]
+    fn fake_proc_tree_gives_identity_cpu_time_and_the_kernel_flag() {
+        let root = tempfile::tempdir().unwrap();
+        fake_task(root.path(), 100, 101, 0x40_4040, 123_456);
+        fake_task(root.path(), 2, 2, 0x20_8040, 9);
+        let proc = ProcReader::new(root.path());
+        let id = proc.identity(100, 101).unwrap();
+        assert_eq!(id.comm, "w) worker");
+        assert_eq!(id.start_time, 4242);
+        assert!(!id.is_kernel);
+        assert_eq!(proc.cpu_ns(100, 101), Some(123_456));
+        assert!(proc.identity(2, 2).unwrap().is_kernel);
+        assert!(proc.identity(100, 999).is_none(), "exited thread");
     }
 }

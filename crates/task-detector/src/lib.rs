@@ -13,6 +13,6 @@ mod probe;
 mod tracker;
 
 pub use classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
-pub use detector::{Detector, DetectorOutput, IoTaskInfo};
+pub use detector::{Detector, DetectorOutput, IoTaskInfo, ProcReader};
 pub use probe::{probe, Probe};
-pub use tracker::{AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions};
+pub use tracker::{plan_hooks, AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions};

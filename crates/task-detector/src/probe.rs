@@ -5,16 +5,18 @@
 use std::path::Path;
 use std::sync::OnceLock;
 
-use crate::tracker::AttachMode;
+use crate::tracker::{plan_hooks, AttachMode};
 
 const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
 const TRACEFS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
-pub const TRACEPOINTS: [&str; 5] = [
+/// Every block tracepoint the programs may use (see `tracker::plan_hooks`).
+pub const TRACEPOINTS: [&str; 6] = [
     "block_io_start",
-    "block_io_done",
+    "block_rq_insert",
     "block_rq_issue",
     "block_rq_complete",
     "block_rq_requeue",
+    "block_rq_merge",
 ];
 
 #[derive(Clone, Debug)]
@@ -83,10 +85,27 @@ pub fn probe() -> Probe {
     if !TRACEFS.iter().any(|r| Path::new(r).join("events").is_dir()) {
         notes.push("tracefs is not mounted: classic tracepoints unavailable".into());
     }
-    let best_mode = if btf && (has("block_io_start") || has("block_rq_issue")) {
+    for optional in ["block_rq_requeue", "block_rq_merge"] {
+        if !has(optional) {
+            notes.push(format!(
+                "no {optional}: requests it would close are repaired only when their slot \
+                 is reused or after {} s",
+                crate::tracker::INFLIGHT_STALE_SECS
+            ));
+        }
+    }
+    // Order of preference; tp_btf needs the kernel's BTF for its typed arguments.
+    let in_tracefs = tracepoint_in_tracefs;
+    let best_mode = if btf && plan_hooks(tracepoint_in_btf).is_some() {
         Some(AttachMode::TpBtf)
-    } else if has("block_rq_issue") && has("block_rq_complete") {
+    } else if plan_hooks(|n| tracepoint_in_btf(n) || in_tracefs(n)).is_some() {
         Some(AttachMode::RawTp)
+    } else if plan_hooks(in_tracefs).is_some() {
+        notes.push(
+            "only classic tracepoints: requests are keyed by device and sector, less precise"
+                .into(),
+        );
+        Some(AttachMode::Tracepoint)
     } else {
         None
     };

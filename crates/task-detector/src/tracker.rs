@@ -2,16 +2,22 @@
 //! (tp_btf → raw_tp → classic tracepoint), and reads its maps. It owns the BPF objects
 //! and must never do per-I/O work in user space: it only reads aggregated maps.
 
-use anyhow::{anyhow, bail, Context, Result};
+use anyhow::{anyhow, Context, Result};
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
 use libbpf_rs::{Link, MapCore, MapFlags};
-use std::mem::MaybeUninit;
+use std::mem::{ManuallyDrop, MaybeUninit};
 
 use crate::bpf_skel::{types, IotrackSkel, IotrackSkelBuilder};
 use crate::probe::{probe, tracepoint_in_btf, tracepoint_in_tracefs};
 
 /// Map entries fetched per batch lookup.
 const BATCH: u32 = 256;
+/// bpf/iotrack.h MAX_CPUS.
+const MAX_CPUS: u32 = 1024;
+/// bpf/iotrack.h INFLIGHT_STALE_NS: an open busy interval with no event for this long
+/// lost its end; it is reported closed at the last event.
+pub(crate) const INFLIGHT_STALE_SECS: u64 = 5;
+const INFLIGHT_STALE_NS: u64 = INFLIGHT_STALE_SECS * 1_000_000_000;
 
 /// How the programs are attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -68,38 +74,93 @@ pub struct CpuIoSample {
 }
 
 pub struct IoTracker {
-    skel: IotrackSkel<'static>,
+    // Field order is drop order: links detach first, then the skeleton closes its
+    // programs and maps, and only then is the storage it borrows freed (see Drop).
     _links: Vec<Link>,
+    skel: ManuallyDrop<IotrackSkel<'static>>,
+    storage: *mut MaybeUninit<libbpf_rs::OpenObject>,
     mode: AttachMode,
+    hooks: Vec<&'static str>,
     ncpus: u32,
 }
 
-/// The (start, done) tracepoint names a mode would use on this kernel.
-fn hooks_for(mode: AttachMode) -> Option<(&'static str, &'static str)> {
-    let exists = |tp: &str| match mode {
-        AttachMode::TpBtf => tracepoint_in_btf(tp),
-        AttachMode::RawTp => tracepoint_in_btf(tp) || tracepoint_in_tracefs(tp),
-        AttachMode::Tracepoint => tracepoint_in_tracefs(tp),
-    };
-    if mode == AttachMode::Tracepoint {
-        return (exists("block_rq_issue") && exists("block_rq_complete"))
-            .then_some(("block_rq_issue", "block_rq_complete"));
+impl Drop for IoTracker {
+    fn drop(&mut self) {
+        // SAFETY: the skeleton is dropped exactly once, here, before the storage it
+        // borrows; `storage` came from Box::into_raw in open_mode and is freed once.
+        unsafe {
+            ManuallyDrop::drop(&mut self.skel);
+            drop(Box::from_raw(self.storage));
+        }
     }
-    let start = if exists("block_io_start") {
-        "block_io_start"
+}
+
+// SAFETY: the raw storage pointer is owned exclusively by this tracker (it only exists to
+// free the skeleton's backing object after the skeleton); libbpf objects are not tied to
+// the thread that opened them.
+unsafe impl Send for IoTracker {}
+
+/// The block tracepoints a mode attaches on a kernel where `exists(tp)` says which
+/// tracepoints it offers; `None` when the mode cannot account requests there.
+///
+/// Start: `block_io_start` (6.5+, once per request in the submitter's context), else
+/// `block_rq_insert` + `block_rq_issue` (insert sees the submitter on the scheduler
+/// path, issue on the direct path). End: `block_rq_complete`. `block_rq_requeue` and
+/// `block_rq_merge` keep the in-flight table honest where they exist.
+pub fn plan_hooks(exists: impl Fn(&str) -> bool) -> Option<Vec<&'static str>> {
+    let mut hooks = Vec::new();
+    if exists("block_io_start") {
+        hooks.push("block_io_start");
     } else if exists("block_rq_issue") {
-        "block_rq_issue"
+        if exists("block_rq_insert") {
+            hooks.push("block_rq_insert");
+        }
+        hooks.push("block_rq_issue");
     } else {
         return None;
-    };
-    let done = if exists("block_io_done") && start == "block_io_start" {
-        "block_io_done"
-    } else if exists("block_rq_complete") {
-        "block_rq_complete"
-    } else {
+    }
+    if !exists("block_rq_complete") {
         return None;
+    }
+    hooks.push("block_rq_complete");
+    for optional in ["block_rq_requeue", "block_rq_merge"] {
+        if exists(optional) {
+            hooks.push(optional);
+        }
+    }
+    Some(hooks)
+}
+
+/// The BPF program implementing `hook` in `mode` (see bpf/iotrack.bpf.c).
+fn prog_name(mode: AttachMode, hook: &str) -> String {
+    let prefix = match mode {
+        AttachMode::TpBtf => "btf",
+        AttachMode::RawTp => "raw",
+        AttachMode::Tracepoint => "tp",
     };
-    Some((start, done))
+    format!("{prefix}_{}", hook.trim_start_matches("block_"))
+}
+
+/// Turns a load failure into advice when privileges are the likely cause.
+fn explain(err: anyhow::Error) -> anyhow::Error {
+    let text = format!("{err:#}");
+    let perm = text.contains("EPERM")
+        || text.contains("Operation not permitted")
+        || text.contains("EACCES")
+        || text.contains("Permission denied");
+    if !nix::unistd::geteuid().is_root() {
+        err.context(
+            "loading BPF needs root (or CAP_BPF + CAP_PERFMON + CAP_SYS_RESOURCE): run as root",
+        )
+    } else if perm {
+        err.context(
+            "permission denied although root: raise the locked-memory limit \
+             (`ulimit -l unlimited`, LimitMEMLOCK=infinity in the unit) and check \
+             kernel lockdown / kernel.unprivileged_bpf_disabled",
+        )
+    } else {
+        err
+    }
 }
 
 impl IoTracker {
@@ -111,7 +172,7 @@ impl IoTracker {
         };
         let mut errors = Vec::new();
         for mode in modes {
-            match Self::open_mode(mode) {
+            match Self::open_mode(mode, &[]) {
                 Ok(t) => return Ok(t),
                 Err(e) => {
                     tracing::debug!(%mode, "attach failed: {e:#}");
@@ -119,63 +180,90 @@ impl IoTracker {
                 }
             }
         }
-        let hint = if nix::unistd::geteuid().is_root() {
-            "see `vmigrater check`"
-        } else {
-            "loading BPF needs root (or CAP_BPF + CAP_PERFMON)"
-        };
-        bail!("no BPF attach mode worked ({hint}): {}", errors.join("; "))
+        Err(explain(anyhow!(
+            "no BPF attach mode worked ({})",
+            errors.join("; ")
+        )))
     }
 
-    fn open_mode(mode: AttachMode) -> Result<IoTracker> {
+    /// Attaches in `mode` as if the kernel lacked the tracepoints in `hidden`: exercises
+    /// the fallbacks for older kernels (e.g. hide `block_io_start` for the pre-6.5 path)
+    /// on this one.
+    pub fn open_without(mode: AttachMode, hidden: &[&str]) -> Result<IoTracker> {
+        Self::open_mode(mode, hidden).map_err(explain)
+    }
+
+    fn open_mode(mode: AttachMode, hidden: &[&str]) -> Result<IoTracker> {
         if mode == AttachMode::Tracepoint {
             crate::probe::ensure_tracefs();
         }
-        let (start, done) =
-            hooks_for(mode).ok_or_else(|| anyhow!("block tracepoints not available for {mode}"))?;
-        // The skeleton borrows its object storage for its whole life; the tracker lives
-        // as long as the daemon, so the storage is leaked once per successful or failed
-        // attempt (at most three per process).
-        let storage: &'static mut MaybeUninit<libbpf_rs::OpenObject> =
-            Box::leak(Box::new(MaybeUninit::uninit()));
+        let hooks = plan_hooks(|tp| {
+            !hidden.contains(&tp)
+                && match mode {
+                    AttachMode::TpBtf => tracepoint_in_btf(tp),
+                    AttachMode::RawTp => tracepoint_in_btf(tp) || tracepoint_in_tracefs(tp),
+                    AttachMode::Tracepoint => tracepoint_in_tracefs(tp),
+                }
+        })
+        .ok_or_else(|| anyhow!("block tracepoints not available for {mode}"))?;
+        let wanted: Vec<String> = hooks.iter().map(|h| prog_name(mode, h)).collect();
+        let storage = Box::into_raw(Box::new(MaybeUninit::<libbpf_rs::OpenObject>::uninit()));
+        // SAFETY: `storage` is a fresh heap allocation that outlives the skeleton: on
+        // success the tracker frees it after the skeleton (Drop), on failure below after
+        // every borrow of it is gone.
+        let result = Self::load_attach(mode, unsafe { &mut *storage }, &wanted);
+        match result {
+            Ok((skel, links)) => {
+                tracing::debug!(%mode, ?hooks, "block I/O programs attached");
+                let ncpus = libbpf_rs::num_possible_cpus()
+                    .unwrap_or(1)
+                    .min(MAX_CPUS as usize) as u32;
+                Ok(IoTracker {
+                    _links: links,
+                    skel: ManuallyDrop::new(skel),
+                    storage,
+                    mode,
+                    hooks,
+                    ncpus,
+                })
+            }
+            Err(e) => {
+                // SAFETY: load_attach returned, so the skeleton borrowing `storage` is gone.
+                drop(unsafe { Box::from_raw(storage) });
+                Err(e)
+            }
+        }
+    }
+
+    fn load_attach(
+        mode: AttachMode,
+        storage: &'static mut MaybeUninit<libbpf_rs::OpenObject>,
+        wanted: &[String],
+    ) -> Result<(IotrackSkel<'static>, Vec<Link>)> {
         let mut open = IotrackSkelBuilder::default()
             .open(storage)
             .context("opening the BPF object")?;
-        let wanted: [&str; 2] = match (mode, start, done) {
-            (AttachMode::TpBtf, "block_io_start", "block_io_done") => {
-                ["btf_io_start", "btf_io_done"]
-            }
-            (AttachMode::TpBtf, "block_io_start", _) => ["btf_io_start", "btf_rq_complete"],
-            (AttachMode::TpBtf, _, _) => ["btf_rq_issue", "btf_rq_complete"],
-            (AttachMode::RawTp, "block_io_start", "block_io_done") => {
-                ["raw_io_start", "raw_io_done"]
-            }
-            (AttachMode::RawTp, "block_io_start", _) => ["raw_io_start", "raw_rq_complete"],
-            (AttachMode::RawTp, _, _) => ["raw_rq_issue", "raw_rq_complete"],
-            (AttachMode::Tracepoint, _, _) => ["tp_rq_issue", "tp_rq_complete"],
-        };
+        // Only this mode's programs load: a flavour the kernel lacks must not fail the rest.
         for mut prog in open.open_object_mut().progs_mut() {
             let name = prog.name().to_string_lossy().to_string();
-            prog.set_autoload(wanted.contains(&name.as_str()));
+            prog.set_autoload(wanted.contains(&name));
         }
         let skel = open
             .load()
             .with_context(|| format!("loading the {mode} programs"))?;
         let mut links = Vec::new();
         for prog in skel.object().progs_mut() {
-            if wanted.contains(&prog.name().to_string_lossy().as_ref()) {
-                let name = prog.name().to_string_lossy().to_string();
+            let name = prog.name().to_string_lossy().to_string();
+            if wanted.contains(&name) {
                 links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
             }
         }
-        tracing::debug!(%mode, start, done, "block I/O programs attached");
-        let ncpus = libbpf_rs::num_possible_cpus().unwrap_or(1).min(1024) as u32;
-        Ok(IoTracker {
-            skel,
-            _links: links,
-            mode,
-            ncpus,
-        })
+        Ok((skel, links))
+    }
+
+    /// The tracepoints this tracker is attached to, e.g. for `check`.
+    pub fn hooks(&self) -> &[&'static str] {
+        &self.hooks
     }
 
     pub fn mode(&self) -> AttachMode {
@@ -190,8 +278,12 @@ impl IoTracker {
         for (key, val) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
             let tid = u32::from_ne_bytes(key[..4].try_into()?);
             let s = read_pod::<types::thread_stats>(&val)?;
+            let stale = s.in_flight > 0 && now_ns.saturating_sub(s.last_ts) > INFLIGHT_STALE_NS;
             let open = if s.in_flight > 0 && s.busy_since > 0 {
-                now_ns.saturating_sub(s.busy_since)
+                // A stale interval is closed at the last event the kernel saw, as the
+                // BPF side will do at the thread's next request.
+                let end = if stale { s.last_ts } else { now_ns };
+                end.saturating_sub(s.busy_since)
             } else {
                 0
             };
@@ -201,7 +293,7 @@ impl IoTracker {
                 ios: s.ios,
                 bytes: s.bytes,
                 busy_ns: s.busy_ns + open,
-                in_flight: s.in_flight,
+                in_flight: if stale { 0 } else { s.in_flight },
                 last_cpu: s.last_cpu,
                 last_ts: s.last_ts,
             });
@@ -257,4 +349,70 @@ fn read_pod<T: Copy + Default>(bytes: &[u8]) -> Result<T> {
         );
     }
     Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kernel(tps: &'static [&'static str]) -> impl Fn(&str) -> bool {
+        move |tp| tps.contains(&tp)
+    }
+
+    #[test]
+    fn hooks_prefer_block_io_start_and_fall_back_to_insert_and_issue() {
+        let now = [
+            "block_io_start",
+            "block_rq_insert",
+            "block_rq_issue",
+            "block_rq_complete",
+            "block_rq_requeue",
+            "block_rq_merge",
+        ];
+        assert_eq!(
+            plan_hooks(|tp| now.contains(&tp)).unwrap(),
+            [
+                "block_io_start",
+                "block_rq_complete",
+                "block_rq_requeue",
+                "block_rq_merge"
+            ]
+        );
+        assert_eq!(
+            plan_hooks(kernel(&[
+                "block_rq_insert",
+                "block_rq_issue",
+                "block_rq_complete"
+            ]))
+            .unwrap(),
+            ["block_rq_insert", "block_rq_issue", "block_rq_complete"]
+        );
+        assert_eq!(
+            plan_hooks(kernel(&[
+                "block_rq_issue",
+                "block_rq_complete",
+                "block_rq_requeue"
+            ]))
+            .unwrap(),
+            ["block_rq_issue", "block_rq_complete", "block_rq_requeue"]
+        );
+        assert!(plan_hooks(kernel(&["block_io_start", "block_rq_issue"])).is_none());
+        assert!(plan_hooks(kernel(&["block_rq_insert", "block_rq_complete"])).is_none());
+    }
+
+    #[test]
+    fn every_planned_hook_has_a_program_in_every_mode() {
+        let all = crate::probe::TRACEPOINTS;
+        let hooks = plan_hooks(|_| true).unwrap();
+        let legacy = plan_hooks(|tp| tp != "block_io_start").unwrap();
+        let obj = include_bytes!(concat!(env!("OUT_DIR"), "/iotrack.skel.rs"));
+        let text = String::from_utf8_lossy(obj);
+        for mode in AttachMode::ALL {
+            for hook in hooks.iter().chain(&legacy) {
+                assert!(all.contains(hook));
+                let name = prog_name(mode, hook);
+                assert!(text.contains(&name), "no program {name} for {mode}");
+            }
+        }
+    }
 }

@@ -70,8 +70,7 @@ pub struct Metrics {
 
 impl Metrics {
     pub fn new(attach_mode: &str, dry_run: bool) -> Metrics {
-        let mut registry = Registry::with_prefix("vmigrater");
-        let m = Metrics {
+        let mut m = Metrics {
             deschedules: Family::default(),
             inactive_seconds: Family::default(),
             slice_estimate_seconds: Family::default(),
@@ -86,9 +85,9 @@ impl Metrics {
             migration_latency: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
             releases: Counter::default(),
             detector_errors: Counter::default(),
-            registry: Registry::default(),
+            registry: Registry::with_prefix("vmigrater"),
         };
-        let r = &mut registry;
+        let r = &mut m.registry;
         r.register(
             "vcpu_deschedules",
             "Times a vCPU was seen descheduled (a sleeper woke up later than the gap threshold)",
@@ -177,7 +176,7 @@ impl Metrics {
                 dry_run: if dry_run { "true" } else { "false" },
             }),
         );
-        Metrics { registry, ..m }
+        m
     }
 
     pub fn record_migration(&self, reason: Reason, outcome: &Outcome) {

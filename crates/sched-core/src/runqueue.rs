@@ -228,6 +228,22 @@ mod tests {
         assert_eq!(rq.schedule(None, 0, |_| false), Scheduled::Idle);
     }
 
+    /// A run queue of `io.len()` vCPUs after one plain period, reallocated with the
+    /// (E_n, Ī_e) figures `io`.
+    fn reallocated_with(io: &[(u64, f64)]) -> (CreditParams, Vec<u32>, RunQueue) {
+        let p = CreditParams::default();
+        let ids: Vec<u32> = (0..io.len() as u32).collect();
+        let mut rq = RunQueue::new(p.clone(), &ids);
+        one_period(&mut rq);
+        let figures: Vec<(u32, u64, f64)> = io
+            .iter()
+            .enumerate()
+            .map(|(i, &(e, m))| (i as u32, e, m))
+            .collect();
+        rq.reallocate(&figures);
+        (p, ids, rq)
+    }
+
     proptest! {
         /// Every vCPU gets the same default credit per reallocation, whatever the I/O
         /// figures, and the concealed IVCredit does not change the normal-state CPU share.
@@ -235,12 +251,7 @@ mod tests {
         fn concealed_credit_keeps_the_default_share(
             io in proptest::collection::vec((0u64..200, 0.0f64..2e6), 2..6)
         ) {
-            let p = CreditParams::default();
-            let ids: Vec<u32> = (0..io.len() as u32).collect();
-            let mut rq = RunQueue::new(p.clone(), &ids);
-            one_period(&mut rq);
-            let figures: Vec<(u32, u64, f64)> = io.iter().enumerate().map(|(i, &(e, m))| (i as u32, e, m)).collect();
-            rq.reallocate(&figures);
+            let (p, ids, mut rq) = reallocated_with(&io);
             let (normal, _, _) = one_period(&mut rq);
             for t in &normal {
                 prop_assert!(t.abs_diff(p.default_credit_ns) < SLICE, "{:?}", normal);
@@ -259,12 +270,7 @@ mod tests {
         fn boost_time_is_bounded_by_the_io_load(
             io in proptest::collection::vec((0u64..200, 0.0f64..2e6), 2..6)
         ) {
-            let p = CreditParams::default();
-            let ids: Vec<u32> = (0..io.len() as u32).collect();
-            let mut rq = RunQueue::new(p.clone(), &ids);
-            one_period(&mut rq);
-            let figures: Vec<(u32, u64, f64)> = io.iter().enumerate().map(|(i, &(e, m))| (i as u32, e, m)).collect();
-            rq.reallocate(&figures);
+            let (p, ids, mut rq) = reallocated_with(&io);
             let load = rq.io_load();
             let (_, boost, _) = one_period(&mut rq);
             let total: u64 = boost.iter().sum();

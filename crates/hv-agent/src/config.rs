@@ -3,9 +3,11 @@
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/vmigrater/hv-agent.toml";
+pub const DEFAULT_STATE_DIR: &str = "/run/vmigrater-hv-agent";
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
@@ -20,8 +22,57 @@ pub struct Config {
     pub max_nice_delta: i32,
     /// EEVDF slice for I/O-intensive vCPU threads (0 = never change slices).
     pub io_slice_us: u64,
+    /// How a vCPU thread's share is changed: `nice` (setpriority-equivalent) or `cgroup`
+    /// (`cpu.shares` on v1, `cpu.weight` on v2).
+    pub weight: String,
+    /// ISACS Algorithm 2: move I/O-intensive vCPU threads between the host CPUs their VM
+    /// may use, restoring the original affinity when they stop doing I/O or at exit.
+    pub balance_io: bool,
+    /// For VMs without guest reports, infer I/O from the vCPU threads' wake-ups
+    /// (`/proc/<tid>/status` voluntary switches) and run/wait time (`schedstat`).
+    pub observe_schedstat: bool,
+    /// Where the status socket lives.
+    pub state_dir: PathBuf,
+    pub metrics: MetricsConfig,
+    pub libvirt: LibvirtConfig,
     #[serde(rename = "vm")]
     pub vms: Vec<VmConfig>,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    pub enabled: bool,
+    pub listen: SocketAddr,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        MetricsConfig {
+            enabled: true,
+            listen: "127.0.0.1:9978".parse().expect("static address"),
+        }
+    }
+}
+
+/// VMs started by libvirt announce themselves: a channel socket named after our port in
+/// `channel_dir/domain-<id>-<name>/`, and the QEMU pid in `pid_dir/<name>.pid`.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LibvirtConfig {
+    pub enabled: bool,
+    pub channel_dir: PathBuf,
+    pub pid_dir: PathBuf,
+}
+
+impl Default for LibvirtConfig {
+    fn default() -> Self {
+        LibvirtConfig {
+            enabled: true,
+            channel_dir: "/var/lib/libvirt/qemu/channel/target".into(),
+            pid_dir: "/run/libvirt/qemu".into(),
+        }
+    }
 }
 
 impl Default for Config {
@@ -32,6 +83,12 @@ impl Default for Config {
             min_report_interval_ms: 20,
             max_nice_delta: 3,
             io_slice_us: 500,
+            weight: "nice".into(),
+            balance_io: true,
+            observe_schedstat: true,
+            state_dir: DEFAULT_STATE_DIR.into(),
+            metrics: MetricsConfig::default(),
+            libvirt: LibvirtConfig::default(),
             vms: Vec::new(),
         }
     }
@@ -45,24 +102,23 @@ pub struct VmConfig {
     pub hint_socket: Option<PathBuf>,
     /// QMP socket, to find the vCPU threads.
     pub qmp_socket: Option<PathBuf>,
+    /// QEMU's pid file: vCPU threads are the ones QEMU names `CPU <n>/KVM` (or `/TCG`)
+    /// when started with `-name ...,debug-threads=on` (libvirt always does).
+    pub pid_file: Option<PathBuf>,
     /// vCPU thread ids, in vCPU order, when there is no QMP (tests, other VMMs).
     #[serde(default)]
     pub vcpu_threads: Vec<u32>,
+    /// Host CPUs Algorithm 2 may place this VM's vCPU threads on (empty: each thread's
+    /// own affinity when the agent first saw it).
+    #[serde(default)]
+    pub host_cpus: Vec<usize>,
     /// Xen domain name or id (xen backend).
     pub domain: Option<String>,
 }
 
 impl Config {
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
-        let cfg: Config = toml::from_str(text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-            match line {
-                Some(l) => anyhow::anyhow!("{origin}:{l}: {}", e.message().trim_end()),
-                None => anyhow::anyhow!("{origin}: {}", e.message().trim_end()),
-            }
-        })?;
+        let cfg: Config = control::parse_toml(text, origin)?;
         cfg.validate()
             .with_context(|| format!("{origin}: invalid configuration"))?;
         Ok(cfg)
@@ -88,6 +144,12 @@ impl Config {
                 self.backend
             );
         }
+        if !["nice", "cgroup"].contains(&self.weight.as_str()) {
+            bail!(
+                "weight = {:?}: expected \"nice\" or \"cgroup\"",
+                self.weight
+            );
+        }
         if !(0..=19).contains(&self.max_nice_delta) {
             bail!("max_nice_delta = {} is outside 0..=19", self.max_nice_delta);
         }
@@ -96,8 +158,19 @@ impl Config {
             if !names.insert(&vm.name) {
                 bail!("vm {:?} is configured twice", vm.name);
             }
-            if vm.qmp_socket.is_none() && vm.vcpu_threads.is_empty() && vm.domain.is_none() {
-                bail!("vm {:?}: give qmp_socket, vcpu_threads or domain", vm.name);
+            if vm.qmp_socket.is_none()
+                && vm.pid_file.is_none()
+                && vm.vcpu_threads.is_empty()
+                && vm.domain.is_none()
+            {
+                bail!(
+                    "vm {:?}: give qmp_socket, pid_file, vcpu_threads or domain",
+                    vm.name
+                );
+            }
+            let max = nix::sched::CpuSet::count();
+            if let Some(c) = vm.host_cpus.iter().find(|&&c| c >= max) {
+                bail!("vm {:?}: host_cpus has CPU {c}, beyond {max}", vm.name);
             }
         }
         Ok(())
@@ -128,5 +201,9 @@ mod tests {
             .to_string();
         assert!(e.starts_with("t:3:"), "{e}");
         assert!(Config::parse("[[vm]]\nname = \"a\"\n", "t").is_err());
+        let e = Config::parse("weight = \"shares\"\n", "t").unwrap_err();
+        assert!(format!("{e:#}").contains("\"nice\" or \"cgroup\""), "{e:#}");
+        let e = Config::parse("[metrics]\nlisten = \"nowhere\"\n", "t").unwrap_err();
+        assert!(e.to_string().starts_with("t:2:"), "{e}");
     }
 }

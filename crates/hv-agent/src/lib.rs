@@ -11,7 +11,10 @@
 
 pub mod agent;
 pub mod backend;
+pub mod cgroup;
 pub mod config;
+pub mod discovery;
 pub mod guest;
+pub mod observe;
 pub mod qmp;
 pub mod weights;

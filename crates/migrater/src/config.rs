@@ -180,15 +180,7 @@ impl PriorityRule {
 impl Config {
     /// Parses TOML text; `origin` names the file in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
-        let cfg: Config = toml::from_str(text).map_err(|e| {
-            let line = e
-                .span()
-                .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
-            match line {
-                Some(line) => anyhow::anyhow!("{origin}:{line}: {}", e.message().trim_end()),
-                None => anyhow::anyhow!("{origin}: {}", e.message().trim_end()),
-            }
-        })?;
+        let cfg: Config = control::parse_toml(text, origin)?;
         cfg.validate()
             .with_context(|| format!("{origin}: invalid configuration"))?;
         Ok(cfg)

@@ -352,67 +352,21 @@ pub fn run(cfg: Config) -> Result<()> {
 
 /// Tokio runs only the control plane: metrics HTTP, the status socket and signals.
 fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .thread_name("vmigrater-ctl")
-        .build()?;
-    rt.block_on(async move {
-        let sock_path = status::socket_path(&cfg.state_dir);
-        let _ = std::fs::remove_file(&sock_path);
-        let listener = tokio::net::UnixListener::bind(&sock_path)
-            .with_context(|| format!("binding status socket {}", sock_path.display()))?;
-        let status_task = {
-            let running = running.clone();
-            tokio::spawn(async move {
-                loop {
-                    let Ok((mut conn, _)) = listener.accept().await else {
-                        continue;
-                    };
-                    let report = running.report();
-                    let body = serde_json::to_vec(&report).unwrap_or_default();
-                    let _ = tokio::io::AsyncWriteExt::write_all(&mut conn, &body).await;
-                }
-            })
-        };
-        let metrics_task = if cfg.metrics.enabled {
-            let running = running.clone();
-            let app = axum::Router::new().route(
-                "/metrics",
-                axum::routing::get(move || {
-                    let running = running.clone();
-                    async move {
-                        running.refresh_metrics();
-                        (
-                            [(
-                                axum::http::header::CONTENT_TYPE,
-                                "application/openmetrics-text; version=1.0.0; charset=utf-8",
-                            )],
-                            running.shared.metrics.encode(),
-                        )
-                    }
-                }),
-            );
-            let listener = tokio::net::TcpListener::bind(cfg.metrics.listen)
-                .await
-                .with_context(|| format!("binding metrics on {}", cfg.metrics.listen))?;
-            info!(addr = %cfg.metrics.listen, "serving /metrics");
-            Some(tokio::spawn(
-                async move { axum::serve(listener, app).await },
-            ))
-        } else {
-            None
-        };
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => info!("SIGINT: shutting down"),
-            _ = term.recv() => info!("SIGTERM: shutting down"),
-        }
-        status_task.abort();
-        if let Some(t) = metrics_task {
-            t.abort();
-        }
-        Ok(())
-    })
+    let endpoints = control::Endpoints {
+        status_socket: status::socket_path(&cfg.state_dir),
+        metrics: cfg.metrics.enabled.then_some(cfg.metrics.listen),
+    };
+    let for_metrics = running.clone();
+    control::serve(
+        "vmigrater-ctl",
+        &endpoints,
+        move || serde_json::to_vec(&running.report()).unwrap_or_default(),
+        move || {
+            for_metrics.refresh_metrics();
+            for_metrics.shared.metrics.encode()
+        },
+        async { info!("{}: shutting down", control::terminated().await) },
+    )
 }
 
 fn read_cgroup(tgid: u32) -> String {

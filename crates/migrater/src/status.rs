@@ -3,13 +3,10 @@
 //! prints a table (or the JSON). Owns the report's shape and its rendering; it must never
 //! change daemon state.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
-use std::io::Read;
-use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::time::Duration;
 
 pub fn socket_path(state_dir: &Path) -> PathBuf {
     state_dir.join("status.sock")
@@ -74,17 +71,7 @@ pub struct StatusReport {
 
 /// Asks the daemon behind `state_dir` for its status.
 pub fn query(state_dir: &Path) -> Result<StatusReport> {
-    let path = socket_path(state_dir);
-    let mut stream = UnixStream::connect(&path).with_context(|| {
-        format!(
-            "connecting to {} (is `vmigrater run` running with this --state-dir?)",
-            path.display()
-        )
-    })?;
-    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
-    let mut text = String::new();
-    stream.read_to_string(&mut text)?;
-    serde_json::from_str(&text).with_context(|| format!("bad status from {}", path.display()))
+    control::query(&socket_path(state_dir), "vmigrater")
 }
 
 /// Human-readable rendering of a report.

@@ -1,0 +1,210 @@
+//! The control plane both daemons share. A unix socket answers every connection with one
+//! JSON document (the daemon's status) and closes; `/metrics` serves OpenMetrics text over
+//! HTTP. It runs on a current-thread tokio runtime on the caller's thread until `shutdown`
+//! resolves, and only ever calls the daemon's closures: it owns no daemon state.
+//! Also the one TOML reader both configurations go through, so errors name `file:line`.
+
+use anyhow::{Context, Result};
+use serde::de::DeserializeOwned;
+use std::future::Future;
+use std::io::Read;
+use std::net::SocketAddr;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+use tracing::info;
+
+pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+pub struct Endpoints {
+    pub status_socket: PathBuf,
+    /// `None`: no HTTP listener at all.
+    pub metrics: Option<SocketAddr>,
+}
+
+/// Serves both endpoints until `shutdown` completes, then removes the status socket.
+pub fn serve<S, M, F>(
+    thread_name: &str,
+    endpoints: &Endpoints,
+    status: S,
+    metrics: M,
+    shutdown: F,
+) -> Result<()>
+where
+    S: Fn() -> Vec<u8> + Send + Sync + 'static,
+    M: Fn() -> String + Send + Sync + 'static,
+    F: Future<Output = ()>,
+{
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .thread_name(thread_name)
+        .build()?;
+    let path = endpoints.status_socket.clone();
+    let r = rt.block_on(async {
+        let _ = std::fs::remove_file(&path);
+        let listener = tokio::net::UnixListener::bind(&path)
+            .with_context(|| format!("binding status socket {}", path.display()))?;
+        let status = Arc::new(status);
+        let status_task = tokio::spawn(async move {
+            loop {
+                let Ok((mut conn, _)) = listener.accept().await else {
+                    continue;
+                };
+                let body = status();
+                // A client that stops reading must not hold the control plane.
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(2),
+                    tokio::io::AsyncWriteExt::write_all(&mut conn, &body),
+                )
+                .await;
+            }
+        });
+        let metrics_task = match endpoints.metrics {
+            Some(addr) => {
+                let metrics = Arc::new(metrics);
+                let app =
+                        axum::Router::new().route(
+                            "/metrics",
+                            axum::routing::get(move || {
+                                let metrics = metrics.clone();
+                                async move {
+                                    ([(axum::http::header::CONTENT_TYPE, OPENMETRICS)], metrics())
+                                }
+                            }),
+                        );
+                let listener = tokio::net::TcpListener::bind(addr)
+                    .await
+                    .with_context(|| format!("binding metrics on {addr}"))?;
+                info!(%addr, "serving /metrics");
+                Some(tokio::spawn(
+                    async move { axum::serve(listener, app).await },
+                ))
+            }
+            None => None,
+        };
+        shutdown.await;
+        status_task.abort();
+        if let Some(t) = metrics_task {
+            t.abort();
+        }
+        anyhow::Ok(())
+    });
+    let _ = std::fs::remove_file(&path);
+    r
+}
+
+/// Parses a TOML configuration; errors read `origin:line: message`.
+pub fn parse_toml<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T> {
+    toml::from_str(text).map_err(|e| {
+        let line = e
+            .span()
+            .map(|s| text[..s.start.min(text.len())].matches('\n').count() + 1);
+        match line {
+            Some(line) => anyhow::anyhow!("{origin}:{line}: {}", e.message().trim_end()),
+            None => anyhow::anyhow!("{origin}: {}", e.message().trim_end()),
+        }
+    })
+}
+
+/// Resolves at SIGINT or SIGTERM, with the signal's name.
+pub async fn terminated() -> &'static str {
+    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+    else {
+        let _ = tokio::signal::ctrl_c().await;
+        return "SIGINT";
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+    }
+}
+
+/// Reads one status document from a running daemon's socket.
+pub fn query<T: DeserializeOwned>(socket: &Path, daemon: &str) -> Result<T> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
+        format!(
+            "connecting to {} (is `{daemon} run` running with this state directory?)",
+            socket.display()
+        )
+    })?;
+    stream.set_read_timeout(Some(Duration::from_secs(5)))?;
+    let mut text = String::new();
+    stream.read_to_string(&mut text)?;
+    serde_json::from_str(&text).with_context(|| format!("bad status from {}", socket.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write as _;
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[test]
+    fn serves_status_and_metrics_until_shutdown() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("status.sock");
+        let probe = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = probe.local_addr().unwrap();
+        drop(probe);
+        let stop = Arc::new(AtomicBool::new(false));
+        let ep = Endpoints {
+            status_socket: sock.clone(),
+            metrics: Some(addr),
+        };
+        let server = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                serve(
+                    "test-ctl",
+                    &ep,
+                    || br#"{"answer":42}"#.to_vec(),
+                    || "# EOF\n".to_string(),
+                    async move {
+                        while !stop.load(Ordering::Relaxed) {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                    },
+                )
+            })
+        };
+        let mut got = None;
+        for _ in 0..200 {
+            if let Ok(v) = query::<serde_json::Value>(&sock, "test") {
+                got = Some(v);
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(got.unwrap()["answer"], 42);
+        let mut http = std::net::TcpStream::connect(addr).unwrap();
+        http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut resp = String::new();
+        http.read_to_string(&mut resp).unwrap();
+        assert!(
+            resp.contains(OPENMETRICS) && resp.ends_with("# EOF\n"),
+            "{resp}"
+        );
+        stop.store(true, Ordering::Relaxed);
+        server.join().unwrap().unwrap();
+        assert!(!sock.exists(), "the status socket is removed at shutdown");
+        let e = query::<serde_json::Value>(&sock, "test").unwrap_err();
+        assert!(format!("{e:#}").contains("is `test run` running"), "{e:#}");
+    }
+
+    #[test]
+    fn toml_errors_name_the_line() {
+        #[derive(serde::Deserialize, Debug)]
+        #[serde(deny_unknown_fields)]
+        #[allow(dead_code)]
+        struct C {
+            a: u32,
+        }
+        let e = parse_toml::<C>("a = 1\n\nb = 2\n", "f.toml").unwrap_err();
+        assert!(
+            e.to_string().starts_with("f.toml:3: unknown field `b`"),
+            "{e}"
+        );
+        assert_eq!(parse_toml::<C>("a = 7\n", "f").unwrap().a, 7);
+    }
+}

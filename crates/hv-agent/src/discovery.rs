@@ -1,0 +1,150 @@
+//! Finding VMs and their vCPU threads without being told their thread ids.
+//! - QEMU started with `-name ...,debug-threads=on` (libvirt always does this) names each
+//!   vCPU thread `CPU <n>/KVM` (`/TCG` under emulation): the pid file is enough.
+//! - libvirt creates a unix socket per `<channel>` under
+//!   `channel_dir/domain-<id>-<name>/<port name>` and the pid file `pid_dir/<name>.pid`.
+
+use anyhow::{Context, Result};
+use std::path::{Path, PathBuf};
+
+use crate::config::VmConfig;
+
+pub const PORT_NAME: &str = "org.vmigrater.hint.0";
+
+/// `CPU 3/KVM` → 3. Only QEMU's vCPU thread names match.
+pub fn vcpu_index(comm: &str) -> Option<u32> {
+    let rest = comm.trim_end().strip_prefix("CPU ")?;
+    let (n, accel) = rest.split_once('/')?;
+    (!accel.is_empty()).then_some(())?;
+    n.parse().ok()
+}
+
+/// The vCPU threads of QEMU process `pid`, in vCPU order.
+pub fn threads_by_comm(pid: u32) -> Result<Vec<u32>> {
+    let dir = format!("/proc/{pid}/task");
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(&dir).with_context(|| format!("reading {dir}"))? {
+        let Some(tid) = entry?
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let comm = std::fs::read_to_string(format!("{dir}/{tid}/comm")).unwrap_or_default();
+        if let Some(n) = vcpu_index(&comm) {
+            found.push((n, tid));
+        }
+    }
+    anyhow::ensure!(
+        !found.is_empty(),
+        "process {pid} has no thread named \"CPU <n>/...\" (QEMU needs -name ...,debug-threads=on)"
+    );
+    found.sort_unstable();
+    Ok(found.into_iter().map(|(_, tid)| tid).collect())
+}
+
+pub fn read_pid_file(path: &Path) -> Result<u32> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    text.trim()
+        .parse()
+        .with_context(|| format!("{}: not a pid: {:?}", path.display(), text.trim()))
+}
+
+/// `domain-12-web-1` → `web-1`.
+fn domain_name(dir: &str) -> Option<&str> {
+    let rest = dir.strip_prefix("domain-")?;
+    let (id, name) = rest.split_once('-')?;
+    (id.parse::<u32>().is_ok() && !name.is_empty()).then_some(name)
+}
+
+/// Running libvirt VMs that carry our channel, as VM configurations.
+pub fn libvirt_vms(channel_dir: &Path, pid_dir: &Path) -> Vec<VmConfig> {
+    let Ok(entries) = std::fs::read_dir(channel_dir) else {
+        return Vec::new();
+    };
+    let mut vms: Vec<VmConfig> = entries
+        .flatten()
+        .filter_map(|e| {
+            let dir = e.file_name().to_str()?.to_string();
+            let name = domain_name(&dir)?.to_string();
+            let socket: PathBuf = e.path().join(PORT_NAME);
+            socket.exists().then(|| VmConfig {
+                pid_file: Some(pid_dir.join(format!("{name}.pid"))),
+                name,
+                hint_socket: Some(socket),
+                qmp_socket: None,
+                vcpu_threads: Vec::new(),
+                host_cpus: Vec::new(),
+                domain: None,
+            })
+        })
+        .collect();
+    vms.sort_by(|a, b| a.name.cmp(&b.name));
+    vms
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names() {
+        assert_eq!(vcpu_index("CPU 0/KVM\n"), Some(0));
+        assert_eq!(vcpu_index("CPU 12/TCG"), Some(12));
+        assert_eq!(vcpu_index("CPU 1"), None);
+        assert_eq!(vcpu_index("CPU x/KVM"), None);
+        assert_eq!(vcpu_index("qemu-system-x86"), None);
+        assert_eq!(domain_name("domain-3-web-1"), Some("web-1"));
+        assert_eq!(domain_name("domain-x-web"), None);
+        assert_eq!(domain_name("domain-3-"), None);
+    }
+
+    #[test]
+    fn libvirt_layout() {
+        let root = tempfile::tempdir().unwrap();
+        let chan = root.path().join("channel/target");
+        for (dir, with_port) in [("domain-1-a", true), ("domain-2-b", false), ("junk", true)] {
+            std::fs::create_dir_all(chan.join(dir)).unwrap();
+            if with_port {
+                std::fs::write(chan.join(dir).join(PORT_NAME), "").unwrap();
+            }
+        }
+        let vms = libvirt_vms(&chan, Path::new("/run/libvirt/qemu"));
+        assert_eq!(vms.len(), 1, "{vms:?}");
+        assert_eq!(vms[0].name, "a");
+        assert_eq!(
+            vms[0].pid_file.as_deref(),
+            Some(Path::new("/run/libvirt/qemu/a.pid"))
+        );
+        assert!(libvirt_vms(&root.path().join("none"), Path::new("/")).is_empty());
+    }
+
+    #[test]
+    fn threads_of_a_real_process_by_name() {
+        // Name two threads of this test process like QEMU's vCPU threads.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let stop = std::sync::Arc::new(std::sync::Barrier::new(3));
+        let mut handles = Vec::new();
+        for n in [1, 0] {
+            let (tx, stop) = (tx.clone(), stop.clone());
+            handles.push(
+                std::thread::Builder::new()
+                    .name(format!("CPU {n}/TCG"))
+                    .spawn(move || {
+                        tx.send((n, nix::unistd::gettid().as_raw() as u32)).unwrap();
+                        stop.wait();
+                    })
+                    .unwrap(),
+            );
+        }
+        let mut want: Vec<(u32, u32)> = (0..2).map(|_| rx.recv().unwrap()).collect();
+        want.sort_unstable();
+        let got = threads_by_comm(std::process::id()).unwrap();
+        stop.wait();
+        handles.into_iter().for_each(|h| h.join().unwrap());
+        assert_eq!(got, want.iter().map(|w| w.1).collect::<Vec<_>>());
+        assert!(threads_by_comm(1).is_err() || std::process::id() == 1);
+    }
+}

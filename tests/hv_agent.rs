@@ -1,13 +1,14 @@
-//! `vmigrater-hv-agent` on real threads (issue 3): a hostile guest floods maximal I/O
-//! reports for VM "liar"; both VMs' vCPU threads are real CPU hogs pinned to one host
-//! CPU. The liar must gain no CPU share (measured from the threads' CPU time), the agent
-//! must really change the threads' scheduling, and restore it on SIGTERM. Root only.
+//! `vmigrater-hv-agent` on real threads (issue 3). CPU hogs of a real process stand in
+//! for vCPU threads; the test plays the guest on the hint socket. Checked from the kernel:
+//! CPU time (schedstat), nice (getpriority), cgroup files, affinity, and that everything
+//! is back after SIGTERM. Root only.
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use std::io::{Read, Write};
-use std::os::unix::net::UnixListener;
-use std::process::{Command, Stdio};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use vmigrater_testbed::{require_root, workspace_bin};
 
@@ -26,107 +27,242 @@ fn cpu_ns(tid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-fn hog_tids(pid: u32) -> Vec<u32> {
-    let mut tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse().ok())
-        .filter(|tid| {
-            std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
-                .is_ok_and(|c| c.starts_with("cpu-hog"))
-        })
-        .collect();
-    tids.sort_unstable();
-    tids
+fn cpus_of(tid: u32) -> Vec<usize> {
+    let set = nix::sched::sched_getaffinity(Pid::from_raw(tid as i32)).unwrap();
+    (0..nix::sched::CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .collect()
 }
 
-#[test]
-fn a_lying_guest_gains_no_cpu_and_everything_is_restored() {
-    if !require_root("a_lying_guest_gains_no_cpu_and_everything_is_restored") {
-        return;
-    }
-    // Two hogs pinned to CPU 0 stand in for one vCPU thread of each VM.
-    let file = std::path::PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-dummy.bin");
-    vmigrater_testbed::workload::prepare_file(&file, 1 << 20).unwrap();
-    let mut workload = Command::new(workspace_bin("vmigrater-workload"))
-        .arg("--file")
-        .arg(&file)
-        .args(["--readers", "0", "--hogs", "2", "--pin-hogs"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    let mut tids = Vec::new();
-    while tids.len() < 2 && t0.elapsed() < Duration::from_secs(5) {
-        tids = hog_tids(workload.id());
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert_eq!(tids.len(), 2, "hog threads not found");
-    // --pin-hogs pins hog i to CPU i; put both on CPU 0 so they share one run queue.
+fn pin(tid: u32, cpu: usize) {
     let mut set = nix::sched::CpuSet::new();
-    set.set(0).unwrap();
-    for &t in &tids {
-        nix::sched::sched_setaffinity(Pid::from_raw(t as i32), &set).unwrap();
+    set.set(cpu).unwrap();
+    nix::sched::sched_setaffinity(Pid::from_raw(tid as i32), &set).unwrap();
+}
+
+/// The `cpu` controller line of a thread's /proc/<tid>/cgroup (v1), or the v2 line.
+fn cpu_cgroup(tid: u32) -> String {
+    let text = std::fs::read_to_string(format!("/proc/{tid}/cgroup")).unwrap_or_default();
+    text.lines()
+        .find(|l| {
+            l.split(':')
+                .nth(1)
+                .is_some_and(|c| c.split(',').any(|c| c == "cpu"))
+        })
+        .or_else(|| text.lines().find(|l| l.starts_with("0::")))
+        .unwrap_or("")
+        .rsplit(':')
+        .next()
+        .unwrap_or("")
+        .to_string()
+}
+
+/// A workload process whose `n` CPU hogs stand in for vCPU threads, each pinned to `cpus[i]`.
+struct Hogs {
+    child: Child,
+    tids: Vec<u32>,
+}
+
+impl Hogs {
+    fn start(cpus: &[usize]) -> Hogs {
+        let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-dummy.bin");
+        vmigrater_testbed::workload::prepare_file(&file, 1 << 20).unwrap();
+        let child = Command::new(workspace_bin("vmigrater-workload"))
+            .arg("--file")
+            .arg(&file)
+            .args(["--readers", "0", "--hogs", &cpus.len().to_string()])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let t0 = Instant::now();
+        let mut tids = Vec::new();
+        while tids.len() < cpus.len() && t0.elapsed() < Duration::from_secs(5) {
+            tids = Self::find(child.id());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(tids.len(), cpus.len(), "hog threads not found");
+        for (&t, &c) in tids.iter().zip(cpus) {
+            pin(t, c);
+        }
+        Hogs { child, tids }
     }
-    let (liar, honest) = (tids[0], tids[1]);
+
+    fn find(pid: u32) -> Vec<u32> {
+        let mut tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .filter(|tid| {
+                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+                    .is_ok_and(|c| c.starts_with("cpu-hog"))
+            })
+            .collect();
+        tids.sort_unstable();
+        tids
+    }
+}
+
+impl Drop for Hogs {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+pub struct Agent {
+    child: Option<Child>,
+    config: PathBuf,
+}
+
+impl Agent {
+    /// Starts the agent with `body` (top-level keys, then `[[vm]]` tables) in a config
+    /// whose state lives in `dir`, without /metrics or libvirt discovery.
+    pub fn start(dir: &Path, body: &str) -> Agent {
+        let config = dir.join("agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "period_ms = 50\nbackend = \"kvm-qemu\"\nstate_dir = {:?}\n{body}\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
+                dir.display().to_string()
+            ),
+        )
+        .unwrap();
+        let child = Command::new(workspace_bin("vmigrater-hv-agent"))
+            .arg("--config")
+            .arg(&config)
+            .args(["--log", "debug", "run"])
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        Agent {
+            child: Some(child),
+            config,
+        }
+    }
+
+    pub fn status(&self) -> Option<serde_json::Value> {
+        let out = Command::new(workspace_bin("vmigrater-hv-agent"))
+            .arg("--config")
+            .arg(&self.config)
+            .args(["status", "--json"])
+            .output()
+            .ok()?;
+        out.status
+            .success()
+            .then(|| serde_json::from_slice(&out.stdout).ok())?
+    }
+
+    /// SIGTERM, wait, and return stderr; panics if the agent failed.
+    pub fn terminate(mut self) -> String {
+        let mut child = self.child.take().unwrap();
+        kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+        let status = child.wait().unwrap();
+        let mut log = String::new();
+        child
+            .stderr
+            .take()
+            .unwrap()
+            .read_to_string(&mut log)
+            .unwrap();
+        assert!(status.success(), "agent exited with {status}:\n{log}");
+        assert!(log.contains("restored every scheduling change"), "{log}");
+        log
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Plays a guest on the hint socket: `hello`, then a report every 25 ms.
+fn guest(listener: &UnixListener, vcpus: u32) -> UnixStream {
+    let (mut g, _) = listener.accept().unwrap();
+    g.write_all(
+        format!("{{\"type\":\"hello\",\"version\":1,\"agent\":\"test\",\"vcpus\":{vcpus}}}\n")
+            .as_bytes(),
+    )
+    .unwrap();
+    g
+}
+
+fn report(seq: u64, vcpus: &[(u32, &str, &str)]) -> String {
+    let v: Vec<String> = vcpus
+        .iter()
+        .map(|(cpu, n, ema)| {
+            format!("{{\"cpu\":{cpu},\"io_completions\":{n},\"io_interval_ema_us\":{ema},\"io_bound_tasks\":1,\"inactive_ratio\":0.0,\"slice_estimate_us\":1000}}")
+        })
+        .collect();
+    format!(
+        "{{\"type\":\"report\",\"seq\":{seq},\"period_ms\":50,\"vcpus\":[{}]}}\n",
+        v.join(",")
+    )
+}
+
+const MAXIMAL: &str = "18446744073709551615";
+
+/// A hostile guest floods maximal reports while both VMs' vCPU threads (CPU hogs) share
+/// CPU 0. Returns the liar's CPU share, the lowest/highest weight signal seen during the
+/// run through `probe`, and the agent's log.
+fn lying_guest_run(weight: &str, mut probe: impl FnMut(u32, u32)) -> (f64, String) {
+    let hogs = Hogs::start(&[0, 0]);
+    let (liar, honest) = (hogs.tids[0], hogs.tids[1]);
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("liar.sock");
     let listener = UnixListener::bind(&sock).unwrap();
-    let config = dir.path().join("agent.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "period_ms = 50\nbackend = \"kvm-qemu\"\n\n[[vm]]\nname = \"liar\"\nhint_socket = {:?}\nvcpu_threads = [{liar}]\n\n[[vm]]\nname = \"honest\"\nvcpu_threads = [{honest}]\n",
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "weight = {weight:?}\n\n[[vm]]\nname = \"liar\"\nhint_socket = {:?}\nvcpu_threads = [{liar}]\n\n[[vm]]\nname = \"honest\"\nvcpu_threads = [{honest}]\n",
             sock.display().to_string()
         ),
-    )
-    .unwrap();
-    let mut agent = Command::new(workspace_bin("vmigrater-hv-agent"))
-        .arg("--config")
-        .arg(&config)
-        .args(["--log", "debug", "run"])
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    // Play the hostile guest: maximal I/O figures, as fast as the rate limit allows.
-    let (mut guest, _) = listener.accept().unwrap();
-    guest
-        .write_all(b"{\"type\":\"hello\",\"version\":1,\"agent\":\"liar\",\"vcpus\":1}\n")
-        .unwrap();
+    );
+    let mut g = guest(&listener, 1);
     let (liar0, honest0) = (cpu_ns(liar), cpu_ns(honest));
-    let mut seen_nice = (0, 0);
     let t0 = Instant::now();
     let mut seq = 0;
     while t0.elapsed() < Duration::from_secs(3) {
         seq += 1;
-        let line = format!(
-            "{{\"type\":\"report\",\"seq\":{seq},\"period_ms\":50,\"vcpus\":[{{\"cpu\":0,\"io_completions\":18446744073709551615,\"io_interval_ema_us\":1e12,\"io_bound_tasks\":4294967295,\"inactive_ratio\":0.0,\"slice_estimate_us\":1e12}}]}}\n"
-        );
-        guest.write_all(line.as_bytes()).unwrap();
+        g.write_all(report(seq, &[(0, MAXIMAL, "1e12")]).as_bytes())
+            .unwrap();
         std::thread::sleep(Duration::from_millis(25));
-        seen_nice = (
-            seen_nice.0.max(nice_of(liar)),
-            seen_nice.1.min(nice_of(honest)),
-        );
+        probe(liar, honest);
     }
     let (dl, dh) = (cpu_ns(liar) - liar0, cpu_ns(honest) - honest0);
-    let share = dl as f64 / (dl + dh) as f64;
-    kill(Pid::from_raw(agent.id() as i32), Signal::SIGTERM).unwrap();
-    let status = agent.wait().unwrap();
-    let mut log = String::new();
-    agent
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut log)
-        .unwrap();
-    let restored = (nice_of(liar), nice_of(honest));
-    let _ = workload.kill();
-    let _ = workload.wait();
-    eprintln!("liar CPU share {share:.3} (liar {dl} ns, honest {dh} ns); nice seen liar {} honest {}; after exit {restored:?}", seen_nice.0, seen_nice.1);
-    assert!(status.success(), "agent exited with {status}:\n{log}");
+    let s = agent.status().expect("agent status");
+    let vm = &s["vms"][0];
+    assert_eq!(vm["name"], "liar");
+    assert_eq!(vm["connected"], true, "{s:#}");
+    assert!(vm["reports"].as_u64() > Some(10), "{s:#}");
+    assert_eq!(vm["vcpus"][0]["source"], "guest", "{s:#}");
+    assert_eq!(vm["vcpus"][0]["tid"], liar, "{s:#}");
+    let log = agent.terminate();
     assert!(log.contains("guest said hello"), "{log}");
+    assert_eq!(
+        (nice_of(liar), nice_of(honest)),
+        (0, 0),
+        "nice not restored:\n{log}"
+    );
+    let share = dl as f64 / (dl + dh) as f64;
+    eprintln!("{weight}: liar CPU share {share:.3} (liar {dl} ns, honest {dh} ns)");
+    drop(hogs);
+    (share, log)
+}
+
+#[test]
+fn a_lying_guest_gains_no_cpu_and_nice_is_restored() {
+    if !require_root("a_lying_guest_gains_no_cpu_and_nice_is_restored") {
+        return;
+    }
+    let mut seen = (0, 0);
+    let (share, log) = lying_guest_run("nice", |liar, honest| {
+        seen = (seen.0.max(nice_of(liar)), seen.1.min(nice_of(honest)));
+    });
     assert!(
         log.contains("vCPU thread re-weighted"),
         "the agent changed nothing:\n{log}"
@@ -134,9 +270,345 @@ fn a_lying_guest_gains_no_cpu_and_everything_is_restored() {
     // The core grants I/O latency, never share: the liar may not exceed its fair half.
     assert!(share <= 0.55, "the lying guest got {share:.3} of the CPU");
     assert!(
-        seen_nice.1 < 0,
+        seen.1 < 0,
         "the CPU-bound VM was never compensated (CVCredit)"
     );
-    assert_eq!(restored, (0, 0), "nice values not restored:\n{log}");
-    assert!(log.contains("restored every scheduling change"), "{log}");
+}
+
+#[test]
+fn nice_is_back_after_sigterm() {
+    if !require_root("nice_is_back_after_sigterm") {
+        return;
+    }
+    let hogs = Hogs::start(&[0, 0]);
+    let (a, b) = (hogs.tids[0], hogs.tids[1]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("io.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[[vm]]\nname = \"io\"\nhint_socket = {:?}\nvcpu_threads = [{a}]\n\n[[vm]]\nname = \"cpu\"\nvcpu_threads = [{b}]\n",
+            sock.display().to_string()
+        ),
+    );
+    let before = hv_agent::backend::get_attr(a).unwrap();
+    let mut g = guest(&listener, 1);
+    let (mut changed_nice, mut got_slice) = (false, false);
+    let t0 = Instant::now();
+    let mut seq = 0;
+    while t0.elapsed() < Duration::from_secs(2) {
+        seq += 1;
+        g.write_all(report(seq, &[(0, "200", "500")]).as_bytes())
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(25));
+        changed_nice |= nice_of(b) != 0;
+        got_slice |= hv_agent::backend::get_attr(a).unwrap().sched_runtime == 500_000;
+    }
+    agent.terminate();
+    let after = hv_agent::backend::get_attr(a).unwrap();
+    assert!(changed_nice, "the CPU-bound vCPU's nice never changed");
+    assert!(got_slice, "the I/O vCPU never got the 500 µs slice");
+    assert_eq!((nice_of(a), nice_of(b)), (0, 0), "nice not restored");
+    assert_eq!(
+        after.sched_runtime, before.sched_runtime,
+        "slice not restored"
+    );
+}
+
+#[test]
+fn a_lying_guest_gains_no_cpu_with_cgroup_weights() {
+    if !require_root("a_lying_guest_gains_no_cpu_with_cgroup_weights") {
+        return;
+    }
+    if hv_agent::cgroup::Hierarchy::detect().is_none() {
+        eprintln!("\n******** SKIPPED a_lying_guest_gains_no_cpu_with_cgroup_weights: no cgroup cpu controller mounted ********\n");
+        return;
+    }
+    let (root, v1) = cgroup_root();
+    if !v1 {
+        eprintln!("\n******** SKIPPED a_lying_guest_gains_no_cpu_with_cgroup_weights: cgroup v2 moves single threads only within threaded subtrees; the agent needs per-vCPU cgroups (libvirt) there ********\n");
+        return;
+    }
+    let mut groups: Vec<String> = Vec::new();
+    let mut honest_shares_max = 0u64;
+    let mut nice_seen = 0;
+    let (share, log) = lying_guest_run("cgroup", |liar, honest| {
+        nice_seen = nice_seen.min(nice_of(honest)).min(nice_of(liar));
+        for g in [cpu_cgroup(liar), cpu_cgroup(honest)] {
+            if g.contains("vmigrater-vcpu-") && !groups.contains(&g) {
+                groups.push(g);
+            }
+        }
+        let h = cpu_cgroup(honest);
+        if h.contains("vmigrater-vcpu-") {
+            if let Some(v) = std::fs::read_to_string(root.join(h_rel(&h)).join("cpu.shares"))
+                .ok()
+                .and_then(|t| t.trim().parse::<u64>().ok())
+            {
+                honest_shares_max = honest_shares_max.max(v);
+            }
+        }
+    });
+    assert!(share <= 0.55, "the lying guest got {share:.3} of the CPU");
+    assert_eq!(nice_seen, 0, "cgroup weighting must not touch nice:\n{log}");
+    assert!(
+        !groups.is_empty(),
+        "no vCPU thread got its own cgroup:\n{log}"
+    );
+    assert!(
+        honest_shares_max > 1024,
+        "the CPU-bound VM's cgroup was never weighted up (max cpu.shares {honest_shares_max}):\n{log}"
+    );
+    for g in &groups {
+        assert!(
+            !root.join(h_rel(g)).exists(),
+            "cgroup {g} left behind after SIGTERM"
+        );
+    }
+}
+
+fn h_rel(g: &str) -> String {
+    g.trim_start_matches('/').to_string()
+}
+
+fn cgroup_root() -> (PathBuf, bool) {
+    match hv_agent::cgroup::Hierarchy::detect().unwrap() {
+        hv_agent::cgroup::Hierarchy::V1(r) => (r, true),
+        hv_agent::cgroup::Hierarchy::V2(r) => (r, false),
+    }
+}
+
+#[test]
+fn io_load_balancing_moves_one_vcpu_and_restores_masks() {
+    if !require_root("io_load_balancing_moves_one_vcpu_and_restores_masks") {
+        return;
+    }
+    if nix::sched::CpuSet::count() < 2 || std::thread::available_parallelism().unwrap().get() < 2 {
+        eprintln!("\n******** SKIPPED io_load_balancing_moves_one_vcpu_and_restores_masks: needs 2 CPUs ********\n");
+        return;
+    }
+    // Three equally I/O-intensive vCPUs crowd CPU 0; the VM may use CPUs 0 and 1.
+    let hogs = Hogs::start(&[0, 0, 0]);
+    let t = hogs.tids.clone();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[[vm]]\nname = \"vm\"\nhint_socket = {:?}\nvcpu_threads = [{}, {}, {}]\nhost_cpus = [0, 1]\n",
+            sock.display().to_string(),
+            t[0],
+            t[1],
+            t[2]
+        ),
+    );
+    let mut g = guest(&listener, 3);
+    let t0 = Instant::now();
+    let mut seq = 0;
+    let mut during = Vec::new();
+    while t0.elapsed() < Duration::from_millis(1500) {
+        seq += 1;
+        g.write_all(
+            report(
+                seq,
+                &[(0, "100", "400"), (1, "100", "400"), (2, "100", "400")],
+            )
+            .as_bytes(),
+        )
+        .unwrap();
+        std::thread::sleep(Duration::from_millis(25));
+        during = t.iter().map(|&x| cpus_of(x)).collect::<Vec<_>>();
+    }
+    let s = agent.status().expect("status");
+    let log = agent.terminate();
+    let moved: Vec<_> = during.iter().filter(|c| **c == [1]).collect();
+    assert_eq!(
+        moved.len(),
+        1,
+        "expected exactly one vCPU on CPU 1: {during:?}\n{log}"
+    );
+    assert_eq!(
+        during.iter().filter(|c| **c == [0]).count(),
+        2,
+        "{during:?}"
+    );
+    let moves: u64 = s["vms"][0]["vcpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v["moves"].as_u64().unwrap())
+        .sum();
+    assert_eq!(moves, 1, "{s:#}");
+    assert!(
+        log.contains("I/O load balancing: vCPU thread moved"),
+        "{log}"
+    );
+    for &x in &t {
+        assert_eq!(cpus_of(x), vec![0], "mask of {x} not restored:\n{log}");
+    }
+}
+
+/// A relay that stands in for QEMU's virtio-serial port: the guest daemon writes to a pty
+/// slave (its `/dev/virtio-ports/...`), the agent reads the host end as a unix socket.
+fn relay(mut a: std::fs::File, mut b: UnixStream) {
+    let (mut a2, mut b2) = (a.try_clone().unwrap(), b.try_clone().unwrap());
+    // Detached: each ends when its side closes, or with the test process.
+    std::thread::spawn(move || std::io::copy(&mut a, &mut b));
+    std::thread::spawn(move || std::io::copy(&mut b2, &mut a2));
+}
+
+fn vmigrater_status(state_dir: &Path) -> Option<serde_json::Value> {
+    let out = Command::new(workspace_bin("vmigrater"))
+        .args(["status", "--json", "--state-dir"])
+        .arg(state_dir)
+        .output()
+        .ok()?;
+    out.status
+        .success()
+        .then(|| serde_json::from_slice(&out.stdout).ok())?
+}
+
+#[test]
+fn guest_daemon_reports_drive_the_agent_end_to_end() {
+    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+    use std::os::fd::AsFd;
+    if !require_root("guest_daemon_reports_drive_the_agent_end_to_end") {
+        return;
+    }
+    let ncpu = std::thread::available_parallelism().unwrap().get();
+    // This host plays the guest: its CPUs are "vCPUs" 0..n, and hog thread i stands in
+    // for the host thread of vCPU i, with a neighbour VM's hog on the same CPU.
+    let cpus: Vec<usize> = (0..ncpu).chain(0..ncpu).collect();
+    let hogs = Hogs::start(&cpus);
+    let (vcpu_threads, neighbour) = hogs.tids.split_at(ncpu);
+    let before: Vec<u64> = vcpu_threads
+        .iter()
+        .map(|&t| hv_agent::backend::get_attr(t).unwrap().sched_runtime)
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let agent_dir = dir.path().join("agent");
+    let guest_dir = dir.path().join("guest");
+    std::fs::create_dir_all(&agent_dir).unwrap();
+    std::fs::create_dir_all(&guest_dir).unwrap();
+    let sock = agent_dir.join("guest.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let list = |t: &[u32]| {
+        t.iter()
+            .map(|x| x.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let agent = Agent::start(
+        &agent_dir,
+        &format!(
+            "[[vm]]\nname = \"guest\"\nhint_socket = {:?}\nvcpu_threads = [{}]\n\n[[vm]]\nname = \"neighbour\"\nvcpu_threads = [{}]\n",
+            sock.display().to_string(),
+            list(vcpu_threads),
+            list(neighbour)
+        ),
+    );
+    let (host_end, _) = listener.accept().unwrap();
+
+    let pty = nix::pty::openpty(None, None).expect("openpty");
+    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
+    cfmakeraw(&mut raw);
+    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
+    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    relay(std::fs::File::from(pty.master), host_end);
+    let config = guest_dir.join("vmigrater.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[channel]\npath = {:?}\nperiod_ms = 50\n",
+            slave.display().to_string()
+        ),
+    )
+    .unwrap();
+    let mut daemon = Command::new(workspace_bin("vmigrater"))
+        .arg("--config")
+        .arg(&config)
+        .args(["run", "--no-metrics", "--state-dir"])
+        .arg(&guest_dir)
+        .env("VMIGRATER_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // An O_DIRECT reader gives the guest daemon real I/O completions to report.
+    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
+    vmigrater_testbed::workload::prepare_file(&data, 64 << 20).unwrap();
+    let mut reader = Command::new(workspace_bin("vmigrater-workload"))
+        .arg("--file")
+        .arg(&data)
+        .args(["--pattern", "random4k", "--readers", "1"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+
+    let t0 = Instant::now();
+    let (mut slice_seen, mut last) = (false, None);
+    while t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(50));
+        slice_seen |= vcpu_threads
+            .iter()
+            .any(|&t| hv_agent::backend::get_attr(t).unwrap().sched_runtime == 500_000);
+        let s = agent.status();
+        let done = s.as_ref().is_some_and(|s| {
+            let vm = &s["vms"][0];
+            vm["reports"].as_u64() >= Some(20)
+                && vm["vcpus"].as_array().is_some_and(|v| {
+                    v.iter()
+                        .any(|c| c["source"] == "guest" && c["iv_credit"].as_f64() > Some(0.0))
+                })
+        });
+        last = s;
+        if done && slice_seen {
+            break;
+        }
+    }
+    let g = vmigrater_status(&guest_dir).expect("vmigrater status");
+    let _ = reader.kill();
+    let _ = reader.wait();
+    kill(Pid::from_raw(daemon.id() as i32), Signal::SIGTERM).unwrap();
+    let daemon_exit = daemon.wait().unwrap();
+    let log = agent.terminate();
+    let s = last.expect("agent status");
+    eprintln!("agent: {s:#}");
+    eprintln!(
+        "guest: connected {} sent {} replies {}",
+        g["channel_connected"], g["channel_reports_sent"], g["channel_replies"]
+    );
+    assert!(daemon_exit.success(), "vmigrater exited with {daemon_exit}");
+    let vm = &s["vms"][0];
+    assert_eq!(vm["name"], "guest");
+    assert_eq!(vm["connected"], true, "{s:#}");
+    assert_eq!(
+        vm["rejected"], 0,
+        "the agent rejected the real daemon's frames: {s:#}"
+    );
+    assert!(vm["reports"].as_u64() >= Some(20), "{s:#}\n{log}");
+    let io_vcpu = vm["vcpus"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["source"] == "guest" && c["iv_credit"].as_f64() > Some(0.0));
+    assert!(
+        io_vcpu.is_some(),
+        "no vCPU got IVCredit from the guest's reports: {s:#}"
+    );
+    assert!(slice_seen, "no vCPU thread got the I/O slice:\n{log}");
+    assert_eq!(g["channel_connected"], true, "{g:#}");
+    assert!(
+        g["channel_replies"].as_u64() >= Some(2),
+        "welcome and applied: {g:#}"
+    );
+    let after: Vec<u64> = vcpu_threads
+        .iter()
+        .map(|&t| hv_agent::backend::get_attr(t).unwrap().sched_runtime)
+        .collect();
+    assert_eq!(after, before, "slices not restored");
+    for &t in hogs.tids.iter() {
+        assert_eq!(nice_of(t), 0, "nice of {t} not restored");
+    }
 }

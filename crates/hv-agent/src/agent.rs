@@ -1,36 +1,111 @@
-//! The period loop: every `period_ms`, for every VM, read each vCPU thread's CPU time
-//! (host schedstat) and pinning, join the guest's latest report, run the credit core per
-//! host run queue, apply the settings through the backend, and tell each guest what was
-//! applied. On stop, the backend restores everything it changed.
+//! The period loop: every `period_ms`, for every VM, sample each vCPU thread (host
+//! schedstat), take the guest's latest report (or, without one, the thread's own
+//! wake-ups), run the credit core per host run queue, apply the settings through the
+//! backend, move I/O-intensive vCPU threads between the VM's host CPUs (Algorithm 2), tell
+//! each guest what was applied, and publish a status snapshot. On stop, the backend
+//! restores everything it changed.
 
 use anyhow::Result;
 use proto::{Applied, Message, VcpuWeight};
 use sched_core::CreditParams;
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
-use tracing::{info, warn};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+use tracing::{debug, info, warn};
 
 use crate::backend::{self, Backend};
 use crate::config::{Config, VmConfig};
+use crate::discovery;
 use crate::guest::{self, GuestState};
+use crate::observe::{self, ThreadSample, WakeupEma};
+use crate::placement::{self, Placed};
+use crate::status::{AgentStatus, Source, VcpuStatus, VmStatus};
 use crate::weights::{self, VcpuFigures};
+
+/// How often VMs without known threads are resolved again, and libvirt rescanned.
+const RESCAN: Duration = Duration::from_secs(2);
+/// Periods a vCPU thread stays where Algorithm 2 put it before it may move again: moves
+/// cost the guest cache warmth, and ping-pong would cost more than it gains.
+const MOVE_COOLDOWN_PERIODS: u64 = 10;
+
+#[derive(Default)]
+struct Track {
+    tid: Option<u32>,
+    prev: Option<ThreadSample>,
+    ema: WakeupEma,
+    run_total: u64,
+    wait_total: u64,
+    moves: u64,
+    /// Period from which the thread may move again.
+    movable_from: u64,
+    status: VcpuStatus,
+}
 
 struct Vm {
     cfg: VmConfig,
+    origin: &'static str,
     tids: Vec<u32>,
+    resolved_at: Option<Instant>,
     guest: Arc<GuestState>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+    tracks: Vec<Track>,
 }
 
-/// On-CPU ns of a host thread (/proc/<tid>/schedstat field 1).
-pub fn thread_cpu_ns(tid: u32) -> Option<u64> {
-    std::fs::read_to_string(format!("/proc/{tid}/schedstat"))
-        .ok()?
-        .split_whitespace()
-        .next()?
-        .parse()
-        .ok()
+impl Vm {
+    fn new(cfg: VmConfig, origin: &'static str, min_interval: Duration) -> Result<Vm> {
+        let guest = Arc::new(GuestState::default());
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = match cfg.hint_socket.clone() {
+            Some(sock) => {
+                let (name, state, stop) = (cfg.name.clone(), guest.clone(), stop.clone());
+                Some(
+                    std::thread::Builder::new()
+                        .name(format!("guest-{name}"))
+                        .spawn(move || guest::run(name, sock, min_interval, state, stop))?,
+                )
+            }
+            None => None,
+        };
+        Ok(Vm {
+            cfg,
+            origin,
+            tids: Vec::new(),
+            resolved_at: None,
+            guest,
+            stop,
+            thread,
+            tracks: Vec::new(),
+        })
+    }
+
+    fn shut(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// vCPU threads in vCPU order: configured ids, else QEMU's thread names under its pid
+/// file, else QMP.
+fn resolve_threads(vm: &VmConfig) -> Result<Vec<u32>> {
+    if !vm.vcpu_threads.is_empty() {
+        return Ok(vm.vcpu_threads.clone());
+    }
+    if let Some(p) = &vm.pid_file {
+        return discovery::threads_by_comm(discovery::read_pid_file(p)?);
+    }
+    if let Some(q) = &vm.qmp_socket {
+        return crate::qmp::vcpu_threads(q);
+    }
+    Ok(Vec::new())
+}
+
+fn alive(tid: u32) -> bool {
+    std::path::Path::new(&format!("/proc/{tid}")).exists()
 }
 
 /// The CPU a thread is pinned to, if exactly one.
@@ -42,108 +117,205 @@ fn pinned_cpu(tid: u32) -> Option<usize> {
     (cpus.len() == 1).then(|| cpus[0])
 }
 
-fn resolve_threads(vm: &VmConfig) -> Vec<u32> {
-    if !vm.vcpu_threads.is_empty() {
-        return vm.vcpu_threads.clone();
-    }
-    match &vm.qmp_socket {
-        Some(q) => crate::qmp::vcpu_threads(q).unwrap_or_else(|e| {
-            warn!(vm = %vm.name, "vCPU threads unknown yet: {e:#}");
-            Vec::new()
-        }),
-        None => Vec::new(),
-    }
+pub struct Agent {
+    cfg: Config,
+    backend: Box<dyn Backend>,
+    params: CreditParams,
+    vms: Vec<Vm>,
+    status: Arc<Mutex<AgentStatus>>,
+    started: Instant,
+    periods: u64,
+    apply_errors: u64,
+    last_scan: Option<Instant>,
 }
 
-pub fn run(cfg: Config, stop: Arc<AtomicBool>) -> Result<()> {
-    let mut backend: Box<dyn Backend> = backend::for_name(&cfg.backend)?;
-    let period = Duration::from_millis(cfg.period_ms);
-    let params = CreditParams {
-        period_ns: period.as_nanos() as u64,
-        ..CreditParams::default()
-    };
-    let mut vms: Vec<Vm> = cfg
-        .vms
-        .iter()
-        .map(|v| Vm {
-            cfg: v.clone(),
-            tids: resolve_threads(v),
-            guest: Arc::new(GuestState::default()),
+impl Agent {
+    pub fn new(cfg: Config, status: Arc<Mutex<AgentStatus>>) -> Result<Agent> {
+        let backend = backend::for_name(&cfg.backend, &cfg.weight)?;
+        let params = CreditParams {
+            period_ns: cfg.period_ms * 1_000_000,
+            ..CreditParams::default()
+        };
+        let min = Duration::from_millis(cfg.min_report_interval_ms);
+        let vms = cfg
+            .vms
+            .iter()
+            .map(|v| Vm::new(v.clone(), "config", min))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Agent {
+            cfg,
+            backend,
+            params,
+            vms,
+            status,
+            started: Instant::now(),
+            periods: 0,
+            apply_errors: 0,
+            last_scan: None,
         })
-        .collect();
-    let mut threads = Vec::new();
-    for vm in &vms {
-        if let Some(sock) = vm.cfg.hint_socket.clone() {
-            let (name, state, stop) = (vm.cfg.name.clone(), vm.guest.clone(), stop.clone());
-            let min = Duration::from_millis(cfg.min_report_interval_ms);
-            threads.push(
-                std::thread::Builder::new()
-                    .name(format!("guest-{name}"))
-                    .spawn(move || guest::run(name, sock, min, state, stop))?,
-            );
+    }
+
+    /// VMs libvirt started or stopped since the last scan.
+    fn scan_libvirt(&mut self) {
+        let l = &self.cfg.libvirt;
+        if !l.enabled || !l.channel_dir.is_dir() {
+            return;
+        }
+        let found = discovery::libvirt_vms(&l.channel_dir, &l.pid_dir);
+        let min = Duration::from_millis(self.cfg.min_report_interval_ms);
+        for v in &found {
+            if !self.vms.iter().any(|vm| vm.cfg.name == v.name) {
+                info!(vm = %v.name, "libvirt VM found");
+                match Vm::new(v.clone(), "libvirt", min) {
+                    Ok(vm) => self.vms.push(vm),
+                    Err(e) => warn!(vm = %v.name, "cannot follow libvirt VM: {e:#}"),
+                }
+            }
+        }
+        let mut gone = Vec::new();
+        self.vms.retain_mut(|vm| {
+            let keep = vm.origin != "libvirt" || found.iter().any(|f| f.name == vm.cfg.name);
+            if !keep {
+                info!(vm = %vm.cfg.name, "libvirt VM gone");
+                vm.shut();
+                gone.extend(vm.tids.iter().copied());
+            }
+            keep
+        });
+        for tid in gone {
+            self.backend.forget(tid);
         }
     }
-    info!(
-        backend = backend.name(),
-        vms = vms.len(),
-        period_ms = cfg.period_ms,
-        "hv-agent running"
-    );
-    let mut last_cpu: HashMap<u32, u64> = HashMap::new();
-    while !stop.load(Ordering::Relaxed) {
-        std::thread::sleep(period);
-        let mut figures = Vec::new();
-        let mut where_: HashMap<(usize, u32), Option<u32>> = HashMap::new();
-        for (i, vm) in vms.iter_mut().enumerate() {
-            if vm.tids.is_empty() && vm.cfg.qmp_socket.is_some() {
-                vm.tids = resolve_threads(&vm.cfg);
+
+    fn refresh_threads(&mut self) {
+        let now = Instant::now();
+        for vm in &mut self.vms {
+            let stale = vm.tids.is_empty() || !vm.tids.iter().all(|&t| alive(t));
+            if !stale || vm.resolved_at.is_some_and(|t| now - t < RESCAN) {
+                continue;
             }
+            vm.resolved_at = Some(now);
+            match resolve_threads(&vm.cfg) {
+                Ok(tids) if tids != vm.tids => {
+                    for &old in vm.tids.iter().filter(|t| !tids.contains(t)) {
+                        self.backend.forget(old);
+                    }
+                    info!(vm = %vm.cfg.name, ?tids, "vCPU threads");
+                    vm.tids = tids;
+                    vm.tracks.clear();
+                }
+                Ok(_) => {}
+                Err(e) => debug!(vm = %vm.cfg.name, "vCPU threads unknown yet: {e:#}"),
+            }
+        }
+    }
+
+    /// One period: observe, credit, apply, place, reply, publish.
+    pub fn period(&mut self) {
+        if self.last_scan.is_none_or(|t| t.elapsed() >= RESCAN) {
+            self.last_scan = Some(Instant::now());
+            self.scan_libvirt();
+        }
+        self.refresh_threads();
+        self.periods += 1;
+        let period = Duration::from_millis(self.cfg.period_ms);
+        let period_ns = self.params.period_ns;
+        let mut figures = Vec::new();
+        for (i, vm) in self.vms.iter_mut().enumerate() {
             let reports = vm.guest.fresh(period * 3);
             let n = vm
                 .tids
                 .len()
                 .max(reports.keys().next_back().map_or(0, |&k| k as usize + 1));
-            for cpu in 0..n as u32 {
-                let tid = vm.tids.get(cpu as usize).copied();
-                let consumed = tid.and_then(|t| {
-                    let now = thread_cpu_ns(t)?;
-                    let prev = last_cpu.insert(t, now)?;
-                    Some(now.saturating_sub(prev))
-                });
-                let r = reports.get(&cpu);
+            vm.tracks
+                .resize_with(n.max(vm.tracks.len()), Track::default);
+            for (cpu, track) in vm.tracks.iter_mut().enumerate().take(n) {
+                track.tid = vm.tids.get(cpu).copied();
+                let sample = track.tid.and_then(observe::sample);
+                let (run, wait, wakeups) = match (&track.prev, &sample) {
+                    (Some(p), Some(s)) => (
+                        s.run_ns.saturating_sub(p.run_ns),
+                        s.wait_ns.saturating_sub(p.wait_ns),
+                        s.wakeups.saturating_sub(p.wakeups),
+                    ),
+                    _ => (0, 0, 0),
+                };
+                let first = track.prev.is_none();
+                track.prev = sample;
+                track.run_total += run;
+                track.wait_total += wait;
+                let observed = track.ema.on_period(wakeups, period_ns);
+                let (source, events, ema_ns) = match reports.get(&(cpu as u32)) {
+                    Some(r) => (Source::Guest, r.io_completions, r.io_interval_ema_us * 1e3),
+                    None if self.cfg.observe_schedstat && !first && track.tid.is_some() => {
+                        (Source::Schedstat, observed.0, observed.1)
+                    }
+                    None => (Source::None, 0, 0.0),
+                };
+                let host_cpu = track.tid.and_then(pinned_cpu);
+                track.status = VcpuStatus {
+                    vcpu: cpu as u32,
+                    tid: track.tid,
+                    host_cpu,
+                    source,
+                    events,
+                    ema_us: ema_ns / 1e3,
+                    cpu_ms: run as f64 / 1e6,
+                    wait_ms: wait as f64 / 1e6,
+                    run_ns_total: track.run_total,
+                    wait_ns_total: track.wait_total,
+                    moves: track.moves,
+                    weight: 1.0,
+                    ..Default::default()
+                };
                 figures.push(VcpuFigures {
-                    key: (i, cpu),
-                    run_queue: tid.and_then(pinned_cpu).unwrap_or(usize::MAX),
-                    events: r.map_or(0, |r| r.io_completions),
-                    ema_ns: r.map_or(0.0, |r| r.io_interval_ema_us * 1e3),
-                    consumed_ns: consumed.unwrap_or(0),
+                    key: (i, cpu as u32),
+                    run_queue: host_cpu.unwrap_or(usize::MAX),
+                    events,
+                    ema_ns,
+                    consumed_ns: run,
                 });
-                where_.insert((i, cpu), tid);
             }
         }
         let settings = weights::plan(
-            &params,
-            cfg.max_nice_delta,
-            cfg.io_slice_us * 1_000,
+            &self.params,
+            self.cfg.max_nice_delta,
+            self.cfg.io_slice_us * 1_000,
             &figures,
         );
-        let mut applied: HashMap<usize, Vec<VcpuWeight>> = HashMap::new();
+        let mut applied: BTreeMap<usize, Vec<VcpuWeight>> = BTreeMap::new();
         for s in &settings {
-            let vm = &vms[s.key.0];
-            let tid = where_.get(&s.key).copied().flatten();
-            if let Err(e) = backend.apply(&vm.cfg.name, vm.cfg.domain.as_deref(), tid, s) {
+            let vm = &mut self.vms[s.key.0];
+            let track = &mut vm.tracks[s.key.1 as usize];
+            if let Err(e) = self
+                .backend
+                .apply(&vm.cfg.name, vm.cfg.domain.as_deref(), track.tid, s)
+            {
+                self.apply_errors += 1;
                 warn!(vm = %vm.cfg.name, vcpu = s.key.1, "applying failed: {e:#}");
             }
+            let weight = 1.25f64.powi(-s.nice);
+            let st = &mut track.status;
+            st.iv_credit = s.iv_credit;
+            st.cv_credit = s.cv_credit;
+            st.boost = s.boost;
+            st.nice = s.nice;
+            st.slice_us = s.slice_ns.map(|n| n / 1_000);
+            st.weight = weight;
             applied.entry(s.key.0).or_default().push(VcpuWeight {
                 cpu: s.key.1,
-                weight: 1.25f64.powi(-s.nice),
+                weight,
             });
         }
-        if let Err(e) = backend.flush() {
+        if let Err(e) = self.backend.flush() {
+            self.apply_errors += 1;
             warn!("backend flush failed: {e:#}");
         }
+        if self.cfg.balance_io {
+            self.place();
+        }
         for (i, vcpus) in applied {
-            let g = &vms[i].guest;
+            let g = &self.vms[i].guest;
             if g.connected.load(Ordering::Relaxed) && g.reports.load(Ordering::Relaxed) > 0 {
                 g.reply(&Message::Applied(Applied {
                     seq: g.last_seq.load(Ordering::Relaxed),
@@ -151,15 +323,142 @@ pub fn run(cfg: Config, stop: Arc<AtomicBool>) -> Result<()> {
                 }));
             }
         }
+        self.publish();
     }
-    let restored = backend.restore();
-    info!(
-        restored,
-        backend = backend.name(),
-        "restored every scheduling change"
-    );
-    for t in threads {
-        let _ = t.join();
+
+    /// Algorithm 2 for VMs with `host_cpus`: their vCPU threads are pinned one CPU each
+    /// (first round-robin over `host_cpus`), then moved when that evens out I/O load.
+    fn place(&mut self) {
+        let mut placed = Vec::new();
+        let mut who = Vec::new();
+        for (i, vm) in self.vms.iter_mut().enumerate() {
+            if vm.cfg.host_cpus.len() < 2 {
+                continue;
+            }
+            for (cpu, track) in vm.tracks.iter_mut().enumerate() {
+                let Some(tid) = track.tid else { continue };
+                let host = match track.status.host_cpu {
+                    Some(c) if vm.cfg.host_cpus.contains(&c) => c,
+                    _ => {
+                        let c = vm.cfg.host_cpus[cpu % vm.cfg.host_cpus.len()];
+                        match self.backend.place(tid, c) {
+                            Ok(true) => {
+                                info!(vm = %vm.cfg.name, vcpu = cpu, tid, host_cpu = c, "vCPU thread placed")
+                            }
+                            Ok(false) => continue,
+                            Err(e) => {
+                                warn!(vm = %vm.cfg.name, vcpu = cpu, "placing failed: {e:#}");
+                                continue;
+                            }
+                        }
+                        track.status.host_cpu = Some(c);
+                        c
+                    }
+                };
+                placed.push(Placed {
+                    cpu: host,
+                    events: track.status.events,
+                    iv_credit: track.status.iv_credit,
+                    allowed: vm.cfg.host_cpus.clone(),
+                    movable: self.periods >= track.movable_from,
+                });
+                who.push((i, cpu));
+            }
+        }
+        for m in placement::plan_moves(&placed) {
+            let (i, cpu) = who[m.index];
+            let vm = &mut self.vms[i];
+            let track = &mut vm.tracks[cpu];
+            let Some(tid) = track.tid else { continue };
+            match self.backend.place(tid, m.to) {
+                Ok(_) => {
+                    track.moves += 1;
+                    track.movable_from = self.periods + MOVE_COOLDOWN_PERIODS;
+                    track.status.host_cpu = Some(m.to);
+                    track.status.moves = track.moves;
+                    info!(
+                        vm = %vm.cfg.name,
+                        vcpu = cpu,
+                        tid,
+                        from = m.from,
+                        to = m.to,
+                        iv = track.status.iv_credit,
+                        "I/O load balancing: vCPU thread moved"
+                    );
+                }
+                Err(e) => warn!(vm = %vm.cfg.name, vcpu = cpu, "moving failed: {e:#}"),
+            }
+        }
     }
-    Ok(())
+
+    fn publish(&self) {
+        let snapshot = AgentStatus {
+            version: env!("CARGO_PKG_VERSION").into(),
+            pid: std::process::id(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            backend: self.backend.name().into(),
+            weight: self.cfg.weight.clone(),
+            period_ms: self.cfg.period_ms,
+            periods: self.periods,
+            apply_errors: self.apply_errors,
+            vms: self
+                .vms
+                .iter()
+                .map(|vm| VmStatus {
+                    name: vm.cfg.name.clone(),
+                    origin: vm.origin.into(),
+                    connected: vm.guest.connected.load(Ordering::Relaxed),
+                    reports: vm.guest.reports.load(Ordering::Relaxed),
+                    rejected: vm.guest.rejected.load(Ordering::Relaxed),
+                    vcpus: vm.tracks.iter().map(|t| t.status.clone()).collect(),
+                })
+                .collect(),
+        };
+        *self.status.lock().expect("status lock") = snapshot;
+    }
+
+    /// Runs periods until `stop`, then restores every change.
+    pub fn run(mut self, stop: &AtomicBool) {
+        info!(
+            backend = self.backend.name(),
+            weight = %self.cfg.weight,
+            vms = self.vms.len(),
+            period_ms = self.cfg.period_ms,
+            "hv-agent running"
+        );
+        self.publish();
+        let period = Duration::from_millis(self.cfg.period_ms);
+        let mut next = Instant::now() + period;
+        while !stop.load(Ordering::Relaxed) {
+            // Short sleeps so a stop is seen within 50 ms even with long periods.
+            let now = Instant::now();
+            if now < next {
+                std::thread::sleep((next - now).min(Duration::from_millis(50)));
+                continue;
+            }
+            next += period;
+            if next < now {
+                next = now + period;
+            }
+            self.period();
+        }
+        let restored = self.backend.restore();
+        info!(
+            restored,
+            backend = self.backend.name(),
+            "restored every scheduling change"
+        );
+        for vm in &mut self.vms {
+            vm.shut();
+        }
+    }
+}
+
+/// The agent's threads' ids, for `check`: what each VM resolves to right now.
+pub fn describe_threads(vm: &VmConfig) -> String {
+    match resolve_threads(vm) {
+        Ok(t) if t.is_empty() => "no vCPU threads (xen domain or not running)".into(),
+        Ok(t) => format!("vCPU threads {t:?}"),
+        Err(e) => format!("vCPU threads unknown: {e:#}"),
+    }
 }

@@ -1,7 +1,9 @@
 //! Backends apply the credit core's settings to a real hypervisor and undo them on exit.
-//! - `KvmQemu`: per vCPU thread, nice and EEVDF slice in one `sched_setattr`; the
-//!   original attributes are saved at first touch and restored by `restore`. Threads
-//!   that are not SCHED_OTHER (someone made them real-time) are left alone.
+//! - `KvmQemu`: per vCPU thread, the share either as nice (with the EEVDF slice, in one
+//!   `sched_setattr`) or as the thread's cgroup weight (`cgroup`), and Algorithm 2 moves
+//!   as single-CPU affinity. Everything is saved at first touch and put back by
+//!   `restore`. Threads that are not SCHED_OTHER (someone made them real-time) are left
+//!   alone.
 //! - `Xen`: one credit2 weight per domain (`xl sched-credit2 -d DOM -w W`), 256 being the
 //!   default, through a command runner so tests can check the exact commands.
 //! - `DryRun`: computes and logs, touches nothing.
@@ -10,6 +12,7 @@ use anyhow::{bail, Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use tracing::{debug, info, warn};
 
+use crate::cgroup::CgroupWeights;
 use crate::weights::Setting;
 
 pub trait Backend: Send {
@@ -27,13 +30,30 @@ pub trait Backend: Send {
     fn flush(&mut self) -> Result<()> {
         Ok(())
     }
+    /// Pins a vCPU thread to one host CPU (Algorithm 2); false where the backend does not
+    /// place threads.
+    fn place(&mut self, _tid: u32, _cpu: usize) -> Result<bool> {
+        Ok(false)
+    }
+    /// The thread is gone or no longer a vCPU: drop (and undo, if it still exists) what
+    /// was changed on it.
+    fn forget(&mut self, _tid: u32) {}
     /// Puts back everything this backend changed; returns how many objects it restored.
     fn restore(&mut self) -> usize;
 }
 
-pub fn for_name(name: &str) -> Result<Box<dyn Backend>> {
+/// How the share (CVCredit) reaches a vCPU thread under `kvm-qemu`.
+pub enum Share {
+    Nice,
+    Cgroup(CgroupWeights),
+}
+
+pub fn for_name(name: &str, weight: &str) -> Result<Box<dyn Backend>> {
     Ok(match name {
-        "kvm-qemu" => Box::new(KvmQemu::default()),
+        "kvm-qemu" => Box::new(KvmQemu::new(match weight {
+            "cgroup" => Share::Cgroup(CgroupWeights::new()?),
+            _ => Share::Nice,
+        })),
         "xen" => Box::new(Xen::new(Box::new(RealRunner))),
         "dry-run" => Box::new(DryRun),
         other => bail!("unknown backend {other:?}"),
@@ -80,9 +100,24 @@ pub fn set_attr(tid: u32, attr: &libc::sched_attr) -> std::io::Result<()> {
     Ok(())
 }
 
-#[derive(Default)]
 pub struct KvmQemu {
+    share: Share,
     originals: HashMap<u32, libc::sched_attr>,
+    masks: HashMap<u32, nix::sched::CpuSet>,
+}
+
+impl KvmQemu {
+    pub fn new(share: Share) -> KvmQemu {
+        KvmQemu {
+            share,
+            originals: HashMap::new(),
+            masks: HashMap::new(),
+        }
+    }
+}
+
+fn pid(tid: u32) -> nix::unistd::Pid {
+    nix::unistd::Pid::from_raw(tid as i32)
 }
 
 impl Backend for KvmQemu {
@@ -117,10 +152,14 @@ impl Backend for KvmQemu {
         }
         let original = *self.originals.entry(tid).or_insert(current);
         let mut want = current;
-        want.sched_nice = (original.sched_nice + s.nice).clamp(-20, 19);
+        let mut changed = false;
+        match &mut self.share {
+            Share::Nice => want.sched_nice = (original.sched_nice + s.nice).clamp(-20, 19),
+            Share::Cgroup(cg) => changed = cg.set(tid, s.nice)?,
+        }
         want.sched_runtime = s.slice_ns.unwrap_or(original.sched_runtime);
         if want.sched_nice == current.sched_nice && want.sched_runtime == current.sched_runtime {
-            return Ok(false);
+            return Ok(changed);
         }
         set_attr(tid, &want).with_context(|| format!("sched_setattr({tid})"))?;
         debug!(
@@ -137,6 +176,32 @@ impl Backend for KvmQemu {
         Ok(true)
     }
 
+    fn place(&mut self, tid: u32, cpu: usize) -> Result<bool> {
+        let current = nix::sched::sched_getaffinity(pid(tid))
+            .with_context(|| format!("sched_getaffinity({tid})"))?;
+        let mut want = nix::sched::CpuSet::new();
+        want.set(cpu)?;
+        if current == want {
+            return Ok(false);
+        }
+        self.masks.entry(tid).or_insert(current);
+        nix::sched::sched_setaffinity(pid(tid), &want)
+            .with_context(|| format!("sched_setaffinity({tid}, {{{cpu}}})"))?;
+        Ok(true)
+    }
+
+    fn forget(&mut self, tid: u32) {
+        if let Some(attr) = self.originals.remove(&tid) {
+            let _ = set_attr(tid, &attr);
+        }
+        if let Some(mask) = self.masks.remove(&tid) {
+            let _ = nix::sched::sched_setaffinity(pid(tid), &mask);
+        }
+        if let Share::Cgroup(cg) = &mut self.share {
+            cg.forget(tid);
+        }
+    }
+
     fn restore(&mut self) -> usize {
         let mut n = 0;
         for (tid, attr) in self.originals.drain() {
@@ -145,6 +210,16 @@ impl Backend for KvmQemu {
                 Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
                 Err(e) => warn!(tid, "could not restore scheduling attributes: {e}"),
             }
+        }
+        for (tid, mask) in self.masks.drain() {
+            match nix::sched::sched_setaffinity(pid(tid), &mask) {
+                Ok(()) => n += 1,
+                Err(nix::errno::Errno::ESRCH) => {}
+                Err(e) => warn!(tid, "could not restore the affinity: {e}"),
+            }
+        }
+        if let Share::Cgroup(cg) = &mut self.share {
+            n += cg.restore();
         }
         n
     }

@@ -1,11 +1,14 @@
 //! `vmigrater-hv-agent`: see the crate docs and the README.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
+use hv_agent::agent::Agent;
 use hv_agent::config::{Config, DEFAULT_CONFIG_PATH};
+use hv_agent::status::AgentStatus;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use tracing::{info, warn};
 
 /// Drives the host scheduler with ISACS credits from the I/O reports of vmigrater guests.
 #[derive(Parser, Debug)]
@@ -29,16 +32,16 @@ enum Command {
         #[arg(long)]
         dry_run: bool,
     },
-    /// Print what this host supports.
+    /// Print what this host supports and what each configured VM resolves to.
     Check,
+    /// Show the running agent's VMs, vCPUs, credits and applied settings.
+    Status {
+        /// The raw JSON snapshot instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
     /// Print the default configuration.
     DefaultConfig,
-}
-
-static STOP: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn on_signal(_: libc::c_int) {
-    STOP.store(true, Ordering::Relaxed);
 }
 
 fn main() {
@@ -63,25 +66,17 @@ fn real_main(cli: Cli) -> Result<()> {
             if dry_run {
                 cfg.backend = "dry-run".into();
             }
-            for sig in [libc::SIGINT, libc::SIGTERM] {
-                // SAFETY: the handler only stores to an atomic.
-                unsafe { libc::signal(sig, on_signal as *const () as libc::sighandler_t) };
+            run(cfg)
+        }
+        Command::Status { json } => {
+            let cfg = Config::load(&cli.config, explicit)?;
+            let s = hv_agent::status::query(&cfg.state_dir)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s)?);
+            } else {
+                print!("{}", hv_agent::status::render(&s));
             }
-            // The agent polls STOP through an Arc: bridge the static flag.
-            let stop = Arc::new(AtomicBool::new(false));
-            let bridge = {
-                let stop = stop.clone();
-                std::thread::spawn(move || {
-                    while !STOP.load(Ordering::Relaxed) {
-                        std::thread::sleep(std::time::Duration::from_millis(20));
-                    }
-                    stop.store(true, Ordering::Relaxed);
-                })
-            };
-            let r = hv_agent::agent::run(cfg, stop);
-            STOP.store(true, Ordering::Relaxed);
-            let _ = bridge.join();
-            r
+            Ok(())
         }
         Command::Check => {
             let cfg = Config::load(&cli.config, explicit);
@@ -101,15 +96,32 @@ fn real_main(cli: Cli) -> Result<()> {
                         cfg.backend,
                         cfg.vms.len()
                     );
+                    println!(
+                        "cgroup:   {}",
+                        match hv_agent::cgroup::Hierarchy::detect() {
+                            Some(h) => format!("{h:?}"),
+                            None =>
+                                "no cpu controller mounted (weight = \"cgroup\" unusable)".into(),
+                        }
+                    );
                     for vm in &cfg.vms {
-                        let threads = match &vm.qmp_socket {
-                            Some(q) => match hv_agent::qmp::vcpu_threads(q) {
-                                Ok(t) => format!("QMP: vCPU threads {t:?}"),
-                                Err(e) => format!("QMP: {e:#}"),
-                            },
-                            None => format!("configured vCPU threads {:?}", vm.vcpu_threads),
-                        };
-                        println!("vm {}:    {threads}", vm.name);
+                        println!(
+                            "vm {}:    {}",
+                            vm.name,
+                            hv_agent::agent::describe_threads(vm)
+                        );
+                    }
+                    if cfg.libvirt.enabled {
+                        for vm in hv_agent::discovery::libvirt_vms(
+                            &cfg.libvirt.channel_dir,
+                            &cfg.libvirt.pid_dir,
+                        ) {
+                            println!(
+                                "libvirt {}: {}",
+                                vm.name,
+                                hv_agent::agent::describe_threads(&vm)
+                            );
+                        }
                     }
                 }
                 Err(e) => println!("config:   ERROR {e:#}"),
@@ -121,4 +133,46 @@ fn real_main(cli: Cli) -> Result<()> {
             Ok(())
         }
     }
+}
+
+/// The period loop on its own thread; the main thread serves the status socket and
+/// /metrics until SIGINT/SIGTERM (or the loop ends), then the loop restores everything.
+fn run(cfg: Config) -> Result<()> {
+    std::fs::create_dir_all(&cfg.state_dir)
+        .with_context(|| format!("creating state_dir {}", cfg.state_dir.display()))?;
+    let status = Arc::new(Mutex::new(AgentStatus::default()));
+    let agent = Agent::new(cfg.clone(), status.clone())?;
+    let stop = Arc::new(AtomicBool::new(false));
+    let worker = {
+        let stop = stop.clone();
+        std::thread::Builder::new()
+            .name("period".into())
+            .spawn(move || agent.run(&stop))?
+    };
+    let endpoints = control::Endpoints {
+        status_socket: hv_agent::status::socket_path(&cfg.state_dir),
+        metrics: cfg.metrics.enabled.then_some(cfg.metrics.listen),
+    };
+    let for_metrics = status.clone();
+    let served = control::serve(
+        "hv-agent-ctl",
+        &endpoints,
+        move || serde_json::to_vec(&*status.lock().expect("status lock")).unwrap_or_default(),
+        move || hv_agent::metrics::encode(&for_metrics.lock().expect("status lock")),
+        async {
+            tokio::select! {
+                sig = control::terminated() => info!("{sig}: shutting down"),
+                _ = async {
+                    while !worker.is_finished() {
+                        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                    }
+                } => warn!("period loop ended"),
+            }
+        },
+    );
+    stop.store(true, Ordering::Relaxed);
+    worker
+        .join()
+        .map_err(|_| anyhow::anyhow!("the period loop panicked"))?;
+    served
 }

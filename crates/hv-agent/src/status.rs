@@ -1,0 +1,173 @@
+//! The agent's state as one snapshot, rebuilt by the period loop every period: served as
+//! JSON on `<state_dir>/status.sock`, read by `vmigrater-hv-agent status`, and turned into
+//! Prometheus metrics at scrape time (`metrics`). Reading it never changes agent state.
+
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+pub fn socket_path(state_dir: &Path) -> PathBuf {
+    state_dir.join("status.sock")
+}
+
+/// Where a vCPU's I/O figures came from this period.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Source {
+    /// The guest's `report` (vmigrater in the guest).
+    Guest,
+    /// Host-side wake-ups of the vCPU thread (`/proc/<tid>/status`).
+    Schedstat,
+    #[default]
+    None,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct VcpuStatus {
+    pub vcpu: u32,
+    pub tid: Option<u32>,
+    /// Host CPU the thread is pinned to (its run queue), if exactly one.
+    pub host_cpu: Option<usize>,
+    pub source: Source,
+    /// E_n of the last period.
+    pub events: u64,
+    pub ema_us: f64,
+    /// CPU time and run-queue wait of the thread over the last period.
+    pub cpu_ms: f64,
+    pub wait_ms: f64,
+    /// Totals since the agent first saw the thread.
+    pub run_ns_total: u64,
+    pub wait_ns_total: u64,
+    pub iv_credit: f64,
+    pub cv_credit: f64,
+    pub boost: bool,
+    /// Nice offset the credit core asked for (weight = 1.25^−nice).
+    pub nice: i32,
+    pub slice_us: Option<u64>,
+    /// Relative CFS weight applied (1.0 = unchanged).
+    pub weight: f64,
+    /// Algorithm 2 moves of this vCPU so far.
+    pub moves: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct VmStatus {
+    pub name: String,
+    /// `config` or `libvirt`.
+    pub origin: String,
+    pub connected: bool,
+    pub reports: u64,
+    pub rejected: u64,
+    pub vcpus: Vec<VcpuStatus>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AgentStatus {
+    pub version: String,
+    pub pid: u32,
+    pub uptime_s: f64,
+    pub backend: String,
+    pub weight: String,
+    pub period_ms: u64,
+    pub periods: u64,
+    pub apply_errors: u64,
+    pub vms: Vec<VmStatus>,
+}
+
+pub fn query(state_dir: &Path) -> Result<AgentStatus> {
+    control::query(&socket_path(state_dir), "vmigrater-hv-agent")
+}
+
+pub fn render(s: &AgentStatus) -> String {
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "vmigrater-hv-agent {} (pid {}), up {:.0} s, backend {}, weight {}, period {} ms, {} periods, {} apply errors",
+        s.version, s.pid, s.uptime_s, s.backend, s.weight, s.period_ms, s.periods, s.apply_errors
+    );
+    for vm in &s.vms {
+        let _ = writeln!(
+            out,
+            "\nvm {} ({}): channel {}, {} reports, {} rejected frames",
+            vm.name,
+            vm.origin,
+            if vm.connected { "connected" } else { "down" },
+            vm.reports,
+            vm.rejected
+        );
+        let _ = writeln!(
+            out,
+            "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9} {:>8} {:>8} {:>9} {:>9} {:>5} {:>4} {:>8} {:>5}",
+            "vcpu",
+            "tid",
+            "cpu",
+            "source",
+            "events",
+            "ema_us",
+            "cpu_ms",
+            "wait_ms",
+            "iv",
+            "cv",
+            "boost",
+            "nice",
+            "slice_us",
+            "moves"
+        );
+        for v in &vm.vcpus {
+            let _ = writeln!(
+                out,
+                "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9.1} {:>8.1} {:>8.1} {:>9.0} {:>9.0} {:>5} {:>4} {:>8} {:>5}",
+                v.vcpu,
+                v.tid.map_or("-".into(), |t| t.to_string()),
+                v.host_cpu.map_or("-".into(), |c| c.to_string()),
+                format!("{:?}", v.source).to_lowercase(),
+                v.events,
+                v.ema_us,
+                v.cpu_ms,
+                v.wait_ms,
+                v.iv_credit,
+                v.cv_credit,
+                if v.boost { "yes" } else { "no" },
+                v.nice,
+                v.slice_us.map_or("-".into(), |t| t.to_string()),
+                v.moves
+            );
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn json_round_trip_and_table() {
+        let s = AgentStatus {
+            version: "0.1.0".into(),
+            backend: "kvm-qemu".into(),
+            vms: vec![VmStatus {
+                name: "web".into(),
+                origin: "config".into(),
+                connected: true,
+                reports: 7,
+                vcpus: vec![VcpuStatus {
+                    vcpu: 1,
+                    tid: Some(4242),
+                    source: Source::Guest,
+                    slice_us: Some(500),
+                    ..Default::default()
+                }],
+                ..Default::default()
+            }],
+            ..Default::default()
+        };
+        let back: AgentStatus = serde_json::from_slice(&serde_json::to_vec(&s).unwrap()).unwrap();
+        assert_eq!(back.vms[0].vcpus[0].source, Source::Guest);
+        let table = render(&back);
+        assert!(table.contains("vm web (config): channel connected, 7 reports"));
+        assert!(table.contains("4242"), "{table}");
+        assert!(table.contains("guest"), "{table}");
+    }
+}

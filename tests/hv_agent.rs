@@ -612,3 +612,123 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
         assert_eq!(nice_of(t), 0, "nice of {t} not restored");
     }
 }
+
+fn http_get(addr: &str, path: &str) -> String {
+    let mut s = std::net::TcpStream::connect(addr).expect("connect /metrics");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn silent_guests_are_observed_from_the_host_and_exported() {
+    if !require_root("silent_guests_are_observed_from_the_host_and_exported") {
+        return;
+    }
+    // No guest daemon: the "vCPU thread" is a real O_DIRECT reader, which wakes up on
+    // every completion; the agent must see that from /proc alone.
+    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
+    vmigrater_testbed::workload::prepare_file(&data, 64 << 20).unwrap();
+    let mut reader = Command::new(workspace_bin("vmigrater-workload"))
+        .arg("--file")
+        .arg(&data)
+        .args(["--pattern", "random4k", "--readers", "1"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    let tid = loop {
+        let found = std::fs::read_dir(format!("/proc/{}/task", reader.id()))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .find(|t| {
+                std::fs::read_to_string(format!("/proc/{}/task/{t}/comm", reader.id()))
+                    .is_ok_and(|c| c.starts_with("reader-"))
+            });
+        match found {
+            Some(t) => break t,
+            None if t0.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(10))
+            }
+            None => panic!("reader thread not found"),
+        }
+    };
+    let hogs = Hogs::start(&[0]);
+    pin(tid, 0);
+    let dir = tempfile::tempdir().unwrap();
+    let addr = "127.0.0.1:19978";
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "period_ms = 50\nstate_dir = {:?}\n\n[metrics]\nlisten = \"{addr}\"\n\n[libvirt]\nenabled = false\n\n[[vm]]\nname = \"silent\"\nvcpu_threads = [{tid}]\n\n[[vm]]\nname = \"busy\"\nvcpu_threads = [{}]\n",
+            dir.path().display().to_string(),
+            hogs.tids[0]
+        ),
+    )
+    .unwrap();
+    let agent = Agent {
+        child: Some(
+            Command::new(workspace_bin("vmigrater-hv-agent"))
+                .arg("--config")
+                .arg(&config)
+                .arg("run")
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap(),
+        ),
+        config,
+    };
+    let t0 = Instant::now();
+    let mut last = None;
+    while t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(100));
+        last = agent.status();
+        if last.as_ref().is_some_and(|s| {
+            s["vms"][0]["vcpus"][0]["source"] == "schedstat"
+                && s["vms"][0]["vcpus"][0]["iv_credit"].as_f64() > Some(0.0)
+        }) {
+            break;
+        }
+    }
+    let s = last.expect("status");
+    let metrics = http_get(addr, "/metrics");
+    let table = Command::new(workspace_bin("vmigrater-hv-agent"))
+        .arg("--config")
+        .arg(&agent.config)
+        .arg("status")
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&table.stdout).to_string();
+    agent.terminate();
+    let _ = reader.kill();
+    let _ = reader.wait();
+    let v = &s["vms"][0]["vcpus"][0];
+    assert_eq!(v["source"], "schedstat", "{s:#}");
+    assert!(v["events"].as_u64() > Some(0), "no wake-ups seen: {s:#}");
+    assert!(v["iv_credit"].as_f64() > Some(0.0), "{s:#}");
+    assert!(
+        s["vms"][1]["vcpus"][0]["cv_credit"].as_f64() > Some(0.0),
+        "the CPU-bound neighbour was not compensated: {s:#}"
+    );
+    for want in [
+        "vmigrater_hv_periods_total",
+        "vmigrater_hv_vcpu_iv_credit_seconds{vm=\"silent\",vcpu=\"0\"}",
+        "vmigrater_hv_vcpu_cv_credit_seconds{vm=\"busy\",vcpu=\"0\"}",
+        "vmigrater_hv_vcpu_source{vm=\"silent\",vcpu=\"0\",source=\"schedstat\"} 1",
+        "vmigrater_hv_vcpu_run_seconds{vm=\"busy\"",
+        "vmigrater_hv_guest_connected{vm=\"silent\"} 0",
+        "# EOF",
+    ] {
+        assert!(metrics.contains(want), "missing {want:?}:\n{metrics}");
+    }
+    assert!(table.contains("vm silent (config)"), "{table}");
+    assert!(table.contains("schedstat"), "{table}");
+}

@@ -1,7 +1,9 @@
 //! `vmigrater-hv-agent`: the host half. Data path: guest channel (`guest`) → per-vCPU
-//! reports → ISACS credit core (`sched-core`) per host run queue (`weights`) → backend
-//! (`backend`: kvm-qemu vCPU threads, xen credit2 weights, dry-run), every period
-//! (`agent`). vCPU threads come from QMP `query-cpus-fast` (`qmp`) or the config.
+//! reports (or host-side wake-ups, `observe`) → ISACS credit core (`sched-core`) per host
+//! run queue (`weights`) and Algorithm 2 (`placement`) → backend (`backend`: kvm-qemu vCPU
+//! threads with nice or `cgroup` weights, xen credit2 weights, dry-run), every period
+//! (`agent`), published as a snapshot (`status`, `metrics`). VMs and their vCPU threads
+//! come from the config, libvirt and QEMU's thread names (`discovery`), or QMP (`qmp`).
 //!
 //! ISACS mapped onto Linux: IVCredit buys *latency*, never share — an I/O-intensive vCPU
 //! thread gets a short EEVDF slice (`sched_setattr` runtime, 6.12+), so it runs soon after

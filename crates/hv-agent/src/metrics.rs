@@ -20,6 +20,12 @@ struct VmLabel {
 struct VcpuLabel {
     vm: String,
     vcpu: u32,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabel {
+    vm: String,
+    vcpu: u32,
     source: &'static str,
 }
 
@@ -58,6 +64,7 @@ pub fn encode(s: &AgentStatus) -> String {
     let run = Family::<VcpuLabel, FloatGauge>::default();
     let wait = Family::<VcpuLabel, FloatGauge>::default();
     let moves = Family::<VcpuLabel, Gauge>::default();
+    let sources = Family::<SourceLabel, Gauge>::default();
     for vm in &s.vms {
         let l = VmLabel {
             vm: vm.name.clone(),
@@ -69,8 +76,14 @@ pub fn encode(s: &AgentStatus) -> String {
             let l = VcpuLabel {
                 vm: vm.name.clone(),
                 vcpu: v.vcpu,
-                source: source(v.source),
             };
+            sources
+                .get_or_create(&SourceLabel {
+                    vm: vm.name.clone(),
+                    vcpu: v.vcpu,
+                    source: source(v.source),
+                })
+                .set(1);
             iv.get_or_create(&l).set(v.iv_credit / 1e9);
             cv.get_or_create(&l).set(v.cv_credit / 1e9);
             weight.get_or_create(&l).set(v.weight);
@@ -149,6 +162,11 @@ pub fn encode(s: &AgentStatus) -> String {
         wait,
     );
     reg.register(
+        "vcpu_source",
+        "Where the vCPU's I/O figures come from (guest report, host schedstat, none); always 1",
+        sources,
+    );
+    reg.register(
         "vcpu_moves",
         "Algorithm 2 (I/O load balancing) moves of the vCPU thread",
         moves,
@@ -190,9 +208,10 @@ mod tests {
             "vmigrater_hv_guest_reports{vm=\"db\"} 3",
             "vmigrater_hv_guest_rejected_frames{vm=\"db\"} 1",
             "vmigrater_hv_guest_connected{vm=\"db\"} 1",
-            "vmigrater_hv_vcpu_iv_credit_seconds{vm=\"db\",vcpu=\"0\",source=\"guest\"} 0.002",
-            "vmigrater_hv_vcpu_nice{vm=\"db\",vcpu=\"0\",source=\"guest\"} -2",
-            "vmigrater_hv_vcpu_slice_seconds{vm=\"db\",vcpu=\"0\",source=\"guest\"} 0.0005",
+            "vmigrater_hv_vcpu_iv_credit_seconds{vm=\"db\",vcpu=\"0\"} 0.002",
+            "vmigrater_hv_vcpu_nice{vm=\"db\",vcpu=\"0\"} -2",
+            "vmigrater_hv_vcpu_slice_seconds{vm=\"db\",vcpu=\"0\"} 0.0005",
+            "vmigrater_hv_vcpu_source{vm=\"db\",vcpu=\"0\",source=\"guest\"} 1",
             "# EOF",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");

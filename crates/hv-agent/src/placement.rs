@@ -30,32 +30,25 @@ pub struct Move {
 }
 
 pub fn plan_moves(vcpus: &[Placed]) -> Vec<Move> {
-    let mut cpu_of: Vec<usize> = vcpus.iter().map(|v| v.cpu).collect();
-    let queues = |cpu_of: &[usize]| {
-        let mut q: BTreeMap<usize, RunQueueLoad> = BTreeMap::new();
-        let touch = |id: usize, q: &mut BTreeMap<usize, RunQueueLoad>| {
-            q.entry(id).or_insert_with(|| RunQueueLoad {
-                id,
-                io_events: 0,
-                io_load: 0.0,
-                vcpus: Vec::new(),
-            });
-        };
-        for (i, v) in vcpus.iter().enumerate() {
-            touch(cpu_of[i], &mut q);
-            for &c in &v.allowed {
-                touch(c, &mut q);
-            }
-            let e = q.get_mut(&cpu_of[i]).expect("queue just added");
-            e.io_events += v.events;
-            e.io_load += v.iv_credit;
-            if v.movable {
-                e.vcpus.push((i as u32, v.iv_credit));
-            }
-        }
-        q
+    let mut queues: BTreeMap<usize, RunQueueLoad> = BTreeMap::new();
+    let empty = |id| RunQueueLoad {
+        id,
+        io_events: 0,
+        io_load: 0.0,
+        vcpus: Vec::new(),
     };
-    let mut order: Vec<(u64, usize)> = queues(&cpu_of)
+    for (i, v) in vcpus.iter().enumerate() {
+        for &c in &v.allowed {
+            queues.entry(c).or_insert_with(|| empty(c));
+        }
+        let q = queues.entry(v.cpu).or_insert_with(|| empty(v.cpu));
+        q.io_events += v.events;
+        q.io_load += v.iv_credit;
+        if v.movable {
+            q.vcpus.push((i as u32, v.iv_credit));
+        }
+    }
+    let mut order: Vec<(u64, usize)> = queues
         .values()
         .filter(|q| q.io_events > 0)
         .map(|q| (q.io_events, q.id))
@@ -63,18 +56,24 @@ pub fn plan_moves(vcpus: &[Placed]) -> Vec<Move> {
     order.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(&b.1)));
     let mut moves = Vec::new();
     for (_, source) in order {
-        let q = queues(&cpu_of);
-        let Some(s) = q.get(&source) else { continue };
+        let Some(s) = queues.get(&source) else {
+            continue;
+        };
         // Only CPUs that some movable vCPU of this queue may use are destinations.
-        let reachable: Vec<RunQueueLoad> = q
-            .values()
-            .filter(|d| {
-                d.id == source
-                    || s.vcpus
-                        .iter()
-                        .any(|&(i, _)| vcpus[i as usize].allowed.contains(&d.id))
-            })
-            .cloned()
+        let mut reach: Vec<usize> = s
+            .vcpus
+            .iter()
+            .flat_map(|&(i, _)| vcpus[i as usize].allowed.iter().copied())
+            .collect();
+        reach.sort_unstable();
+        reach.dedup();
+        let reachable: Vec<RunQueueLoad> = std::iter::once(s.clone())
+            .chain(
+                reach
+                    .iter()
+                    .filter(|&&c| c != source)
+                    .filter_map(|c| queues.get(c).cloned()),
+            )
             .collect();
         let Some(m) = balance_io_load(source, &reachable) else {
             continue;
@@ -83,7 +82,15 @@ pub fn plan_moves(vcpus: &[Placed]) -> Vec<Move> {
         if !vcpus[i].allowed.contains(&m.to) {
             continue;
         }
-        cpu_of[i] = m.to;
+        // Keep the model current for the next source; the moved vCPU rests where it lands.
+        let (events, iv) = (vcpus[i].events, vcpus[i].iv_credit);
+        let s = queues.get_mut(&m.from).expect("source queue");
+        s.io_events -= events;
+        s.io_load -= iv;
+        s.vcpus.retain(|&(x, _)| x != m.vcpu);
+        let d = queues.get_mut(&m.to).expect("destination queue");
+        d.io_events += events;
+        d.io_load += iv;
         moves.push(Move {
             index: i,
             from: m.from,

@@ -168,9 +168,14 @@ impl Config {
                     vm.name
                 );
             }
-            let max = nix::sched::CpuSet::count();
+            // SAFETY: sysconf has no memory arguments.
+            let max = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;
             if let Some(c) = vm.host_cpus.iter().find(|&&c| c >= max) {
-                bail!("vm {:?}: host_cpus has CPU {c}, beyond {max}", vm.name);
+                bail!(
+                    "vm {:?}: host_cpus has CPU {c}, but this host has CPUs 0..{}",
+                    vm.name,
+                    max - 1
+                );
             }
         }
         Ok(())
@@ -201,6 +206,15 @@ mod tests {
             .to_string();
         assert!(e.starts_with("t:3:"), "{e}");
         assert!(Config::parse("[[vm]]\nname = \"a\"\n", "t").is_err());
+        let e = Config::parse(
+            "[[vm]]\nname = \"a\"\nvcpu_threads = [1]\nhost_cpus = [100000]\n",
+            "t",
+        )
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("host_cpus has CPU 100000"),
+            "{e:#}"
+        );
         let e = Config::parse("weight = \"shares\"\n", "t").unwrap_err();
         assert!(format!("{e:#}").contains("\"nice\" or \"cgroup\""), "{e:#}");
         let e = Config::parse("[metrics]\nlisten = \"nowhere\"\n", "t").unwrap_err();

@@ -732,3 +732,91 @@ fn silent_guests_are_observed_from_the_host_and_exported() {
     assert!(table.contains("vm silent (config)"), "{table}");
     assert!(table.contains("schedstat"), "{table}");
 }
+
+#[test]
+fn a_killed_agent_is_undone_by_the_next_start() {
+    if !require_root("a_killed_agent_is_undone_by_the_next_start") {
+        return;
+    }
+    if std::thread::available_parallelism().unwrap().get() < 2 {
+        eprintln!("\n******** SKIPPED a_killed_agent_is_undone_by_the_next_start: needs 2 CPUs ********\n");
+        return;
+    }
+    let cgroups = matches!(
+        hv_agent::cgroup::Hierarchy::detect(),
+        Some(hv_agent::cgroup::Hierarchy::V1(_))
+    );
+    let weight = if cgroups { "cgroup" } else { "nice" };
+    let hogs = Hogs::start(&[0, 0, 0]);
+    let t = hogs.tids.clone();
+    let original_cg: Vec<String> = t.iter().map(|&x| cpu_cgroup(x)).collect();
+    let slices: Vec<u64> = t
+        .iter()
+        .map(|&x| hv_agent::backend::get_attr(x).unwrap().sched_runtime)
+        .collect();
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("vm.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let mut agent = Agent::start(
+        dir.path(),
+        &format!(
+            "weight = {weight:?}\n\n[[vm]]\nname = \"vm\"\nhint_socket = {:?}\nvcpu_threads = [{}, {}, {}]\nhost_cpus = [0, 1]\n",
+            sock.display().to_string(),
+            t[0],
+            t[1],
+            t[2]
+        ),
+    );
+    let mut g = guest(&listener, 3);
+    let t0 = Instant::now();
+    let mut seq = 0;
+    let changed = |t: &[u32]| {
+        t.iter().any(|&x| cpus_of(x) == [1])
+            && t.iter()
+                .any(|&x| hv_agent::backend::get_attr(x).unwrap().sched_runtime == 500_000)
+    };
+    while t0.elapsed() < Duration::from_secs(5) && !changed(&t) {
+        seq += 1;
+        let _ = g.write_all(
+            report(
+                seq,
+                &[(0, "100", "400"), (1, "100", "400"), (2, "100", "400")],
+            )
+            .as_bytes(),
+        );
+        std::thread::sleep(Duration::from_millis(25));
+    }
+    assert!(
+        changed(&t),
+        "the agent never moved a thread and set a slice"
+    );
+    let mut child = agent.child.take().unwrap();
+    kill(Pid::from_raw(child.id() as i32), Signal::SIGKILL).unwrap();
+    child.wait().unwrap();
+    assert!(
+        dir.path().join("journal.json").exists(),
+        "no journal left by the killed agent"
+    );
+    assert!(changed(&t), "SIGKILL must have left the changes in place");
+    drop(g);
+    drop(listener);
+    // The next start (no VMs configured at all) puts everything back.
+    let again = Agent::start(dir.path(), "");
+    let t0 = Instant::now();
+    while again.status().is_none() && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let log = again.terminate();
+    assert!(log.contains("journal: put back"), "{log}");
+    for (i, &x) in t.iter().enumerate() {
+        assert_eq!(cpus_of(x), vec![0], "mask of {x} not restored:\n{log}");
+        assert_eq!(
+            hv_agent::backend::get_attr(x).unwrap().sched_runtime,
+            slices[i],
+            "slice of {x} not restored"
+        );
+        assert_eq!(nice_of(x), 0, "nice of {x} not restored");
+        assert_eq!(cpu_cgroup(x), original_cg[i], "cgroup of {x} not restored");
+    }
+    assert!(!dir.path().join("journal.json").exists());
+}

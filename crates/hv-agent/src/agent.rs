@@ -131,7 +131,18 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(cfg: Config, status: Arc<Mutex<AgentStatus>>) -> Result<Agent> {
-        let backend = backend::for_name(&cfg.backend, &cfg.weight)?;
+        let journal_path = cfg.state_dir.join("journal.json");
+        match crate::journal::recover(&journal_path) {
+            Ok(0) => {}
+            Ok(n) => info!(
+                restored = n,
+                "journal: put back what a previous agent left changed"
+            ),
+            Err(e) => warn!("journal: {e:#}"),
+        }
+        let journal =
+            (cfg.backend == "kvm-qemu").then(|| crate::journal::Journal::new(journal_path));
+        let backend = backend::for_name(&cfg.backend, &cfg.weight, journal)?;
         let params = CreditParams {
             period_ns: cfg.period_ms * 1_000_000,
             ..CreditParams::default()

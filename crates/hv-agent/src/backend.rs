@@ -13,6 +13,7 @@ use std::collections::{BTreeMap, HashMap};
 use tracing::{debug, info, warn};
 
 use crate::cgroup::CgroupWeights;
+use crate::journal::Journal;
 use crate::weights::Setting;
 
 pub trait Backend: Send {
@@ -48,12 +49,16 @@ pub enum Share {
     Cgroup(CgroupWeights),
 }
 
-pub fn for_name(name: &str, weight: &str) -> Result<Box<dyn Backend>> {
+/// `journal`: where `kvm-qemu` writes the undo of each change before making it.
+pub fn for_name(name: &str, weight: &str, journal: Option<Journal>) -> Result<Box<dyn Backend>> {
     Ok(match name {
-        "kvm-qemu" => Box::new(KvmQemu::new(match weight {
-            "cgroup" => Share::Cgroup(CgroupWeights::new()?),
-            _ => Share::Nice,
-        })),
+        "kvm-qemu" => Box::new(KvmQemu::new(
+            match weight {
+                "cgroup" => Share::Cgroup(CgroupWeights::new()?),
+                _ => Share::Nice,
+            },
+            journal,
+        )),
         "xen" => Box::new(Xen::new(Box::new(RealRunner))),
         "dry-run" => Box::new(DryRun),
         other => bail!("unknown backend {other:?}"),
@@ -104,14 +109,23 @@ pub struct KvmQemu {
     share: Share,
     originals: HashMap<u32, libc::sched_attr>,
     masks: HashMap<u32, nix::sched::CpuSet>,
+    journal: Option<Journal>,
 }
 
 impl KvmQemu {
-    pub fn new(share: Share) -> KvmQemu {
+    pub fn new(share: Share, journal: Option<Journal>) -> KvmQemu {
         KvmQemu {
             share,
             originals: HashMap::new(),
             masks: HashMap::new(),
+            journal,
+        }
+    }
+
+    fn journal(&mut self, tid: u32, add: impl FnOnce(&mut crate::journal::Entry)) -> Result<()> {
+        match &mut self.journal {
+            Some(j) => j.record(tid, add),
+            None => Ok(()),
         }
     }
 }
@@ -150,12 +164,25 @@ impl Backend for KvmQemu {
             );
             return Ok(false);
         }
-        let original = *self.originals.entry(tid).or_insert(current);
+        if !self.originals.contains_key(&tid) {
+            self.journal(tid, |e| {
+                e.nice = Some(current.sched_nice);
+                e.runtime_ns = Some(current.sched_runtime);
+            })?;
+            self.originals.insert(tid, current);
+        }
+        let original = self.originals[&tid];
         let mut want = current;
         let mut changed = false;
         match &mut self.share {
             Share::Nice => want.sched_nice = (original.sched_nice + s.nice).clamp(-20, 19),
-            Share::Cgroup(cg) => changed = cg.set(tid, s.nice)?,
+            Share::Cgroup(cg) => {
+                let journal = &mut self.journal;
+                changed = cg.set(tid, s.nice, |t| match journal {
+                    Some(j) => j.record(tid, |e| e.cgroup = Some(t.clone())),
+                    None => Ok(()),
+                })?
+            }
         }
         want.sched_runtime = s.slice_ns.unwrap_or(original.sched_runtime);
         if want.sched_nice == current.sched_nice && want.sched_runtime == current.sched_runtime {
@@ -184,7 +211,13 @@ impl Backend for KvmQemu {
         if current == want {
             return Ok(false);
         }
-        self.masks.entry(tid).or_insert(current);
+        if !self.masks.contains_key(&tid) {
+            let cpus = (0..nix::sched::CpuSet::count())
+                .filter(|&c| current.is_set(c).unwrap_or(false))
+                .collect();
+            self.journal(tid, |e| e.mask = Some(cpus))?;
+            self.masks.insert(tid, current);
+        }
         nix::sched::sched_setaffinity(pid(tid), &want)
             .with_context(|| format!("sched_setaffinity({tid}, {{{cpu}}})"))?;
         Ok(true)
@@ -199,6 +232,9 @@ impl Backend for KvmQemu {
         }
         if let Share::Cgroup(cg) = &mut self.share {
             cg.forget(tid);
+        }
+        if let Some(j) = &mut self.journal {
+            j.forget(tid);
         }
     }
 
@@ -220,6 +256,9 @@ impl Backend for KvmQemu {
         }
         if let Share::Cgroup(cg) = &mut self.share {
             n += cg.restore();
+        }
+        if let Some(j) = &mut self.journal {
+            j.clear();
         }
         n
     }

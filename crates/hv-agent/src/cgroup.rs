@@ -11,6 +11,7 @@
 //! per host CPU where the credit core put it.
 
 use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use tracing::{debug, warn};
@@ -107,8 +108,9 @@ pub fn scaled(base: u64, nice: i32, bounds: (u64, u64)) -> u64 {
         .clamp(bounds.0 as f64, bounds.1 as f64) as u64
 }
 
-#[derive(Clone, Debug)]
-enum Touched {
+/// What undoes the agent's change to one thread's cgroup weight.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub enum Touched {
     InPlace { group: PathBuf, original: u64 },
     Child { group: PathBuf, parent: PathBuf },
 }
@@ -151,7 +153,9 @@ impl CgroupWeights {
         })
     }
 
-    fn adopt(&mut self, tid: u32) -> Result<Touched> {
+    /// Where `tid`'s weight will live; reads only, so the caller can journal the undo
+    /// before anything changes.
+    fn prepare(&self, tid: u32) -> Result<Touched> {
         let h = &self.hierarchy;
         let group = h.group_of(tid)?;
         let (Hierarchy::V1(root) | Hierarchy::V2(root)) = h;
@@ -166,27 +170,41 @@ impl CgroupWeights {
                 group.display()
             );
         }
-        let child = group.join(format!("vmigrater-vcpu-{tid}"));
-        match std::fs::create_dir(&child) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-            Err(e) => return Err(e).with_context(|| format!("creating {}", child.display())),
-        }
-        write(&child.join("tasks"), tid)?;
-        debug!(tid, group = %child.display(), "vCPU thread moved to its own cgroup");
         Ok(Touched::Child {
-            group: child,
+            group: group.join(format!("vmigrater-vcpu-{tid}")),
             parent: group,
         })
     }
 
+    fn enter(&self, tid: u32, t: &Touched) -> Result<()> {
+        let Touched::Child { group, .. } = t else {
+            return Ok(());
+        };
+        match std::fs::create_dir(group) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e).with_context(|| format!("creating {}", group.display())),
+        }
+        write(&group.join("tasks"), tid)?;
+        debug!(tid, group = %group.display(), "vCPU thread moved to its own cgroup");
+        Ok(())
+    }
+
     /// Gives `tid` the share of `nice` steps from its original weight. Returns whether a
     /// file was written.
-    pub fn set(&mut self, tid: u32, nice: i32) -> Result<bool> {
+    /// `first_touch` sees the undo of a thread's first change before it is made.
+    pub fn set(
+        &mut self,
+        tid: u32,
+        nice: i32,
+        first_touch: impl FnOnce(&Touched) -> Result<()>,
+    ) -> Result<bool> {
         let touched = match self.touched.get(&tid) {
             Some(t) => t.clone(),
             None => {
-                let t = self.adopt(tid)?;
+                let t = self.prepare(tid)?;
+                first_touch(&t)?;
+                self.enter(tid, &t)?;
                 self.touched.insert(tid, t.clone());
                 t
             }
@@ -213,28 +231,7 @@ impl CgroupWeights {
     }
 
     fn undo(&self, tid: u32, t: Touched) -> bool {
-        match t {
-            Touched::InPlace { group, original } => {
-                match write(&group.join(self.hierarchy.weight_file()), original) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        warn!(tid, "could not restore the cgroup weight: {e:#}");
-                        false
-                    }
-                }
-            }
-            Touched::Child { group, parent } => {
-                // A thread that already exited is simply not there to move back.
-                let _ = write(&parent.join("tasks"), tid);
-                match std::fs::remove_dir(&group) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        warn!(tid, group = %group.display(), "could not remove the cgroup: {e}");
-                        false
-                    }
-                }
-            }
-        }
+        undo(&self.hierarchy, tid, t)
     }
 
     /// Puts every thread back where it was; returns how many were restored.
@@ -244,6 +241,33 @@ impl CgroupWeights {
             .into_iter()
             .filter(|(tid, t)| self.undo(*tid, t.clone()))
             .count()
+    }
+}
+
+/// Puts one thread's cgroup weight back (also used by crash recovery).
+pub fn undo(h: &Hierarchy, tid: u32, t: Touched) -> bool {
+    match t {
+        Touched::InPlace { group, original } => {
+            match write(&group.join(h.weight_file()), original) {
+                Ok(()) => true,
+                Err(e) => {
+                    warn!(tid, "could not restore the cgroup weight: {e:#}");
+                    false
+                }
+            }
+        }
+        Touched::Child { group, parent } => {
+            // A thread that already exited is simply not there to move back.
+            let _ = write(&parent.join("tasks"), tid);
+            match std::fs::remove_dir(&group) {
+                Ok(()) => true,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+                Err(e) => {
+                    warn!(tid, group = %group.display(), "could not remove the cgroup: {e}");
+                    false
+                }
+            }
+        }
     }
 }
 

@@ -17,6 +17,7 @@ pub mod cgroup;
 pub mod config;
 pub mod discovery;
 pub mod guest;
+pub mod journal;
 pub mod metrics;
 pub mod observe;
 pub mod placement;

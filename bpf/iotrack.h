@@ -11,8 +11,9 @@
 #define EMA_MAX_INTERVAL_NS 10000000ULL
 /* A thread with requests "in flight" but no start, requeue or completion of its own for
  * this long lost their ends (LRU eviction of the in-flight entry, a path without a
- * tracepoint): its in-flight count is reset at its next request. Real block requests on
- * a guest disk finish in ms; 5 s is far beyond any timeout-free completion. */
+ * tracepoint, a program run the kernel skipped): its in-flight count is reset at its
+ * next request. Real block requests on a guest disk finish in ms; 5 s is far beyond any
+ * timeout-free completion. */
 #define INFLIGHT_STALE_NS 5000000000ULL
 
 /* Per thread (key: tid). Cumulative since the thread's first I/O. */

@@ -15,4 +15,7 @@ mod tracker;
 pub use classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
 pub use detector::{Detector, DetectorOutput, IoTaskInfo, ProcReader};
 pub use probe::{probe, Probe};
-pub use tracker::{plan_hooks, AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions};
+pub use tracker::{
+    plan_hooks, AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions,
+    INFLIGHT_STALE_NS,
+};

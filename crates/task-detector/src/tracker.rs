@@ -17,7 +17,7 @@ const MAX_CPUS: u32 = 1024;
 /// bpf/iotrack.h INFLIGHT_STALE_NS: an open busy interval with no event for this long
 /// lost its end; it is reported closed at the last event.
 pub(crate) const INFLIGHT_STALE_SECS: u64 = 5;
-const INFLIGHT_STALE_NS: u64 = INFLIGHT_STALE_SECS * 1_000_000_000;
+pub const INFLIGHT_STALE_NS: u64 = INFLIGHT_STALE_SECS * 1_000_000_000;
 
 /// How the programs are attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -139,6 +139,15 @@ fn prog_name(mode: AttachMode, hook: &str) -> String {
         AttachMode::Tracepoint => "tp",
     };
     format!("{prefix}_{}", hook.trim_start_matches("block_"))
+}
+
+/// The fd of a loaded program; None for one left unloaded (another mode's).
+fn prog_fd(prog: &libbpf_rs::Program<'_>) -> Option<i32> {
+    use std::os::fd::{AsFd, AsRawFd};
+    if !prog.autoload() {
+        return None;
+    }
+    Some(prog.as_fd().as_raw_fd())
 }
 
 /// Turns a load failure into advice when privileges are the likely cause.
@@ -297,6 +306,46 @@ impl IoTracker {
                 last_cpu: s.last_cpu,
                 last_ts: s.last_ts,
             });
+        }
+        Ok(out)
+    }
+
+    /// Runs of our programs the kernel skipped (`recursion_misses`): a block event that
+    /// fired while another BPF program was running on the same CPU (a completion in a
+    /// softirq that interrupts a program, the map syscalls of a reader). Each one is a
+    /// request end or start we never saw; the stale reset repairs the counts they leave.
+    pub fn missed_runs(&self) -> u64 {
+        let mut total = 0;
+        for prog in self.skel.object().progs() {
+            let Some(fd) = prog_fd(&prog) else { continue };
+            let mut info = libbpf_sys::bpf_prog_info::default();
+            let mut len = std::mem::size_of_val(&info) as u32;
+            // SAFETY: `info` is a valid bpf_prog_info of `len` bytes; the kernel writes
+            // at most `len` bytes into it.
+            let ret = unsafe {
+                libbpf_sys::bpf_obj_get_info_by_fd(
+                    fd,
+                    (&mut info as *mut libbpf_sys::bpf_prog_info).cast(),
+                    &mut len,
+                )
+            };
+            if ret == 0 {
+                total += info.recursion_misses;
+            }
+        }
+        total
+    }
+
+    /// The requests the programs hold open right now: (key, owner tid, hook state,
+    /// start ns). The key is the request address, or dev << 44 ^ sector in classic
+    /// tracepoint mode. For diagnosing an in-flight count that does not return to zero.
+    pub fn open_requests(&self) -> Result<Vec<(u64, u32, u32, u64)>> {
+        let map = &self.skel.maps.inflight;
+        let mut out = Vec::new();
+        for (key, val) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
+            let k = u64::from_ne_bytes(key[..8].try_into()?);
+            let f = read_pod::<types::inflight>(&val)?;
+            out.push((k, f.tid, f.state, f.start));
         }
         Ok(out)
     }

@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup build run test lint bench bench-contention bench-micro clean
+.PHONY: setup build run test lint bench bench-contention bench-micro package clean
 
 setup:
 	@scripts/setup.sh
@@ -32,6 +32,10 @@ bench-contention: build
 	$(CARGO) bench -p vmigrater-testbed --bench contention
 
 bench: bench-micro bench-contention
+
+# .deb and .rpm of both programs into target/package/ (installs cargo-deb, cargo-generate-rpm).
+package: setup
+	@scripts/package.sh
 
 clean:
 	$(CARGO) clean

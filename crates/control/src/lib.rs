@@ -4,6 +4,9 @@
 //! resolves, and only ever calls the daemon's closures: it owns no daemon state.
 //! Also the one TOML reader both configurations go through, so errors name `file:line`.
 
+pub mod dist;
+pub mod logging;
+
 use anyhow::{Context, Result};
 use serde::de::DeserializeOwned;
 use std::future::Future;

@@ -1,7 +1,7 @@
 //! `vmigrater-hv-agent`: see the crate docs and the README.
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use hv_agent::agent::Agent;
 use hv_agent::config::{Config, DEFAULT_CONFIG_PATH};
 use hv_agent::status::AgentStatus;
@@ -12,7 +12,7 @@ use tracing::{info, warn};
 
 /// Drives the host scheduler with ISACS credits from the I/O reports of vmigrater guests.
 #[derive(Parser, Debug)]
-#[command(version, about)]
+#[command(name = "vmigrater-hv-agent", version, about)]
 struct Cli {
     /// Configuration file (TOML). A missing file at the default path means defaults.
     #[arg(long, short = 'c', global = true, default_value = DEFAULT_CONFIG_PATH)]
@@ -42,16 +42,14 @@ enum Command {
     },
     /// Print the default configuration.
     DefaultConfig,
+    /// Write man pages and shell completions under DIR (for packaging).
+    #[command(hide = true)]
+    GenDist { dir: PathBuf },
 }
 
 fn main() {
     let cli = Cli::parse();
-    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .init();
+    control::logging::init(&cli.log);
     if let Err(e) = real_main(cli) {
         eprintln!("vmigrater-hv-agent: error: {e:#}");
         std::process::exit(1);
@@ -132,6 +130,7 @@ fn real_main(cli: Cli) -> Result<()> {
             print!("{}", toml::to_string_pretty(&Config::default())?);
             Ok(())
         }
+        Command::GenDist { dir } => control::dist::write(Cli::command(), &dir).map(drop),
     }
 }
 

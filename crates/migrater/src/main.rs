@@ -1,7 +1,7 @@
 //! `vmigrater`: keeps I/O-bound tasks on running vCPUs (see the README).
 
 use anyhow::{Context, Result};
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use migrater::config::{Config, DEFAULT_CONFIG_PATH};
 use migrater::{check, daemon, status};
 use std::net::SocketAddr;
@@ -10,7 +10,7 @@ use std::path::PathBuf;
 /// Keeps I/O-bound tasks on vCPUs that are running right now, so guest I/O does not stall
 /// while the hypervisor has a vCPU descheduled.
 #[derive(Parser, Debug)]
-#[command(version, about, long_about = None)]
+#[command(name = "vmigrater", version, about, long_about = None)]
 struct Cli {
     /// Configuration file (TOML). A missing file at the default path means defaults.
     #[arg(long, short = 'c', global = true, default_value = DEFAULT_CONFIG_PATH, env = "VMIGRATER_CONFIG")]
@@ -32,6 +32,9 @@ enum Command {
     Status(StatusArgs),
     /// Print the default configuration as TOML.
     DefaultConfig,
+    /// Write man pages and shell completions under DIR (for packaging).
+    #[command(hide = true)]
+    GenDist { dir: PathBuf },
 }
 
 #[derive(clap::Args, Debug, Default)]
@@ -66,20 +69,6 @@ struct StatusArgs {
     state_dir: Option<PathBuf>,
 }
 
-fn init_logging(filter: &str) {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    // Under systemd the journal stamps every line already.
-    if std::env::var_os("JOURNAL_STREAM").is_some() {
-        builder.without_time().with_ansi(false).init();
-    } else {
-        builder.init();
-    }
-}
-
 fn load_config(cli: &Cli) -> Result<Config> {
     let explicit = cli.config.as_os_str() != DEFAULT_CONFIG_PATH;
     Config::load(&cli.config, explicit)
@@ -87,7 +76,7 @@ fn load_config(cli: &Cli) -> Result<Config> {
 
 fn main() {
     let cli = Cli::parse();
-    init_logging(&cli.log);
+    control::logging::init(&cli.log);
     if let Err(e) = real_main(cli) {
         eprintln!("vmigrater: error: {e:#}");
         std::process::exit(1);
@@ -146,5 +135,6 @@ fn real_main(cli: Cli) -> Result<()> {
             print!("{}", Config::default_toml());
             Ok(())
         }
+        Command::GenDist { dir } => control::dist::write(Cli::command(), dir).map(drop),
     }
 }

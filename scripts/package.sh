@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# `make package`: the .deb and .rpm of both programs into target/package/. Installs the
+# packaging tools when missing (cargo-deb, cargo-generate-rpm; Debian's rpm and lintian for
+# the checks). Generated files (man pages, completions, default configs) come from the
+# binaries themselves, under target/dist/dist/<program>/ (the `dist`
+# profile's directory: asset paths say target/release/, which both tools map to the profile), so they never drift.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+target=${CARGO_TARGET_DIR:-target}
+out=$target/package
+if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+
+missing=()
+for p in rpm lintian systemd; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "package: installing ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+command -v cargo-deb >/dev/null || cargo install --locked cargo-deb
+command -v cargo-generate-rpm >/dev/null || cargo install --locked cargo-generate-rpm
+
+cargo build --profile dist -p migrater -p hv-agent --bins
+bin_dir=$target/dist
+rm -rf "$bin_dir/dist" "$out"
+mkdir -p "$out"
+for bin in vmigrater vmigrater-hv-agent; do
+    dist=$bin_dir/dist/$bin
+    "$bin_dir/$bin" gen-dist "$dist"
+    gzip -9nf "$dist"/man/*.8
+    case $bin in
+        vmigrater) conf=vmigrater.toml ;;
+        vmigrater-hv-agent) conf=hv-agent.toml ;;
+    esac
+    "$bin_dir/$bin" default-config > "$dist/$conf"
+done
+
+for crate in migrater hv-agent; do
+    cargo deb --no-build --profile dist -p "$crate" -o "$out/"
+    cargo generate-rpm --profile dist -p "crates/$crate" --target-dir "$target" -o "$out/"
+done
+ls -l "$out"

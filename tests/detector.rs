@@ -197,10 +197,20 @@ fn check_counts(label: &str, mode: AttachMode, mut tracker: IoTracker, file: &Pa
     // Bytes are counted at completion: a request whose end was not seen adds none.
     let lost = slack + allowed_leaks(s.ios);
     assert!(
-        s.bytes <= reads * 4096 + slack * 4096 && s.bytes + lost * 4096 >= reads * 4096,
+        s.bytes + lost * 4096 >= reads * 4096,
         "{label}: {} bytes for {reads} reads",
         s.bytes
     );
+    // Without block_io_start a request is the issuer's: the reader's plug flush may
+    // dispatch someone else's queued writeback (one big request each), so bytes have
+    // no upper bound there while other I/O runs; the request count above still holds.
+    if tracker.hooks().contains(&"block_io_start") {
+        assert!(
+            s.bytes <= (reads + slack) * 4096,
+            "{label}: {} bytes for {reads} reads",
+            s.bytes
+        );
+    }
     assert!(
         s.busy_ns > 0 && s.busy_ns < 400_000_000,
         "{label}: busy {}",

@@ -22,6 +22,9 @@ fi
 command -v cargo-deb >/dev/null || cargo install --locked cargo-deb
 command -v cargo-generate-rpm >/dev/null || cargo install --locked cargo-generate-rpm
 
+# The C code linked into vmigrater (libbpf, built by libbpf-sys) gets Debian's hardening
+# flags; the Rust code needs none of them.
+export LIBBPF_SYS_EXTRA_CFLAGS="${LIBBPF_SYS_EXTRA_CFLAGS:-} -D_FORTIFY_SOURCE=2 -fstack-protector-strong"
 cargo build --profile dist -p migrater -p hv-agent --bins
 bin_dir=$target/dist
 rm -rf "$bin_dir/dist" "$out"

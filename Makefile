@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup build run test lint bench bench-contention bench-micro package clean
+.PHONY: setup build run test lint bench bench-contention bench-micro package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -36,6 +36,11 @@ bench: bench-micro bench-contention
 # .deb and .rpm of both programs into target/package/ (installs cargo-deb, cargo-generate-rpm).
 package: setup
 	@scripts/package.sh
+
+# `make package`, then checks the packages: exact file lists, conffiles and %config(noreplace),
+# dependencies, scriptlets, lintian (no error or warning), systemd-analyze verify. CI runs it.
+package-check: setup
+	@scripts/package-check.sh
 
 clean:
 	$(CARGO) clean

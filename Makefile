@@ -2,10 +2,15 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup build run test lint bench bench-contention bench-micro package package-check clean
+.PHONY: setup lab-setup build run test lint bench bench-contention bench-micro package package-check clean
 
 setup:
 	@scripts/setup.sh
+
+# QEMU, static busybox and a Debian guest kernel for the nested-VM lab (tests/lab.rs,
+# `make bench-lab`); nothing is installed on the host but the two Debian packages.
+lab-setup: setup
+	@scripts/lab-setup.sh
 
 build: setup
 	$(CARGO) build --release --workspace --bins
@@ -20,7 +25,7 @@ lint: setup
 
 # Unit tests, then the real-kernel tests (root; they print SKIPPED without it). The
 # integration tests share the CPUs with a steal emulator, so they run one at a time.
-test: lint
+test: lint lab-setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
 

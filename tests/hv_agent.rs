@@ -8,8 +8,9 @@ use nix::unistd::Pid;
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+use vmigrater_testbed::host::{Agent, Hogs};
 use vmigrater_testbed::{require_root, workspace_bin};
 
 fn nice_of(tid: u32) -> i32 {
@@ -55,129 +56,6 @@ fn cpu_cgroup(tid: u32) -> String {
         .next()
         .unwrap_or("")
         .to_string()
-}
-
-/// A workload process whose `n` CPU hogs stand in for vCPU threads, each pinned to `cpus[i]`.
-struct Hogs {
-    child: Child,
-    tids: Vec<u32>,
-}
-
-impl Hogs {
-    fn start(cpus: &[usize]) -> Hogs {
-        let file = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-dummy.bin");
-        vmigrater_testbed::workload::prepare_file(&file, 1 << 20).unwrap();
-        let child = Command::new(workspace_bin("vmigrater-workload"))
-            .arg("--file")
-            .arg(&file)
-            .args(["--readers", "0", "--hogs", &cpus.len().to_string()])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap();
-        let t0 = Instant::now();
-        let mut tids = Vec::new();
-        while tids.len() < cpus.len() && t0.elapsed() < Duration::from_secs(5) {
-            tids = Self::find(child.id());
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        assert_eq!(tids.len(), cpus.len(), "hog threads not found");
-        for (&t, &c) in tids.iter().zip(cpus) {
-            pin(t, c);
-        }
-        Hogs { child, tids }
-    }
-
-    fn find(pid: u32) -> Vec<u32> {
-        let mut tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse().ok())
-            .filter(|tid| {
-                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
-                    .is_ok_and(|c| c.starts_with("cpu-hog"))
-            })
-            .collect();
-        tids.sort_unstable();
-        tids
-    }
-}
-
-impl Drop for Hogs {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-pub struct Agent {
-    child: Option<Child>,
-    config: PathBuf,
-}
-
-impl Agent {
-    /// Starts the agent with `body` (top-level keys, then `[[vm]]` tables) in a config
-    /// whose state lives in `dir`, without /metrics or libvirt discovery.
-    pub fn start(dir: &Path, body: &str) -> Agent {
-        let config = dir.join("agent.toml");
-        std::fs::write(
-            &config,
-            format!(
-                "period_ms = 50\nbackend = \"kvm-qemu\"\nstate_dir = {:?}\n{body}\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
-                dir.display().to_string()
-            ),
-        )
-        .unwrap();
-        let child = Command::new(workspace_bin("vmigrater-hv-agent"))
-            .arg("--config")
-            .arg(&config)
-            .args(["--log", "debug", "run"])
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        Agent {
-            child: Some(child),
-            config,
-        }
-    }
-
-    pub fn status(&self) -> Option<serde_json::Value> {
-        let out = Command::new(workspace_bin("vmigrater-hv-agent"))
-            .arg("--config")
-            .arg(&self.config)
-            .args(["status", "--json"])
-            .output()
-            .ok()?;
-        out.status
-            .success()
-            .then(|| serde_json::from_slice(&out.stdout).ok())?
-    }
-
-    /// SIGTERM, wait, and return stderr; panics if the agent failed.
-    pub fn terminate(mut self) -> String {
-        let mut child = self.child.take().unwrap();
-        kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
-        let status = child.wait().unwrap();
-        let mut log = String::new();
-        child
-            .stderr
-            .take()
-            .unwrap()
-            .read_to_string(&mut log)
-            .unwrap();
-        assert!(status.success(), "agent exited with {status}:\n{log}");
-        assert!(log.contains("restored every scheduling change"), "{log}");
-        log
-    }
-}
-
-impl Drop for Agent {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 /// Plays a guest on the hint socket: `hello`, then a report every 25 ms.
@@ -674,17 +552,19 @@ fn silent_guests_are_observed_from_the_host_and_exported() {
         ),
     )
     .unwrap();
+    let log = dir.path().join("agent.log");
     let agent = Agent {
         child: Some(
             Command::new(workspace_bin("vmigrater-hv-agent"))
                 .arg("--config")
                 .arg(&config)
                 .arg("run")
-                .stderr(Stdio::piped())
+                .stderr(std::fs::File::create(&log).unwrap())
                 .spawn()
                 .unwrap(),
         ),
         config,
+        log,
     };
     let t0 = Instant::now();
     let mut last = None;

@@ -2,6 +2,7 @@
 //! and the workloads (O_DIRECT reader, CPU hog) that stand in for a guest's tasks.
 //! Nothing here may pretend to be the kernel: workloads do real I/O and burn real CPU.
 
+pub mod host;
 pub mod workload;
 
 use std::path::PathBuf;

@@ -3,12 +3,13 @@
 //! test can ask the kernel (or our daemon) about exactly that thread.
 
 use anyhow::{Context, Result};
+use hdrhistogram::Histogram;
 use std::fs::{File, OpenOptions};
 use std::io::Write;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 /// How a reader walks its file.
@@ -84,6 +85,8 @@ pub struct Worker {
     pub tid: u32,
     /// Reads completed (reader) or work units done (hog).
     pub progress: Arc<AtomicU64>,
+    /// Readers: the latency of every read, in microseconds.
+    pub latency_us: Arc<Mutex<Histogram<u64>>>,
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<Result<()>>>,
 }
@@ -115,17 +118,24 @@ impl Drop for Worker {
 
 fn spawn_worker<F>(name: &str, body: F) -> Result<Worker>
 where
-    F: FnOnce(&AtomicU64, &AtomicBool) -> Result<()> + Send + 'static,
+    F: FnOnce(&AtomicU64, &AtomicBool, &Mutex<Histogram<u64>>) -> Result<()> + Send + 'static,
 {
     let progress = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let tid = Arc::new(AtomicU32::new(0));
-    let (p, s, t) = (progress.clone(), stop.clone(), tid.clone());
+    // 1 µs to 1 h at 3 significant digits; auto-resize never needed.
+    let latency_us = Arc::new(Mutex::new(Histogram::new_with_bounds(1, 3_600_000_000, 3)?));
+    let (p, s, t, l) = (
+        progress.clone(),
+        stop.clone(),
+        tid.clone(),
+        latency_us.clone(),
+    );
     let handle = std::thread::Builder::new()
         .name(name.to_string())
         .spawn(move || {
             t.store(crate::gettid(), Ordering::Release);
-            body(&p, &s)
+            body(&p, &s, &l)
         })?;
     while tid.load(Ordering::Acquire) == 0 {
         if handle.is_finished() {
@@ -136,6 +146,7 @@ where
     Ok(Worker {
         tid: tid.load(Ordering::Acquire),
         progress,
+        latency_us,
         stop,
         handle: Some(handle),
     })
@@ -148,7 +159,9 @@ pub fn spawn_reader(path: &Path, pattern: ReadPattern) -> Result<Worker> {
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .with_context(|| format!("opening {} with O_DIRECT", path.display()))?;
-    let len = file.metadata()?.len();
+    // Seeking to the end sizes block devices too (their metadata length is 0): the lab
+    // guest reads its virtio disk directly.
+    let len = std::io::Seek::seek(&mut &file, std::io::SeekFrom::End(0))?;
     let bs = pattern.block_size() as u64;
     anyhow::ensure!(
         len >= bs * 4,
@@ -156,36 +169,44 @@ pub fn spawn_reader(path: &Path, pattern: ReadPattern) -> Result<Worker> {
         path.display()
     );
     let blocks = len / bs;
-    spawn_worker(&format!("reader-{pattern:?}"), move |progress, stop| {
-        let mut buf = AlignedBuf::new(bs as usize);
-        // xorshift: cheap, deterministic, and no dependency for a benchmark's offsets.
-        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-        let mut next = 0u64;
-        while !stop.load(Ordering::Relaxed) {
-            let block = match pattern {
-                ReadPattern::Random4k => {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    x % blocks
+    spawn_worker(
+        &format!("reader-{pattern:?}"),
+        move |progress, stop, latency| {
+            let mut buf = AlignedBuf::new(bs as usize);
+            // xorshift: cheap, deterministic, and no dependency for a benchmark's offsets.
+            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+            let mut next = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let block = match pattern {
+                    ReadPattern::Random4k => {
+                        x ^= x << 13;
+                        x ^= x >> 7;
+                        x ^= x << 17;
+                        x % blocks
+                    }
+                    ReadPattern::Seq1m => {
+                        let b = next;
+                        next = (next + 1) % blocks;
+                        b
+                    }
+                };
+                let t0 = std::time::Instant::now();
+                file.read_exact_at(buf.as_mut(), block * bs)
+                    .context("O_DIRECT read")?;
+                let us = t0.elapsed().as_micros().max(1) as u64;
+                if let Ok(mut h) = latency.lock() {
+                    h.saturating_record(us);
                 }
-                ReadPattern::Seq1m => {
-                    let b = next;
-                    next = (next + 1) % blocks;
-                    b
-                }
-            };
-            file.read_exact_at(buf.as_mut(), block * bs)
-                .context("O_DIRECT read")?;
-            progress.fetch_add(1, Ordering::Relaxed);
-        }
-        Ok(())
-    })
+                progress.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        },
+    )
 }
 
 /// Starts a thread that burns CPU in small units (counted), optionally pinned to `cpu`.
 pub fn spawn_hog(cpu: Option<usize>) -> Result<Worker> {
-    spawn_worker("cpu-hog", move |progress, stop| {
+    spawn_worker("cpu-hog", move |progress, stop, _| {
         if let Some(cpu) = cpu {
             let mut set = nix::sched::CpuSet::new();
             set.set(cpu)?;

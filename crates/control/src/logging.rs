@@ -1,6 +1,8 @@
 //! The tracing subscriber both daemons install: stderr, a RUST_LOG-style filter, and no
 //! timestamps or colours when stderr is the journal (`JOURNAL_STREAM` set by systemd),
-//! which stamps every line itself.
+//! which stamps every line itself, and no colours when stderr is a file or pipe either.
+
+use std::io::IsTerminal;
 
 /// Installs the global subscriber; an invalid `filter` falls back to `info`.
 pub fn init(filter: &str) {
@@ -12,6 +14,6 @@ pub fn init(filter: &str) {
     if std::env::var_os("JOURNAL_STREAM").is_some() {
         builder.without_time().with_ansi(false).init();
     } else {
-        builder.init();
+        builder.with_ansi(std::io::stderr().is_terminal()).init();
     }
 }

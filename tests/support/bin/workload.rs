@@ -6,9 +6,10 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use vmigrater_testbed::workload::{self, ReadPattern};
 
-const USAGE: &str = "usage: vmigrater-workload --file F [--pattern random4k|seq1m] [--readers N] [--hogs N] [--pin-hogs] [--duration-ms MS]
-  Runs N O_DIRECT readers of F and N CPU hogs for MS milliseconds (default: until killed),
-  then prints {\"elapsed_s\", \"readers\": [{\"tid\", \"reads\", \"cpu_s\", \"migrations\", \"last_cpu\"}],
+const USAGE: &str = "usage: vmigrater-workload --file F [--pattern random4k|seq1m] [--readers N] [--seq-readers N] [--hogs N] [--pin-hogs] [--duration-ms MS]
+  Runs N O_DIRECT readers of F (plus --seq-readers 1 MiB sequential ones) and N CPU hogs for
+  MS milliseconds (default: until killed), then prints {\"elapsed_s\", \"readers\": [{\"tid\",
+  \"pattern\", \"reads\", \"bytes\", \"p50_us\", \"p99_us\", \"cpu_s\", \"migrations\", \"last_cpu\"}],
   \"hogs\": [{\"tid\", \"units\", \"cpu_s\", \"migrations\", \"last_cpu\"}]} (migrations: the kernel's
   se.nr_migrations of the thread, whoever moved it).";
 
@@ -23,6 +24,7 @@ fn run() -> anyhow::Result<()> {
     let mut file: Option<PathBuf> = None;
     let (mut pattern, mut readers, mut hogs, mut pin, mut duration) =
         (ReadPattern::Random4k, 1usize, 0usize, false, None);
+    let mut seq_readers = 0usize;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = |name: &str| {
@@ -39,6 +41,7 @@ fn run() -> anyhow::Result<()> {
                 }
             }
             "--readers" => readers = val("--readers")?.parse()?,
+            "--seq-readers" => seq_readers = val("--seq-readers")?.parse()?,
             "--hogs" => hogs = val("--hogs")?.parse()?,
             "--pin-hogs" => pin = true,
             "--duration-ms" => {
@@ -58,7 +61,9 @@ fn run() -> anyhow::Result<()> {
         .map(|i| workload::spawn_hog(pin.then_some(i % ncpu)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let reader_workers = (0..readers)
-        .map(|_| workload::spawn_reader(&file, pattern))
+        .map(|_| pattern)
+        .chain((0..seq_readers).map(|_| ReadPattern::Seq1m))
+        .map(|p| Ok((p, workload::spawn_reader(&file, p)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     match duration {
         Some(d) => std::thread::sleep(d),
@@ -69,11 +74,15 @@ fn run() -> anyhow::Result<()> {
     let elapsed = t0.elapsed().as_secs_f64();
     let readers: Vec<_> = reader_workers
         .into_iter()
-        .map(|w| {
+        .map(|(p, w)| {
             let (tid, cpu_s, sched) = (w.tid, thread_cpu_s(w.tid), thread_sched(w.tid));
+            let latency = w.latency_us.clone();
             w.stop().map(|n| {
-                serde_json::json!({"tid": tid, "reads": n, "cpu_s": cpu_s,
-                    "migrations": sched.0, "last_cpu": sched.1})
+                let h = latency.lock().expect("latency histogram");
+                let q = |q: f64| (!h.is_empty()).then(|| h.value_at_quantile(q));
+                serde_json::json!({"tid": tid, "pattern": format!("{p:?}"), "reads": n,
+                    "bytes": n * p.block_size() as u64, "p50_us": q(0.5), "p99_us": q(0.99),
+                    "cpu_s": cpu_s, "migrations": sched.0, "last_cpu": sched.1})
             })
         })
         .collect::<anyhow::Result<_>>()?;

@@ -1,0 +1,213 @@
+//! One lab VM: QEMU TCG with multi-threaded TCG (each vCPU a host thread named
+//! `CPU n/TCG`), a virtio-blk disk, the `org.vmigrater.hint.0` port the host agent reads,
+//! the `org.vmigrater.cmd.0` port the guest's command agent serves, and QMP.
+
+use crate::image::Image;
+use anyhow::{bail, Context, Result};
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub struct VmSpec {
+    pub name: String,
+    pub vcpus: u32,
+    pub mem_mb: u32,
+    /// Raw disk image, seen as /dev/vda.
+    pub disk: PathBuf,
+}
+
+pub struct Vm {
+    pub name: String,
+    child: Child,
+    pub dir: PathBuf,
+    pub hint: PathBuf,
+    pub qmp: PathBuf,
+    pub serial: PathBuf,
+    cmd: Option<BufReader<UnixStream>>,
+}
+
+impl Vm {
+    /// Boots `spec` from `image`; sockets and the serial log go to `dir`.
+    pub fn start(spec: &VmSpec, image: &Image, dir: &Path) -> Result<Vm> {
+        std::fs::create_dir_all(dir)?;
+        let hint = dir.join("hint.sock");
+        let cmd = dir.join("cmd.sock");
+        let qmp = dir.join("qmp.sock");
+        let serial = dir.join("serial.log");
+        for s in [&hint, &cmd, &qmp] {
+            let _ = std::fs::remove_file(s);
+        }
+        let mut c = Command::new("qemu-system-x86_64");
+        c.args(["-name", &format!("{},debug-threads=on", spec.name)])
+            .args(["-accel", "tcg,thread=multi"])
+            .args(["-smp", &spec.vcpus.to_string()])
+            .args(["-m", &spec.mem_mb.to_string()])
+            .args(["-nodefaults", "-display", "none", "-no-reboot"])
+            .arg("-kernel")
+            .arg(&image.kernel)
+            .arg("-initrd")
+            .arg(&image.initrd)
+            // tsc=reliable: without it the guest reads the emulated HPET on every clock read.
+            .args(["-append", "console=ttyS0 panic=-1 tsc=reliable quiet"])
+            .args(["-serial", &format!("file:{}", serial.display())])
+            .args([
+                "-drive",
+                &format!(
+                    "file={},if=virtio,format=raw,cache=none,aio=threads",
+                    spec.disk.display()
+                ),
+            ])
+            .args(["-device", "virtio-serial-pci"])
+            .args([
+                "-chardev",
+                &format!("socket,path={},server=on,wait=off,id=hint", hint.display()),
+            ])
+            .args([
+                "-device",
+                "virtserialport,chardev=hint,name=org.vmigrater.hint.0",
+            ])
+            .args([
+                "-chardev",
+                &format!("socket,path={},server=on,wait=off,id=cmd", cmd.display()),
+            ])
+            .args([
+                "-device",
+                "virtserialport,chardev=cmd,name=org.vmigrater.cmd.0",
+            ])
+            .args([
+                "-qmp",
+                &format!("unix:{},server=on,wait=off", qmp.display()),
+            ])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::from(std::fs::File::create(dir.join("qemu.err"))?));
+        // A session of its own: autogroup then schedules each VM as its own group, like
+        // separate VMs on a host, not as children of the test.
+        // SAFETY: setsid is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            c.pre_exec(|| {
+                libc::setsid();
+                Ok(())
+            });
+        }
+        let child = c
+            .spawn()
+            .context("starting qemu-system-x86_64 (lab-setup.sh installs it)")?;
+        Ok(Vm {
+            name: spec.name.clone(),
+            child,
+            dir: dir.to_path_buf(),
+            hint,
+            qmp,
+            serial,
+            cmd: None,
+        })
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Waits until the guest's command agent answers.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<()> {
+        let t0 = Instant::now();
+        let sock = self.dir.join("cmd.sock");
+        let stream = loop {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("{}: qemu exited ({status}): {}", self.name, self.log_tail());
+            }
+            match UnixStream::connect(&sock) {
+                Ok(s) => break s,
+                Err(_) if t0.elapsed() < timeout => std::thread::sleep(Duration::from_millis(100)),
+                Err(e) => bail!("{}: no command socket after {timeout:?}: {e}", self.name),
+            }
+        };
+        self.cmd = Some(BufReader::new(stream));
+        let left = timeout.saturating_sub(t0.elapsed());
+        let out = self
+            .sh("echo ready", left.max(Duration::from_secs(1)))
+            .with_context(|| format!("{}: guest never answered: {}", self.name, self.log_tail()))?;
+        if out.trim() != "ready" {
+            bail!("{}: unexpected answer {out:?}", self.name);
+        }
+        Ok(())
+    }
+
+    /// Runs one shell command line in the guest; its output, or an error naming the exit
+    /// code and the output when it failed.
+    pub fn sh(&mut self, line: &str, timeout: Duration) -> Result<String> {
+        let (rc, out) = self.sh_rc(line, timeout)?;
+        if rc != 0 {
+            bail!("{}: `{line}` exited {rc}: {out}", self.name);
+        }
+        Ok(out)
+    }
+
+    pub fn sh_rc(&mut self, line: &str, timeout: Duration) -> Result<(i32, String)> {
+        if line.contains('\n') {
+            bail!("one line per command");
+        }
+        let name = self.name.clone();
+        let port = self.cmd.as_mut().context("wait_ready first")?;
+        port.get_mut().set_read_timeout(Some(timeout))?;
+        port.get_mut().write_all(format!("{line}\n").as_bytes())?;
+        let mut out = String::new();
+        let t0 = Instant::now();
+        loop {
+            let mut l = String::new();
+            let n = port
+                .read_line(&mut l)
+                .with_context(|| format!("{name}: no answer to `{line}` within {timeout:?}"))?;
+            if n == 0 {
+                bail!("{name}: command port closed during `{line}`");
+            }
+            if let Some(rc) = l.strip_prefix("@@END ") {
+                return Ok((rc.trim().parse().unwrap_or(-1), out));
+            }
+            out.push_str(&l);
+            if t0.elapsed() > timeout {
+                bail!("{name}: `{line}` still running after {timeout:?}");
+            }
+        }
+    }
+
+    /// The vCPU threads, index = vCPU number (QMP query-cpus-fast).
+    pub fn vcpu_threads(&self) -> Result<Vec<u32>> {
+        hv_agent::qmp::vcpu_threads(&self.qmp)
+    }
+
+    /// Every thread of the QEMU process.
+    pub fn threads(&self) -> Vec<u32> {
+        std::fs::read_dir(format!("/proc/{}/task", self.pid()))
+            .map(|d| {
+                d.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.serial).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(15)..].join("\n")
+    }
+
+    /// Powers the guest off hard (it keeps no state worth a clean shutdown).
+    pub fn stop(mut self) {
+        self.kill();
+    }
+
+    fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Drop for Vm {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}

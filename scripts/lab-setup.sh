@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The nested-VM lab's host tools and guest kernel (issue 4), installed when missing; safe to
+# run again. QEMU (TCG: no KVM needed), static busybox for the initramfs, and Debian's
+# current 6.1 kernel package unpacked under target/lab/kernel (never installed on the host;
+# only the kernel image and the virtio modules are kept).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+lab=${VMIGRATER_LAB_DIR:-target/lab}
+if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+
+missing=()
+for p in qemu-system-x86 busybox-static; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+    echo "lab-setup: installing ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+if ls "$lab"/kernel/boot/vmlinuz-* >/dev/null 2>&1; then
+    exit 0
+fi
+# The package linux-image-amd64 points at (e.g. linux-image-6.1.0-56-amd64).
+pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+if [ -z "$pkg" ]; then
+    $SUDO apt-get update -qq
+    pkg=$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/ { print $2; exit }')
+fi
+[ -n "$pkg" ] || { echo "lab-setup: cannot find the kernel package behind linux-image-amd64" >&2; exit 1; }
+echo "lab-setup: guest kernel $pkg"
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+chmod 755 "$tmp"  # apt's download runs as _apt
+(cd "$tmp" && apt-get download -q "$pkg" >/dev/null 2>&1 || apt-get download "$pkg")
+dpkg -x "$tmp"/"$pkg"_*.deb "$tmp/root"
+release=${pkg#linux-image-}
+mkdir -p "$lab/kernel/boot" "$lab/kernel/lib/modules/$release"
+cp "$tmp/root/boot/vmlinuz-$release" "$lab/kernel/boot/"
+for m in virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_console; do
+    src=$(find "$tmp/root/lib/modules/$release/kernel" -name "$m.ko" | head -1)
+    [ -n "$src" ] || { echo "lab-setup: module $m missing from $pkg" >&2; exit 1; }
+    dst="$lab/kernel/lib/modules/$release/${src#"$tmp/root/lib/modules/$release/"}"
+    mkdir -p "$(dirname "$dst")"
+    cp "$src" "$dst"
+done
+echo "lab-setup: kernel $release in $lab/kernel"

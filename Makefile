@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup build run test lint bench bench-contention bench-micro package package-check clean
+.PHONY: setup lab-setup build run test lint bench bench-contention bench-micro bench-lab package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -35,6 +35,13 @@ bench-micro: setup
 bench-contention: build
 	$(CARGO) bench -p vmigrater-testbed --bench bpf_overhead
 	$(CARGO) bench -p vmigrater-testbed --bench contention
+
+# The nested-VM benefit benchmark (~40 min; root): JSON + charts in target/bench/, copied to
+# benches/results/. Options: make bench-lab LAB_ARGS="--secs 10 --reps 1 --only main".
+bench-lab: lab-setup build
+	./target/release/vmigrater-lab bench --bin-dir target/release --out target/bench/lab.json $(LAB_ARGS)
+	python3 benches/plot_lab.py target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png
+	cp target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png benches/results/
 
 bench: bench-micro bench-contention
 

@@ -1,5 +1,5 @@
-//! Minimal QMP client: the capabilities handshake and `query-cpus-fast`, to map each
-//! guest vCPU to its host thread. Events interleaved with replies are skipped.
+//! Minimal QMP client: the capabilities handshake and argument-less commands, chiefly
+//! `query-cpus-fast`, to map each guest vCPU to its host thread. Events interleaved with replies are skipped.
 
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -46,8 +46,9 @@ pub fn parse_cpus(ret: &Value) -> Result<Vec<(u32, u32)>> {
     Ok(cpus)
 }
 
-/// The host thread of every vCPU of the VM behind `socket`, in vCPU order.
-pub fn vcpu_threads(socket: &Path) -> Result<Vec<u32>> {
+/// Runs `commands` (QMP command names without arguments) on the VM behind `socket`, after
+/// the capabilities handshake; their return values in order.
+pub fn execute(socket: &Path, commands: &[&str]) -> Result<Vec<Value>> {
     let stream = UnixStream::connect(socket)
         .with_context(|| format!("connecting to QMP {}", socket.display()))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -61,8 +62,19 @@ pub fn vcpu_threads(socket: &Path) -> Result<Vec<u32>> {
     );
     writer.write_all(b"{\"execute\":\"qmp_capabilities\"}\n")?;
     reply(&mut reader)?;
-    writer.write_all(b"{\"execute\":\"query-cpus-fast\"}\n")?;
-    let cpus = parse_cpus(&reply(&mut reader)?)?;
+    commands
+        .iter()
+        .map(|c| {
+            writer.write_all(format!("{{\"execute\":\"{c}\"}}\n").as_bytes())?;
+            reply(&mut reader).with_context(|| format!("QMP {c}"))
+        })
+        .collect()
+}
+
+/// The host thread of every vCPU of the VM behind `socket`, in vCPU order.
+pub fn vcpu_threads(socket: &Path) -> Result<Vec<u32>> {
+    let ret = execute(socket, &["query-cpus-fast"])?;
+    let cpus = parse_cpus(&ret[0])?;
     Ok(cpus.into_iter().map(|(_, tid)| tid).collect())
 }
 

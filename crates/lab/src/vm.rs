@@ -179,6 +179,16 @@ impl Vm {
         hv_agent::qmp::vcpu_threads(&self.qmp)
     }
 
+    /// Freezes the VM's vCPUs (QMP `stop`): the VM stays booted but takes no CPU.
+    pub fn pause(&self) -> Result<()> {
+        hv_agent::qmp::execute(&self.qmp, &["stop"]).map(drop)
+    }
+
+    /// Undoes [`Vm::pause`].
+    pub fn resume(&self) -> Result<()> {
+        hv_agent::qmp::execute(&self.qmp, &["cont"]).map(drop)
+    }
+
     /// Every thread of the QEMU process.
     pub fn threads(&self) -> Vec<u32> {
         std::fs::read_dir(format!("/proc/{}/task", self.pid()))

@@ -1,11 +1,48 @@
 //! `vmigrater-lab`: boots a lab VM by hand (`shell`) and runs the benefit benchmark
 //! (`bench`, see `make bench-lab`).
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use lab::bench::{self, Mode, Options, Scenario};
 use lab::image::{self, Contents, Kernel};
+use lab::summary;
 use lab::vm::{Vm, VmSpec};
+use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
+
+#[derive(Parser)]
+#[command(about = "The nested-VM lab of vmigrater (needs root, QEMU and make lab-setup)")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Boots a 2-vCPU VM with the binaries of BIN_DIR and runs each COMMAND in it.
+    Shell {
+        bin_dir: PathBuf,
+        commands: Vec<String>,
+    },
+    /// The benefit benchmark: every scenario and mode, JSON to --out.
+    Bench {
+        /// Where vmigrater, vmigrater-workload and vmigrater-hv-agent are (release builds).
+        #[arg(long, default_value = "target/release")]
+        bin_dir: PathBuf,
+        /// Length of each run's workload, seconds.
+        #[arg(long, default_value_t = 20)]
+        secs: u64,
+        /// Repetitions of every mode.
+        #[arg(long, default_value_t = 3)]
+        reps: u32,
+        /// Only these scenarios (comma-separated names: main, quad, sweep1, sweep4).
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<String>,
+        #[arg(long, default_value = "target/bench/lab.json")]
+        out: PathBuf,
+    },
+}
 
 fn main() {
     if let Err(e) = run() {
@@ -15,16 +52,157 @@ fn main() {
 }
 
 fn run() -> Result<()> {
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.first().map(String::as_str) {
-        Some("shell") => shell(&args[1..]),
-        _ => bail!("usage: vmigrater-lab shell BIN_DIR [COMMAND...]"),
+    match Cli::parse().cmd {
+        Cmd::Shell { bin_dir, commands } => shell(bin_dir, &commands),
+        Cmd::Bench {
+            bin_dir,
+            secs,
+            reps,
+            only,
+            out,
+        } => bench_all(
+            Options {
+                bin_dir,
+                secs,
+                reps,
+            },
+            &only,
+            &out,
+        ),
     }
 }
 
-/// Boots a 2-vCPU VM with the binaries of BIN_DIR and runs each COMMAND in it.
-fn shell(args: &[String]) -> Result<()> {
-    let bins = PathBuf::from(args.first().context("BIN_DIR")?);
+fn scenarios() -> Vec<Scenario> {
+    use Mode::*;
+    vec![
+        Scenario {
+            name: "main",
+            what: "VM A 2 vCPUs + hog VM B 2 vCPUs on 2 host CPUs (2 vCPUs per CPU)",
+            a_vcpus: 2,
+            hog_vms: 1,
+            modes: vec![NoSharing, Vanilla, Vmigrater, Agent, Both],
+        },
+        Scenario {
+            name: "quad",
+            what: "VM A 4 vCPUs alone on 2 host CPUs (its own vCPUs share them)",
+            a_vcpus: 4,
+            hog_vms: 0,
+            modes: vec![Vanilla, Vmigrater, Agent, Both],
+        },
+        Scenario {
+            name: "sweep1",
+            what: "VM A 2 vCPUs alone on 2 host CPUs (1 vCPU per CPU)",
+            a_vcpus: 2,
+            hog_vms: 0,
+            modes: vec![Vanilla, Vmigrater, Both],
+        },
+        Scenario {
+            name: "sweep4",
+            what: "VM A 2 vCPUs + 3 hog VMs of 2 vCPUs on 2 host CPUs (4 vCPUs per CPU)",
+            a_vcpus: 2,
+            hog_vms: 3,
+            modes: vec![Vanilla, Vmigrater, Both],
+        },
+    ]
+}
+
+fn bench_all(opts: Options, only: &[String], out: &PathBuf) -> Result<()> {
+    let mut results = Vec::new();
+    for sc in scenarios() {
+        if !only.is_empty() && !only.iter().any(|o| o == sc.name) {
+            continue;
+        }
+        let runs = bench::run_scenario(&sc, &opts)?;
+        let summary = summary::summarize(&runs);
+        for s in &summary {
+            eprintln!(
+                "bench-lab: {} {:<10} 4k {:7.1} IOPS (speedup {}, vs alone {})  seq {:6.2} MB/s ({})  hogB {:.3} of vanilla  B cpu {:.3}  clean {}/{}",
+                sc.name,
+                s.mode,
+                s.iops_4k,
+                fmt(s.iops_speedup),
+                fmt(s.iops_vs_no_sharing),
+                s.seq_mbps,
+                fmt(s.seq_speedup),
+                s.hog_b_vs_vanilla.unwrap_or(f64::NAN),
+                s.b_cpu_share,
+                s.clean_runs,
+                s.runs
+            );
+        }
+        results.push(json!({
+            "name": sc.name,
+            "what": sc.what,
+            "vcpus_per_host_cpu": sc.consolidation(),
+            "summary": summary,
+            "runs": runs,
+        }));
+        // Written after every scenario: a cut-off run keeps what it measured.
+        write(out, &opts, &results)?;
+    }
+    eprintln!("bench-lab: wrote {}", out.display());
+    Ok(())
+}
+
+fn fmt(x: Option<f64>) -> String {
+    x.map_or("-".into(), |v| format!("{v:.2}x"))
+}
+
+fn write(out: &PathBuf, opts: &Options, results: &[serde_json::Value]) -> Result<()> {
+    // The consolidation sweep: vanilla vs the cures at 1, 2 and 4 vCPUs per host CPU (2
+    // comes from the main scenario).
+    let mut sweep = Vec::new();
+    for name in ["sweep1", "main", "sweep4"] {
+        if let Some(r) = results.iter().find(|r| r["name"] == name) {
+            let modes = r["summary"].as_array().cloned().unwrap_or_default();
+            let get = |m: &str, k: &str| {
+                modes
+                    .iter()
+                    .find(|s| s["mode"] == m)
+                    .map_or(serde_json::Value::Null, |s| s[k].clone())
+            };
+            sweep.push(json!({
+                "vcpus_per_host_cpu": r["vcpus_per_host_cpu"],
+                "vanilla_iops_4k": get("vanilla", "iops_4k"),
+                "vmigrater_iops_4k": get("vmigrater", "iops_4k"),
+                "both_iops_4k": get("both", "iops_4k"),
+                "vmigrater_speedup": get("vmigrater", "iops_speedup"),
+                "both_speedup": get("both", "iops_speedup"),
+            }));
+        }
+    }
+    let doc = json!({
+        "bench": "lab",
+        "host": {
+            "cpus_used": bench::HOST_CPUS,
+            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+            "guest_kernel": Kernel::find(&image::lab_dir()).map(|k| k.release).unwrap_or_default(),
+            "accel": "tcg,thread=multi",
+        },
+        "params": {
+            "secs_per_run": opts.secs,
+            "reps": opts.reps,
+            "host_slice_ms": bench::HOST_SLICE_NS as f64 / 1e6,
+            "noise_limit": summary::NOISE_LIMIT,
+            "workload_a": "1 random 4 KiB O_DIRECT reader + 1 sequential 1 MiB reader of /dev/vda + 1 CPU hog per vCPU",
+            "workload_hog_vms": "1 CPU hog per vCPU",
+        },
+        "paper": {
+            "vmigrater_speedup_2_vms": 1.72,
+            "vmigrater_speedup_8_vms": 4.42,
+            "source": "vMigrater, ch. 2 of the dissertation: I/O throughput speedup over vanilla, 2 to 8 VMs per host CPU",
+        },
+        "scenarios": results,
+        "sweep": sweep,
+    });
+    if let Some(d) = out.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    std::fs::write(out, serde_json::to_string_pretty(&doc)? + "\n")
+        .with_context(|| format!("writing {}", out.display()))
+}
+
+fn shell(bins: PathBuf, commands: &[String]) -> Result<()> {
     let lab = image::lab_dir();
     let kernel = Kernel::find(&lab)?;
     let dir = lab.join("run/shell");
@@ -53,7 +231,7 @@ fn shell(args: &[String]) -> Result<()> {
         t0.elapsed(),
         vm.vcpu_threads()?
     );
-    for c in &args[1..] {
+    for c in commands {
         let (rc, out) = vm.sh_rc(c, Duration::from_secs(300))?;
         println!("$ {c}\n{out}[exit {rc}]");
     }

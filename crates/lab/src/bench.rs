@@ -1,0 +1,477 @@
+//! The benefit benchmark (`make bench-lab`): VM A runs a 4 KiB random O_DIRECT reader, a
+//! 1 MiB sequential reader and a CPU hog per vCPU; co-located hog VMs share the host CPUs
+//! with it, every vCPU thread pinned (vCPU i on host CPU i mod 2) with the vMigrater paper's
+//! 11 ms hypervisor slice. Modes are interleaved within each repetition (rotated, so no mode
+//! always runs first), and each run records the host CPU spent outside the lab so noisy runs
+//! are left out of the medians.
+
+use crate::host;
+use crate::image::{self, Contents, Kernel};
+use crate::summary::{self, Run};
+use crate::vm::{Vm, VmSpec};
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+/// The vMigrater paper's hypervisor time slice.
+pub const HOST_SLICE_NS: u64 = 11_000_000;
+pub const HOST_CPUS: usize = 2;
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Mode {
+    /// The co-located VMs paused: VM A alone on its host CPUs.
+    NoSharing,
+    Vanilla,
+    /// The guest daemon only.
+    Vmigrater,
+    /// The host agent only (it observes VM A from schedstat: no guest reports).
+    Agent,
+    Both,
+}
+
+impl Mode {
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::NoSharing => "no_sharing",
+            Mode::Vanilla => "vanilla",
+            Mode::Vmigrater => "vmigrater",
+            Mode::Agent => "agent",
+            Mode::Both => "both",
+        }
+    }
+    fn daemon(self) -> bool {
+        matches!(self, Mode::Vmigrater | Mode::Both)
+    }
+    fn agent(self) -> bool {
+        matches!(self, Mode::Agent | Mode::Both)
+    }
+}
+
+pub struct Scenario {
+    pub name: &'static str,
+    pub what: &'static str,
+    pub a_vcpus: u32,
+    /// Co-located 2-vCPU VMs running a CPU hog per vCPU.
+    pub hog_vms: usize,
+    pub modes: Vec<Mode>,
+}
+
+impl Scenario {
+    /// vCPUs per host CPU.
+    pub fn consolidation(&self) -> f64 {
+        (self.a_vcpus as f64 + 2.0 * self.hog_vms as f64) / HOST_CPUS as f64
+    }
+}
+
+pub struct Options {
+    pub bin_dir: PathBuf,
+    pub secs: u64,
+    pub reps: u32,
+}
+
+struct Guest {
+    vm: Vm,
+    vcpus: Vec<u32>,
+}
+
+/// Boots VM A and the hog VMs of `sc`, pinned and sliced.
+fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Vec<Guest>> {
+    let run = lab.join("run/bench");
+    std::fs::create_dir_all(&run)?;
+    let contents = Contents {
+        binaries: ["vmigrater", "vmigrater-workload"]
+            .iter()
+            .map(|b| (opts.bin_dir.join(b), b.to_string()))
+            .collect(),
+        files: vec![],
+    };
+    let img = image::build(kernel, &contents, &run.join("initrd.cpio"))?;
+    let mut guests = Vec::new();
+    for i in 0..=sc.hog_vms {
+        let (name, vcpus, disk_mb) = match i {
+            0 => ("a".to_string(), sc.a_vcpus, 256),
+            n => (format!("hog{n}"), 2, 4),
+        };
+        let disk = lab.join(format!("disk-bench-{name}.img"));
+        host::make_disk(&disk, disk_mb)?;
+        let spec = VmSpec {
+            name: name.clone(),
+            vcpus,
+            mem_mb: if i == 0 { 512 } else { 256 },
+            disk,
+        };
+        let mut vm = Vm::start(&spec, &img, &run.join(&name))?;
+        vm.wait_ready(Duration::from_secs(300))?;
+        let tids = vm.vcpu_threads()?;
+        for (v, &t) in tids.iter().enumerate() {
+            host::pin(t, v % HOST_CPUS)?;
+            host::set_slice(t, HOST_SLICE_NS)?;
+        }
+        guests.push(Guest { vm, vcpus: tids });
+    }
+    Ok(guests)
+}
+
+/// Busy time (user+nice+system+irq+softirq+steal) of host CPUs 0..HOST_CPUS, seconds.
+fn host_busy_s() -> f64 {
+    let hz = 100.0; // USER_HZ on every Linux ABI this runs on
+    std::fs::read_to_string("/proc/stat")
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| {
+            (0..HOST_CPUS).any(|c| {
+                l.split_whitespace()
+                    .next()
+                    .is_some_and(|f| f == format!("cpu{c}"))
+            })
+        })
+        .map(|l| {
+            let f: Vec<f64> = l
+                .split_whitespace()
+                .skip(1)
+                .filter_map(|x| x.parse().ok())
+                .collect();
+            // user nice system idle iowait irq softirq steal
+            [0, 1, 2, 5, 6, 7]
+                .iter()
+                .map(|&i| f.get(i).copied().unwrap_or(0.0))
+                .sum::<f64>()
+                / hz
+        })
+        .sum()
+}
+
+/// On-CPU seconds of every thread of a process (schedstat of the whole process).
+fn process_cpu_s(pid: u32) -> f64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .map(|d| {
+            d.filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+                .map(|tid| host::cpu_seconds(pid, tid))
+                .sum()
+        })
+        .unwrap_or(0.0)
+}
+
+fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<Child> {
+    std::fs::create_dir_all(dir)?;
+    let mut cfg = format!(
+        "state_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
+        dir.display().to_string()
+    );
+    for g in guests {
+        cfg.push_str(&format!(
+            "\n[[vm]]\nname = {:?}\nhint_socket = {:?}\nqmp_socket = {:?}\n",
+            g.vm.name,
+            g.vm.hint.display().to_string(),
+            g.vm.qmp.display().to_string()
+        ));
+    }
+    let path = dir.join("agent.toml");
+    std::fs::write(&path, cfg)?;
+    let child = Command::new(bin_dir.join("vmigrater-hv-agent"))
+        .arg("--config")
+        .arg(&path)
+        .arg("run")
+        .stderr(std::fs::File::create(dir.join("agent.log"))?)
+        .spawn()
+        .context("starting vmigrater-hv-agent")?;
+    // Running once its status socket answers with every VM's vCPUs mapped.
+    let t0 = Instant::now();
+    loop {
+        let out = Command::new(bin_dir.join("vmigrater-hv-agent"))
+            .arg("--config")
+            .arg(&path)
+            .args(["status", "--json"])
+            .output()?;
+        let mapped = serde_json::from_slice::<Value>(&out.stdout)
+            .ok()
+            .and_then(|v| {
+                let vms = v["vms"].as_array()?.clone();
+                Some(
+                    vms.len() == guests.len()
+                        && vms
+                            .iter()
+                            .all(|vm| vm["vcpus"].as_array().is_some_and(|c| !c.is_empty())),
+                )
+            })
+            .unwrap_or(false);
+        if mapped {
+            return Ok(child);
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            bail!(
+                "agent not ready after 30 s: {}",
+                std::fs::read_to_string(dir.join("agent.log")).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn stop_agent(mut child: Child) -> Result<()> {
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(child.id() as i32),
+        nix::sys::signal::Signal::SIGTERM,
+    )?;
+    let status = child.wait()?;
+    anyhow::ensure!(status.success(), "agent exited with {status}");
+    Ok(())
+}
+
+fn start_daemon(vm: &mut Vm) -> Result<()> {
+    vm.sh(
+        "setsid vmigrater run </dev/null >/tmp/vmigrater.log 2>&1 &",
+        Duration::from_secs(20),
+    )?;
+    let t0 = Instant::now();
+    while vm
+        .sh_rc(
+            "vmigrater status --json >/dev/null",
+            Duration::from_secs(60),
+        )?
+        .0
+        != 0
+    {
+        if t0.elapsed() > Duration::from_secs(180) {
+            bail!(
+                "guest daemon not up after 180 s: {}",
+                vm.sh("cat /tmp/vmigrater.log", Duration::from_secs(20))?
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    Ok(())
+}
+
+/// SIGTERM and wait: the daemon restores every mask it changed first, then unloads its BPF
+/// programs, which under TCG takes 5–15 s (detaching waits for RCU grace periods).
+fn stop_daemon(vm: &mut Vm) -> Result<()> {
+    vm.sh(
+        "kill $(pidof vmigrater); for i in $(seq 1 1200); do pidof vmigrater >/dev/null || exit 0; sleep 0.1; done; exit 1",
+        Duration::from_secs(180),
+    )
+    .map(drop)
+    .context("guest daemon still running 120 s after SIGTERM")
+}
+
+fn daemon_migrations(vm: &mut Vm) -> u64 {
+    vm.sh("vmigrater status --json", Duration::from_secs(60))
+        .ok()
+        .and_then(|s| serde_json::from_str::<Value>(&s).ok())
+        .and_then(|v| v["migrations"].as_u64())
+        .unwrap_or(0)
+}
+
+fn read_json(vm: &mut Vm, path: &str, timeout: Duration) -> Result<Value> {
+    let t0 = Instant::now();
+    loop {
+        let out = vm.sh(
+            &format!("cat {path} 2>/dev/null; true"),
+            Duration::from_secs(60),
+        )?;
+        if let Ok(v) = serde_json::from_str::<Value>(out.trim()) {
+            return Ok(v);
+        }
+        if t0.elapsed() > timeout {
+            let err = vm.sh(&format!("cat {path}.err; true"), Duration::from_secs(20))?;
+            bail!("{}: no result in {path} after {timeout:?}: {err}", vm.name);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
+fn units_per_s(w: &Value) -> f64 {
+    let secs = w["elapsed_s"].as_f64().unwrap_or(0.0);
+    let units: u64 = w["hogs"]
+        .as_array()
+        .map(|h| h.iter().filter_map(|x| x["units"].as_u64()).sum())
+        .unwrap_or(0);
+    if secs > 0.0 {
+        units as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+/// One run of `mode`; VM A's workload lasts `opts.secs`.
+fn run_once(
+    mode: Mode,
+    rep: u32,
+    guests: &mut [Guest],
+    opts: &Options,
+    run_dir: &Path,
+) -> Result<Run> {
+    let (a, hogs) = guests.split_first_mut().expect("VM A");
+    for h in hogs.iter() {
+        if mode == Mode::NoSharing {
+            h.vm.pause()?;
+        } else {
+            h.vm.resume()?;
+        }
+    }
+    if mode.daemon() {
+        start_daemon(&mut a.vm)?;
+    }
+    let agent = if mode.agent() {
+        let mut all: Vec<&Guest> = vec![&*a];
+        all.extend(hogs.iter());
+        Some(start_agent(&all, &run_dir.join("agent"), &opts.bin_dir)?)
+    } else {
+        None
+    };
+    let secs = opts.secs;
+    // The hog VMs' hogs outlast VM A's workload, so they compete for all of it (paused VMs
+    // run nothing).
+    for h in hogs.iter_mut().filter(|_| mode != Mode::NoSharing) {
+        h.vm.sh(
+            &format!(
+                "rm -f /tmp/w.json; setsid vmigrater-workload --file /dev/null --readers 0 --hogs {} --duration-ms {} </dev/null >/tmp/w.json 2>/tmp/w.json.err &",
+                h.vcpus.len(),
+                (secs + 4) * 1000
+            ),
+            Duration::from_secs(60),
+        )?;
+    }
+    let pids: Vec<u32> = std::iter::once(a.vm.pid())
+        .chain(hogs.iter().map(|h| h.vm.pid()))
+        .collect();
+    let agent_pid = agent.as_ref().map(|c| c.id());
+    let lab_cpu = || -> f64 {
+        pids.iter()
+            .chain(agent_pid.iter())
+            .map(|&p| process_cpu_s(p))
+            .sum()
+    };
+    let vcpu_cpu = |g: &Guest| -> f64 {
+        g.vcpus
+            .iter()
+            .map(|&t| host::cpu_seconds(g.vm.pid(), t))
+            .sum()
+    };
+    let migrations0 = if mode.daemon() {
+        daemon_migrations(&mut a.vm)
+    } else {
+        0
+    };
+    let (busy0, lab0, a0) = (host_busy_s(), lab_cpu(), vcpu_cpu(a));
+    let b0: f64 = hogs.iter().map(vcpu_cpu).sum();
+    let t0 = Instant::now();
+    a.vm.sh(
+        &format!(
+            "rm -f /tmp/w.json; setsid vmigrater-workload --file /dev/vda --readers 1 --seq-readers 1 --hogs {} --duration-ms {} </dev/null >/tmp/w.json 2>/tmp/w.json.err &",
+            a.vcpus.len(),
+            secs * 1000
+        ),
+        Duration::from_secs(60),
+    )?;
+    std::thread::sleep(Duration::from_secs(secs));
+    let wa = read_json(&mut a.vm, "/tmp/w.json", Duration::from_secs(120))?;
+    let wall = t0.elapsed().as_secs_f64();
+    let (busy1, lab1, a1) = (host_busy_s(), lab_cpu(), vcpu_cpu(a));
+    let b1: f64 = hogs.iter().map(vcpu_cpu).sum();
+    let migrations = if mode.daemon() {
+        daemon_migrations(&mut a.vm).saturating_sub(migrations0)
+    } else {
+        0
+    };
+    let mut hog_b = 0.0;
+    for h in hogs.iter_mut() {
+        if mode != Mode::NoSharing {
+            hog_b += units_per_s(&read_json(
+                &mut h.vm,
+                "/tmp/w.json",
+                Duration::from_secs(120),
+            )?);
+        }
+    }
+    if let Some(c) = agent {
+        stop_agent(c)?;
+    }
+    if mode.daemon() {
+        stop_daemon(&mut a.vm)?;
+    }
+    let reader = |pattern: &str| -> Value {
+        wa["readers"]
+            .as_array()
+            .and_then(|r| r.iter().find(|x| x["pattern"] == pattern).cloned())
+            .unwrap_or(Value::Null)
+    };
+    let (r4k, seq) = (reader("Random4k"), reader("Seq1m"));
+    let elapsed = wa["elapsed_s"].as_f64().unwrap_or(secs as f64);
+    let foreign = ((busy1 - busy0) - (lab1 - lab0)).max(0.0);
+    let capacity = wall * HOST_CPUS as f64;
+    // The hog VMs' vCPUs are on every host CPU; their share is of the CPUs they use.
+    let b_cpus = hogs
+        .iter()
+        .map(|h| h.vcpus.len().min(HOST_CPUS))
+        .max()
+        .unwrap_or(0) as f64;
+    Ok(Run {
+        mode: mode.name().into(),
+        rep,
+        secs: elapsed,
+        iops_4k: r4k["reads"].as_f64().unwrap_or(0.0) / elapsed,
+        p50_4k_us: r4k["p50_us"].as_f64().unwrap_or(f64::NAN),
+        p99_4k_us: r4k["p99_us"].as_f64().unwrap_or(f64::NAN),
+        seq_mbps: seq["bytes"].as_f64().unwrap_or(0.0) / elapsed / 1e6,
+        hog_a_units_s: units_per_s(&wa),
+        hog_b_units_s: hog_b,
+        b_cpu_share: if b_cpus > 0.0 {
+            (b1 - b0) / (wall * b_cpus)
+        } else {
+            0.0
+        },
+        a_cpu_share: (a1 - a0) / capacity,
+        foreign_cpu_s: foreign,
+        noisy: summary::is_noisy(foreign, wall, HOST_CPUS),
+        migrations,
+    })
+}
+
+/// Every mode of `sc`, `opts.reps` times, the order rotated each repetition. Runs are
+/// printed as they finish (a long benchmark shows its progress).
+pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
+    let lab = image::lab_dir();
+    let kernel = Kernel::find(&lab)?;
+    let t0 = Instant::now();
+    let mut guests = boot(sc, opts, &kernel, &lab)?;
+    eprintln!(
+        "bench-lab: {} ({}): {} VMs booted in {:.1?}",
+        sc.name,
+        sc.what,
+        guests.len(),
+        t0.elapsed()
+    );
+    let run_dir = lab.join("run/bench");
+    let mut runs = Vec::new();
+    for rep in 0..opts.reps {
+        let n = sc.modes.len();
+        for k in 0..n {
+            let mode = sc.modes[(k + rep as usize) % n];
+            let r = run_once(mode, rep, &mut guests, opts, &run_dir)
+                .with_context(|| format!("{} {} rep {rep}", sc.name, mode.name()))?;
+            eprintln!(
+                "bench-lab: {} rep {rep} {:<10} 4k {:7.1} IOPS p99 {:8.0} us  seq {:6.2} MB/s  hogA {:7.1}/s hogB {:7.1}/s  cpu A {:.3} B {:.3}  foreign {:.2} s{}  migrations {}",
+                sc.name,
+                r.mode,
+                r.iops_4k,
+                r.p99_4k_us,
+                r.seq_mbps,
+                r.hog_a_units_s,
+                r.hog_b_units_s,
+                r.a_cpu_share,
+                r.b_cpu_share,
+                r.foreign_cpu_s,
+                if r.noisy { " NOISY" } else { "" },
+                r.migrations
+            );
+            runs.push(r);
+        }
+    }
+    for g in guests {
+        g.vm.stop();
+    }
+    Ok(runs)
+}

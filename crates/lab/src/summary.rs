@@ -1,0 +1,175 @@
+//! What `make bench-lab` reports, computed from the measured runs: per mode the median of
+//! the clean repetitions, speedups against `vanilla`, the ratio to `no_sharing`, and the
+//! co-located VM's share of the host CPUs. Pure, so the arithmetic is tested on its own.
+
+use serde::{Deserialize, Serialize};
+
+/// One measured run of one mode.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct Run {
+    pub mode: String,
+    pub rep: u32,
+    /// Length of VM A's workload, seconds.
+    pub secs: f64,
+    /// 4 KiB random O_DIRECT reads per second.
+    pub iops_4k: f64,
+    pub p50_4k_us: f64,
+    pub p99_4k_us: f64,
+    /// 1 MiB sequential O_DIRECT reads, MB/s.
+    pub seq_mbps: f64,
+    /// CPU hog progress inside VM A and inside the co-located VMs (work units per second).
+    pub hog_a_units_s: f64,
+    pub hog_b_units_s: f64,
+    /// Host-measured CPU of the co-located VMs' vCPU threads over the run, as a share of the
+    /// host CPUs they are pinned to (0.5 = their fair half in a 1:1 sharing).
+    pub b_cpu_share: f64,
+    pub a_cpu_share: f64,
+    /// Host CPU seconds spent by anything but the VMs and the agent during the run.
+    pub foreign_cpu_s: f64,
+    /// Foreign CPU above the noise limit: kept in the JSON, left out of the medians.
+    pub noisy: bool,
+    /// Guest daemon's migrations during the run (modes with the daemon).
+    pub migrations: u64,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct ModeSummary {
+    pub mode: String,
+    pub runs: usize,
+    pub clean_runs: usize,
+    pub iops_4k: f64,
+    pub p99_4k_us: f64,
+    pub seq_mbps: f64,
+    pub hog_a_units_s: f64,
+    pub hog_b_units_s: f64,
+    pub b_cpu_share: f64,
+    /// Against `vanilla` in the same scenario (1.0 for vanilla itself; None without it).
+    pub iops_speedup: Option<f64>,
+    pub seq_speedup: Option<f64>,
+    /// The co-located VMs' hog progress against `vanilla` (CPU fairness: ~1.0 expected).
+    pub hog_b_vs_vanilla: Option<f64>,
+    /// 4 KiB IOPS as a fraction of `no_sharing` (the VM alone on its CPUs).
+    pub iops_vs_no_sharing: Option<f64>,
+}
+
+/// A run is noisy when the host spent more than this share of the run's CPU capacity on
+/// something else than the lab (other users of a shared machine).
+pub const NOISE_LIMIT: f64 = 0.05;
+
+pub fn is_noisy(foreign_cpu_s: f64, secs: f64, host_cpus: usize) -> bool {
+    foreign_cpu_s > NOISE_LIMIT * secs * host_cpus as f64
+}
+
+pub fn median(mut xs: Vec<f64>) -> f64 {
+    if xs.is_empty() {
+        return f64::NAN;
+    }
+    xs.sort_by(f64::total_cmp);
+    let n = xs.len();
+    if n % 2 == 1 {
+        xs[n / 2]
+    } else {
+        (xs[n / 2 - 1] + xs[n / 2]) / 2.0
+    }
+}
+
+/// Per mode, in the order the modes first appear in `runs`.
+pub fn summarize(runs: &[Run]) -> Vec<ModeSummary> {
+    let mut modes: Vec<&str> = Vec::new();
+    for r in runs {
+        if !modes.contains(&r.mode.as_str()) {
+            modes.push(&r.mode);
+        }
+    }
+    let mut out: Vec<ModeSummary> = modes
+        .iter()
+        .map(|&m| {
+            let all: Vec<&Run> = runs.iter().filter(|r| r.mode == m).collect();
+            let clean: Vec<&Run> = all.iter().copied().filter(|r| !r.noisy).collect();
+            // With no clean run at all, the noisy ones are still better than nothing; the
+            // clean_runs count says so.
+            let used = if clean.is_empty() { &all } else { &clean };
+            let med = |f: fn(&Run) -> f64| median(used.iter().map(|r| f(r)).collect());
+            ModeSummary {
+                mode: m.to_string(),
+                runs: all.len(),
+                clean_runs: clean.len(),
+                iops_4k: med(|r| r.iops_4k),
+                p99_4k_us: med(|r| r.p99_4k_us),
+                seq_mbps: med(|r| r.seq_mbps),
+                hog_a_units_s: med(|r| r.hog_a_units_s),
+                hog_b_units_s: med(|r| r.hog_b_units_s),
+                b_cpu_share: med(|r| r.b_cpu_share),
+                ..Default::default()
+            }
+        })
+        .collect();
+    let find = |name: &str| out.iter().find(|s| s.mode == name).cloned();
+    let (vanilla, alone) = (find("vanilla"), find("no_sharing"));
+    let ratio = |a: f64, b: f64| (b > 0.0 && a.is_finite() && b.is_finite()).then(|| a / b);
+    for s in &mut out {
+        if let Some(v) = &vanilla {
+            s.iops_speedup = ratio(s.iops_4k, v.iops_4k);
+            s.seq_speedup = ratio(s.seq_mbps, v.seq_mbps);
+            s.hog_b_vs_vanilla = ratio(s.hog_b_units_s, v.hog_b_units_s);
+        }
+        if let Some(a) = &alone {
+            s.iops_vs_no_sharing = ratio(s.iops_4k, a.iops_4k);
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(mode: &str, iops: f64, noisy: bool) -> Run {
+        Run {
+            mode: mode.into(),
+            iops_4k: iops,
+            seq_mbps: iops / 10.0,
+            hog_b_units_s: 100.0,
+            noisy,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn medians_skip_noisy_runs_and_ratios_use_vanilla_and_no_sharing() {
+        let runs = vec![
+            run("no_sharing", 1000.0, false),
+            run("vanilla", 400.0, false),
+            run("vanilla", 500.0, false),
+            run("vanilla", 9000.0, true),
+            run("vmigrater", 700.0, false),
+            run("vmigrater", 800.0, true),
+        ];
+        let s = summarize(&runs);
+        assert_eq!(
+            s.iter().map(|m| m.mode.as_str()).collect::<Vec<_>>(),
+            ["no_sharing", "vanilla", "vmigrater"]
+        );
+        assert_eq!(s[1].iops_4k, 450.0);
+        assert_eq!((s[1].runs, s[1].clean_runs), (3, 2));
+        assert_eq!(s[2].iops_4k, 700.0);
+        assert!((s[2].iops_speedup.unwrap() - 700.0 / 450.0).abs() < 1e-12);
+        assert_eq!(s[1].iops_speedup, Some(1.0));
+        assert_eq!(s[2].iops_vs_no_sharing, Some(0.7));
+        assert_eq!(s[2].hog_b_vs_vanilla, Some(1.0));
+    }
+
+    #[test]
+    fn all_noisy_falls_back_to_every_run_and_says_so() {
+        let s = summarize(&[run("vanilla", 100.0, true), run("vanilla", 300.0, true)]);
+        assert_eq!((s[0].iops_4k, s[0].clean_runs), (200.0, 0));
+        assert_eq!(s[0].iops_vs_no_sharing, None);
+    }
+
+    #[test]
+    fn noise_limit_scales_with_the_run() {
+        assert!(!is_noisy(1.9, 20.0, 2));
+        assert!(is_noisy(2.1, 20.0, 2));
+        assert!(median(vec![]).is_nan());
+    }
+}

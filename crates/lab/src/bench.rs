@@ -18,6 +18,8 @@ use std::time::{Duration, Instant};
 /// The vMigrater paper's hypervisor time slice.
 pub const HOST_SLICE_NS: u64 = 11_000_000;
 pub const HOST_CPUS: usize = 2;
+/// Nice of QEMU's non-vCPU threads (see `boot`).
+pub const IO_PATH_NICE: i32 = -10;
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Mode {
@@ -26,6 +28,9 @@ pub enum Mode {
     Vanilla,
     /// The guest daemon only.
     Vmigrater,
+    /// The guest daemon with `--dry-run`: all its monitoring and BPF cost, no migration
+    /// (separates what the daemon costs from what its migrations do).
+    VmigraterDry,
     /// The host agent only (it observes VM A from schedstat: no guest reports).
     Agent,
     Both,
@@ -37,12 +42,13 @@ impl Mode {
             Mode::NoSharing => "no_sharing",
             Mode::Vanilla => "vanilla",
             Mode::Vmigrater => "vmigrater",
+            Mode::VmigraterDry => "vmigrater_dry",
             Mode::Agent => "agent",
             Mode::Both => "both",
         }
     }
     fn daemon(self) -> bool {
-        matches!(self, Mode::Vmigrater | Mode::Both)
+        matches!(self, Mode::Vmigrater | Mode::VmigraterDry | Mode::Both)
     }
     fn agent(self) -> bool {
         matches!(self, Mode::Agent | Mode::Both)
@@ -69,6 +75,10 @@ pub struct Options {
     pub bin_dir: PathBuf,
     pub secs: u64,
     pub reps: u32,
+    /// The guest daemon's /etc/vmigrater/vmigrater.toml (None: its built-in defaults).
+    pub guest_config: Option<String>,
+    /// Only these modes (empty: the scenario's).
+    pub modes: Vec<String>,
 }
 
 struct Guest {
@@ -85,7 +95,11 @@ fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Ve
             .iter()
             .map(|b| (opts.bin_dir.join(b), b.to_string()))
             .collect(),
-        files: vec![],
+        files: opts
+            .guest_config
+            .iter()
+            .map(|c| ("/etc/vmigrater/vmigrater.toml".to_string(), c.clone()))
+            .collect(),
     };
     let img = image::build(kernel, &contents, &run.join("initrd.cpio"))?;
     let mut guests = Vec::new();
@@ -108,6 +122,14 @@ fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Ve
         for (v, &t) in tids.iter().enumerate() {
             host::pin(t, v % HOST_CPUS)?;
             host::set_slice(t, HOST_SLICE_NS)?;
+        }
+        // Under TCG the guest's timer and completion interrupts are delivered by QEMU's
+        // main loop and I/O threads. On a real hypervisor that path is the host kernel
+        // (KVM's in-kernel LAPIC, irqfd), never time-sliced behind vCPUs; here it would be,
+        // and every vCPU would then look descheduled at once. So those threads run at
+        // IO_PATH_NICE (the I/O workers QEMU starts later inherit it from the main loop).
+        for t in vm.threads().into_iter().filter(|t| !tids.contains(t)) {
+            host::set_nice(t, IO_PATH_NICE)?;
         }
         guests.push(Guest { vm, vcpus: tids });
     }
@@ -220,9 +242,10 @@ fn stop_agent(mut child: Child) -> Result<()> {
     Ok(())
 }
 
-fn start_daemon(vm: &mut Vm) -> Result<()> {
+fn start_daemon(vm: &mut Vm, dry_run: bool) -> Result<()> {
+    let flag = if dry_run { " --dry-run" } else { "" };
     vm.sh(
-        "setsid vmigrater run </dev/null >/tmp/vmigrater.log 2>&1 &",
+        &format!("setsid vmigrater run{flag} </dev/null >/tmp/vmigrater.log 2>&1 &"),
         Duration::from_secs(20),
     )?;
     let t0 = Instant::now();
@@ -245,15 +268,40 @@ fn start_daemon(vm: &mut Vm) -> Result<()> {
     Ok(())
 }
 
-/// SIGTERM and wait: the daemon restores every mask it changed first, then unloads its BPF
-/// programs, which under TCG takes 5–15 s (detaching waits for RCU grace periods).
+/// SIGTERM and wait: the daemon restores every mask it changed, then exits. The guest's
+/// PID 1 (the command agent's shell) does not reap orphans, so an exited daemon stays a
+/// zombie and only live processes count.
 fn stop_daemon(vm: &mut Vm) -> Result<()> {
     vm.sh(
-        "kill $(pidof vmigrater); for i in $(seq 1 1200); do pidof vmigrater >/dev/null || exit 0; sleep 0.1; done; exit 1",
-        Duration::from_secs(180),
+        "live() { for p in $(pidof vmigrater); do grep -q '^State:.*Z' /proc/$p/status || return 0; done; return 1; }; \
+         kill $(pidof vmigrater) 2>/dev/null; for i in $(seq 1 600); do live || exit 0; sleep 0.1; done; exit 1",
+        Duration::from_secs(120),
     )
     .map(drop)
-    .context("guest daemon still running 120 s after SIGTERM")
+    .context("guest daemon still running 60 s after SIGTERM")
+}
+
+/// CPU seconds of the guest daemon's threads by name (utime+stime, USER_HZ ticks).
+fn daemon_threads_cpu(vm: &mut Vm) -> Vec<(String, f64)> {
+    let out = vm
+        .sh(
+            "p=$(pidof vmigrater); for t in /proc/$p/task/*; do echo \"$(cat $t/comm | tr ' ' _) $(cut -d' ' -f14,15 $t/stat)\"; done",
+            Duration::from_secs(60),
+        )
+        .unwrap_or_default();
+    let mut by: Vec<(String, f64)> = Vec::new();
+    for l in out.lines() {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        if f.len() == 3 {
+            let s =
+                (f[1].parse::<f64>().unwrap_or(0.0) + f[2].parse::<f64>().unwrap_or(0.0)) / 100.0;
+            match by.iter_mut().find(|(n, _)| n == f[0]) {
+                Some((_, v)) => *v += s,
+                None => by.push((f[0].to_string(), s)),
+            }
+        }
+    }
+    by
 }
 
 fn daemon_migrations(vm: &mut Vm) -> u64 {
@@ -312,7 +360,7 @@ fn run_once(
         }
     }
     if mode.daemon() {
-        start_daemon(&mut a.vm)?;
+        start_daemon(&mut a.vm, mode == Mode::VmigraterDry)?;
     }
     let agent = if mode.agent() {
         let mut all: Vec<&Guest> = vec![&*a];
@@ -350,10 +398,10 @@ fn run_once(
             .map(|&t| host::cpu_seconds(g.vm.pid(), t))
             .sum()
     };
-    let migrations0 = if mode.daemon() {
-        daemon_migrations(&mut a.vm)
+    let (migrations0, daemon0) = if mode.daemon() {
+        (daemon_migrations(&mut a.vm), daemon_threads_cpu(&mut a.vm))
     } else {
-        0
+        (0, vec![])
     };
     let (busy0, lab0, a0) = (host_busy_s(), lab_cpu(), vcpu_cpu(a));
     let b0: f64 = hogs.iter().map(vcpu_cpu).sum();
@@ -376,6 +424,13 @@ fn run_once(
     } else {
         0
     };
+    let mut daemon_cpu = Vec::new();
+    if mode.daemon() {
+        for (n, v) in daemon_threads_cpu(&mut a.vm) {
+            let before = daemon0.iter().find(|(m, _)| *m == n).map_or(0.0, |x| x.1);
+            daemon_cpu.push((n, v - before));
+        }
+    }
     let mut hog_b = 0.0;
     for h in hogs.iter_mut() {
         if mode != Mode::NoSharing {
@@ -427,7 +482,41 @@ fn run_once(
         foreign_cpu_s: foreign,
         noisy: summary::is_noisy(foreign, wall, HOST_CPUS),
         migrations,
+        daemon_cpu_s: daemon_cpu.iter().map(|x| x.1).sum(),
+        daemon_threads_cpu_s: daemon_cpu,
     })
+}
+
+/// Turns the scheduler's autogroups off while it lives and puts the setting back on drop.
+/// Each VM runs in a session of its own, so with autogroups the host would first share a
+/// CPU between VMs and only then between their vCPU threads; a hypervisor schedules vCPUs
+/// as peers (Xen's credit schedulers, KVM without per-VM cgroups), and so does this lab.
+pub struct AutogroupOff(Option<String>);
+
+const AUTOGROUP: &str = "/proc/sys/kernel/sched_autogroup_enabled";
+
+impl AutogroupOff {
+    pub fn new() -> Result<AutogroupOff> {
+        let Ok(old) = std::fs::read_to_string(AUTOGROUP) else {
+            return Ok(AutogroupOff(None)); // kernel without autogroups: nothing to do
+        };
+        std::fs::write(AUTOGROUP, "0").with_context(|| format!("writing 0 to {AUTOGROUP}"))?;
+        eprintln!("bench-lab: {AUTOGROUP} 0 for the run (was {})", old.trim());
+        Ok(AutogroupOff(Some(old)))
+    }
+}
+
+impl Drop for AutogroupOff {
+    fn drop(&mut self) {
+        if let Some(old) = &self.0 {
+            if let Err(e) = std::fs::write(AUTOGROUP, old.trim()) {
+                eprintln!(
+                    "bench-lab: could not restore {AUTOGROUP} to {}: {e}",
+                    old.trim()
+                );
+            }
+        }
+    }
 }
 
 /// Every mode of `sc`, `opts.reps` times, the order rotated each repetition. Runs are
@@ -446,14 +535,20 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
     );
     let run_dir = lab.join("run/bench");
     let mut runs = Vec::new();
+    let modes: Vec<Mode> = sc
+        .modes
+        .iter()
+        .copied()
+        .filter(|m| opts.modes.is_empty() || opts.modes.iter().any(|o| o == m.name()))
+        .collect();
     for rep in 0..opts.reps {
-        let n = sc.modes.len();
+        let n = modes.len();
         for k in 0..n {
-            let mode = sc.modes[(k + rep as usize) % n];
+            let mode = modes[(k + rep as usize) % n];
             let r = run_once(mode, rep, &mut guests, opts, &run_dir)
                 .with_context(|| format!("{} {} rep {rep}", sc.name, mode.name()))?;
             eprintln!(
-                "bench-lab: {} rep {rep} {:<10} 4k {:7.1} IOPS p99 {:8.0} us  seq {:6.2} MB/s  hogA {:7.1}/s hogB {:7.1}/s  cpu A {:.3} B {:.3}  foreign {:.2} s{}  migrations {}",
+                "bench-lab: {} rep {rep} {:<10} 4k {:7.1} IOPS p99 {:8.0} us  seq {:6.2} MB/s  hogA {:7.1}/s hogB {:7.1}/s  cpu A {:.3} B {:.3}  foreign {:.2} s{}  migrations {}  daemon cpu {:.2} s {:?}",
                 sc.name,
                 r.mode,
                 r.iops_4k,
@@ -465,7 +560,9 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
                 r.b_cpu_share,
                 r.foreign_cpu_s,
                 if r.noisy { " NOISY" } else { "" },
-                r.migrations
+                r.migrations,
+                r.daemon_cpu_s,
+                r.daemon_threads_cpu_s
             );
             runs.push(r);
         }

@@ -22,6 +22,15 @@ pub fn set_slice(tid: u32, slice_ns: u64) -> Result<()> {
         .with_context(|| format!("setting a {slice_ns} ns slice on thread {tid}"))
 }
 
+/// Sets `tid`'s nice, keeping its slice.
+pub fn set_nice(tid: u32, nice: i32) -> Result<()> {
+    let mut attr =
+        hv_agent::backend::get_attr(tid).with_context(|| format!("sched_getattr({tid})"))?;
+    attr.sched_nice = nice;
+    hv_agent::backend::set_attr(tid, &attr)
+        .with_context(|| format!("setting nice {nice} on thread {tid}"))
+}
+
 /// The on-CPU time of a thread so far (schedstat), in seconds.
 pub fn cpu_seconds(pid: u32, tid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/schedstat"))

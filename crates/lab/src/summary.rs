@@ -30,6 +30,9 @@ pub struct Run {
     pub noisy: bool,
     /// Guest daemon's migrations during the run (modes with the daemon).
     pub migrations: u64,
+    /// Guest CPU the daemon used during the run, in total and per thread name.
+    pub daemon_cpu_s: f64,
+    pub daemon_threads_cpu_s: Vec<(String, f64)>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]

@@ -39,6 +39,12 @@ enum Cmd {
         /// Only these scenarios (comma-separated names: main, quad, sweep1, sweep4).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
+        /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both).
+        #[arg(long, value_delimiter = ',')]
+        modes: Vec<String>,
+        /// The guest daemon's configuration file (default: the lab's, crates/lab/guest/vmigrater.toml).
+        #[arg(long)]
+        guest_config: Option<PathBuf>,
         #[arg(long, default_value = "target/bench/lab.json")]
         out: PathBuf,
     },
@@ -59,18 +65,30 @@ fn run() -> Result<()> {
             secs,
             reps,
             only,
+            modes,
+            guest_config,
             out,
-        } => bench_all(
-            Options {
+        } => {
+            let guest_config = match guest_config {
+                Some(p) => std::fs::read_to_string(&p)
+                    .with_context(|| format!("--guest-config {}", p.display()))?,
+                None => LAB_GUEST_CONFIG.to_string(),
+            };
+            let opts = Options {
                 bin_dir,
                 secs,
                 reps,
-            },
-            &only,
-            &out,
-        ),
+                guest_config: Some(guest_config),
+                modes,
+            };
+            bench_all(opts, &only, &out)
+        }
     }
 }
+
+/// The guest daemon's configuration in the lab (see the file for why it differs from the
+/// built-in defaults).
+const LAB_GUEST_CONFIG: &str = include_str!("../../guest/vmigrater.toml");
 
 fn scenarios() -> Vec<Scenario> {
     use Mode::*;
@@ -80,7 +98,7 @@ fn scenarios() -> Vec<Scenario> {
             what: "VM A 2 vCPUs + hog VM B 2 vCPUs on 2 host CPUs (2 vCPUs per CPU)",
             a_vcpus: 2,
             hog_vms: 1,
-            modes: vec![NoSharing, Vanilla, Vmigrater, Agent, Both],
+            modes: vec![NoSharing, Vanilla, Vmigrater, VmigraterDry, Agent, Both],
         },
         Scenario {
             name: "quad",
@@ -107,6 +125,7 @@ fn scenarios() -> Vec<Scenario> {
 }
 
 fn bench_all(opts: Options, only: &[String], out: &PathBuf) -> Result<()> {
+    let _peers = bench::AutogroupOff::new()?;
     let mut results = Vec::new();
     for sc in scenarios() {
         if !only.is_empty() && !only.iter().any(|o| o == sc.name) {
@@ -183,9 +202,11 @@ fn write(out: &PathBuf, opts: &Options, results: &[serde_json::Value]) -> Result
             "secs_per_run": opts.secs,
             "reps": opts.reps,
             "host_slice_ms": bench::HOST_SLICE_NS as f64 / 1e6,
+            "vcpu_scheduling": "every vCPU thread a peer (autogroups off), vCPU i pinned to host CPU i mod 2",
             "noise_limit": summary::NOISE_LIMIT,
             "workload_a": "1 random 4 KiB O_DIRECT reader + 1 sequential 1 MiB reader of /dev/vda + 1 CPU hog per vCPU",
             "workload_hog_vms": "1 CPU hog per vCPU",
+            "guest_config": opts.guest_config,
         },
         "paper": {
             "vmigrater_speedup_2_vms": 1.72,

@@ -40,7 +40,7 @@ bench-contention: build
 # benches/results/. Options: make bench-lab LAB_ARGS="--secs 10 --reps 1 --only main".
 bench-lab: lab-setup build
 	./target/release/vmigrater-lab bench --bin-dir target/release --out target/bench/lab.json $(LAB_ARGS)
-	python3 benches/plot_lab.py target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png
+	/usr/bin/python3 benches/plot_lab.py target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png
 	cp target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png benches/results/
 
 bench: bench-micro bench-contention

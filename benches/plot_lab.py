@@ -3,7 +3,7 @@
 
 lab.png, one panel per scenario: VM A's 4 KiB reader IOPS per mode (bar = median of the
 clean runs, dots = every run, hollow = noisy), speedup over vanilla annotated, and the
-co-located VMs' CPU share (right axis, diamonds; 0.5 = their fair half).
+co-located VMs' CPU share (right axis, diamonds; dotted: their fair share as peers).
 lab-sweep.png: the speedup over vanilla against vCPUs per host CPU, next to the vMigrater
 paper's 1.72x (2 VMs) and 4.42x (8 VMs). Usage:
     plot_lab.py lab.json lab.png lab-sweep.png
@@ -39,7 +39,7 @@ def scenario_panel(ax, sc):
                     ha="center", va="bottom", fontsize=8, xytext=(0, 2),
                     textcoords="offset points")
     ax.set_xticks(list(xs))
-    ax.set_xticklabels(modes, fontsize=8)
+    ax.set_xticklabels(modes, fontsize=8, rotation=20)
     ax.set_ylabel("4 KiB reads/s (VM A)")
     ax.set_ylim(0, max(r["iops_4k"] for r in sc["runs"]) * 1.35)
     ax.set_title(f"{sc['name']}: {sc['vcpus_per_host_cpu']:g} vCPUs per host CPU", fontsize=9)
@@ -47,7 +47,8 @@ def scenario_panel(ax, sc):
     if any(v > 0 for v in shares):
         ax2 = ax.twinx()
         ax2.scatter(list(xs), shares, marker="D", color="#333", s=18, zorder=4)
-        ax2.axhline(0.5, color="#333", lw=0.6, ls=":")
+        fair = sc.get("b_fair_share", 0.5)
+        ax2.axhline(fair, color="#333", lw=0.6, ls=":")
         ax2.set_ylim(0, 1)
         ax2.set_ylabel("co-located VMs' CPU share", fontsize=8)
 

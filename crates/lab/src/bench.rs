@@ -7,7 +7,7 @@
 
 use crate::host;
 use crate::image::{self, Contents, Kernel};
-use crate::summary::{self, Run};
+use crate::summary::{self, AgentVcpu, Run};
 use crate::vm::{Vm, VmSpec};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
@@ -232,6 +232,48 @@ fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<Child> {
     }
 }
 
+fn agent_status(dir: &Path, bin_dir: &Path) -> Option<Value> {
+    let out = Command::new(bin_dir.join("vmigrater-hv-agent"))
+        .arg("--config")
+        .arg(dir.join("agent.toml"))
+        .args(["status", "--json"])
+        .output()
+        .ok()?;
+    serde_json::from_slice(&out.stdout).ok()
+}
+
+/// What the agent did to each vCPU over a run, from its status sampled every second.
+fn agent_view(samples: &[Value]) -> Vec<AgentVcpu> {
+    let mut out: Vec<AgentVcpu> = Vec::new();
+    for s in samples {
+        for vm in s["vms"].as_array().into_iter().flatten() {
+            for v in vm["vcpus"].as_array().into_iter().flatten() {
+                let name = vm["name"].as_str().unwrap_or("?").to_string();
+                let vcpu = v["vcpu"].as_u64().unwrap_or(0) as u32;
+                let i = match out.iter().position(|a| a.vm == name && a.vcpu == vcpu) {
+                    Some(i) => i,
+                    None => {
+                        out.push(AgentVcpu {
+                            vm: name,
+                            vcpu,
+                            ..Default::default()
+                        });
+                        out.len() - 1
+                    }
+                };
+                let a = &mut out[i];
+                a.samples += 1;
+                a.boosted += v["boost"].as_bool().unwrap_or(false) as u32;
+                a.iv_credited += (v["iv_credit"].as_f64().unwrap_or(0.0) > 0.0) as u32;
+                a.nice_sum += v["nice"].as_i64().unwrap_or(0);
+                a.sliced += (!v["slice_us"].is_null()) as u32;
+                a.source = v["source"].as_str().unwrap_or("").to_string();
+            }
+        }
+    }
+    out
+}
+
 fn stop_agent(mut child: Child) -> Result<()> {
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(child.id() as i32),
@@ -414,7 +456,16 @@ fn run_once(
         ),
         Duration::from_secs(60),
     )?;
-    std::thread::sleep(Duration::from_secs(secs));
+    let mut agent_samples = Vec::new();
+    let end = t0 + Duration::from_secs(secs);
+    while Instant::now() < end {
+        std::thread::sleep(
+            Duration::from_secs(1).min(end.saturating_duration_since(Instant::now())),
+        );
+        if agent.is_some() {
+            agent_samples.extend(agent_status(&run_dir.join("agent"), &opts.bin_dir));
+        }
+    }
     let wa = read_json(&mut a.vm, "/tmp/w.json", Duration::from_secs(120))?;
     let wall = t0.elapsed().as_secs_f64();
     let (busy1, lab1, a1) = (host_busy_s(), lab_cpu(), vcpu_cpu(a));
@@ -423,6 +474,15 @@ fn run_once(
         daemon_migrations(&mut a.vm).saturating_sub(migrations0)
     } else {
         0
+    };
+    let guest_vcpus = if mode.daemon() {
+        a.vm.sh("vmigrater status --json", Duration::from_secs(60))
+            .ok()
+            .and_then(|s| serde_json::from_str::<Value>(&s).ok())
+            .map(|v| v["vcpus"].clone())
+            .unwrap_or(Value::Null)
+    } else {
+        Value::Null
     };
     let mut daemon_cpu = Vec::new();
     if mode.daemon() {
@@ -484,6 +544,8 @@ fn run_once(
         migrations,
         daemon_cpu_s: daemon_cpu.iter().map(|x| x.1).sum(),
         daemon_threads_cpu_s: daemon_cpu,
+        guest_vcpus,
+        agent: agent_view(&agent_samples),
     })
 }
 

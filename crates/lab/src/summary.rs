@@ -33,6 +33,26 @@ pub struct Run {
     /// Guest CPU the daemon used during the run, in total and per thread name.
     pub daemon_cpu_s: f64,
     pub daemon_threads_cpu_s: Vec<(String, f64)>,
+    /// The guest daemon's per-vCPU view at the end of the run (`vmigrater status`).
+    pub guest_vcpus: serde_json::Value,
+    /// What the host agent did to each vCPU (modes with the agent).
+    pub agent: Vec<AgentVcpu>,
+}
+
+/// One vCPU as the host agent treated it during a run, from its status once a second.
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct AgentVcpu {
+    pub vm: String,
+    pub vcpu: u32,
+    /// Where its I/O figures came from: `guest` reports or host `schedstat`.
+    pub source: String,
+    pub samples: u32,
+    /// Samples in the CPU-BOOST state, with IVCredit, with a custom slice set.
+    pub boosted: u32,
+    pub iv_credited: u32,
+    pub sliced: u32,
+    /// Sum of the nice values seen (mean = nice_sum / samples).
+    pub nice_sum: i64,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]

@@ -153,6 +153,8 @@ fn bench_all(opts: Options, only: &[String], out: &PathBuf) -> Result<()> {
             "name": sc.name,
             "what": sc.what,
             "vcpus_per_host_cpu": sc.consolidation(),
+            // The hog VMs' fair share of the host CPUs: their vCPUs among all, as peers.
+            "b_fair_share": (2 * sc.hog_vms) as f64 / (sc.a_vcpus as usize + 2 * sc.hog_vms) as f64,
             "summary": summary,
             "runs": runs,
         }));

@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup build run test lint bench bench-contention bench-micro bench-lab package package-check clean
+.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -53,6 +53,13 @@ package: setup
 # dependencies, scriptlets, lintian (no error or warning), systemd-analyze verify. CI runs it.
 package-check: setup
 	@scripts/package-check.sh
+
+# The .deb of `make package` installed in a Debian 12 guest booting systemd (debootstrap image
+# cached in target/lab/debian): systemctl start, /metrics through promtool, vmigrater
+# status, systemctl stop and no task left with a changed mask. CI runs it after package-check.
+lab-install-test: lab-setup
+	@scripts/lab-debian.sh
+	$(CARGO) run -q -p lab --bin vmigrater-lab -- install-test --packages target/package
 
 clean:
 	$(CARGO) clean

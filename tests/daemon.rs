@@ -355,11 +355,15 @@ fn dry_run_plans_but_never_changes_a_mask() {
 }
 
 fn http_get(addr: &str, path: &str) -> String {
+    http_get_accept(addr, path, "*/*")
+}
+
+fn http_get_accept(addr: &str, path: &str, accept: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).expect("connect metrics");
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: {accept}\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut body = String::new();
@@ -378,8 +382,18 @@ fn metrics_expose_vcpu_and_build_figures() {
     // a stolen burst about half the time: ~15 detections in 1.5 s.
     std::thread::sleep(Duration::from_millis(1500));
     let body = http_get("127.0.0.1:19979", "/metrics");
+    // What Prometheus asks for: OpenMetrics, which ends with `# EOF`.
+    let openmetrics = http_get_accept(
+        "127.0.0.1:19979",
+        "/metrics",
+        "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5",
+    );
     emu.stop();
     daemon.terminate();
+    assert!(
+        openmetrics.contains("application/openmetrics-text") && openmetrics.ends_with("# EOF\n"),
+        "{openmetrics}"
+    );
     assert!(body.starts_with("HTTP/1.1 200"), "{body}");
     for name in [
         "vmigrater_vcpu_deschedules_total{cpu=\"0\"}",
@@ -388,7 +402,8 @@ fn metrics_expose_vcpu_and_build_figures() {
         "vmigrater_io_bound_tasks ",
         "vmigrater_bpf_attach_mode{mode=",
         "vmigrater_build_info{",
-        "# EOF",
+        // The classic text format for everyone else: counters named with `_total`.
+        "# TYPE vmigrater_vcpu_deschedules_total counter",
     ] {
         assert!(body.contains(name), "missing {name} in:\n{body}");
     }

@@ -64,6 +64,7 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
         vcpus: 2,
         mem_mb: 512,
         disk,
+        kernel_args: String::new(),
     };
     let t0 = Instant::now();
     let mut vm = Vm::start(&spec, &img, &dir).unwrap();

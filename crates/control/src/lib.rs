@@ -1,10 +1,11 @@
 //! The control plane both daemons share. A unix socket answers every connection with one
-//! JSON document (the daemon's status) and closes; `/metrics` serves OpenMetrics text over
-//! HTTP. It runs on a current-thread tokio runtime on the caller's thread until `shutdown`
+//! JSON document (the daemon's status) and closes; `/metrics` serves OpenMetrics to
+//! scrapers that ask for it and the classic text format to the rest, over HTTP. It runs on a current-thread tokio runtime on the caller's thread until `shutdown`
 //! resolves, and only ever calls the daemon's closures: it owns no daemon state.
 //! Also the one TOML reader both configurations go through, so errors name `file:line`.
 
 pub mod dist;
+pub mod exposition;
 pub mod logging;
 
 use anyhow::{Context, Result};
@@ -18,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::info;
 
-pub const OPENMETRICS: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub use exposition::OPENMETRICS;
 
 pub struct Endpoints {
     pub status_socket: PathBuf,
@@ -66,16 +67,25 @@ where
         let metrics_task = match endpoints.metrics {
             Some(addr) => {
                 let metrics = Arc::new(metrics);
-                let app =
-                        axum::Router::new().route(
-                            "/metrics",
-                            axum::routing::get(move || {
-                                let metrics = metrics.clone();
-                                async move {
-                                    ([(axum::http::header::CONTENT_TYPE, OPENMETRICS)], metrics())
-                                }
-                            }),
-                        );
+                let app = axum::Router::new().route(
+                    "/metrics",
+                    axum::routing::get(move |headers: axum::http::HeaderMap| {
+                        let metrics = metrics.clone();
+                        async move {
+                            let accept = headers
+                                .get(axum::http::header::ACCEPT)
+                                .and_then(|v| v.to_str().ok());
+                            if exposition::wants_openmetrics(accept) {
+                                ([(axum::http::header::CONTENT_TYPE, OPENMETRICS)], metrics())
+                            } else {
+                                (
+                                    [(axum::http::header::CONTENT_TYPE, exposition::CLASSIC)],
+                                    exposition::to_classic(&metrics()),
+                                )
+                            }
+                        }
+                    }),
+                );
                 let listener = tokio::net::TcpListener::bind(addr)
                     .await
                     .with_context(|| format!("binding metrics on {addr}"))?;
@@ -162,7 +172,7 @@ mod tests {
                     "test-ctl",
                     &ep,
                     || br#"{"answer":42}"#.to_vec(),
-                    || "# EOF\n".to_string(),
+                    || "# TYPE c counter\nc_total 1\nc_created 1.5\n# EOF\n".to_string(),
                     async move {
                         while !stop.load(Ordering::Relaxed) {
                             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -180,12 +190,25 @@ mod tests {
             std::thread::sleep(Duration::from_millis(10));
         }
         assert_eq!(got.unwrap()["answer"], 42);
-        let mut http = std::net::TcpStream::connect(addr).unwrap();
-        http.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-        let mut resp = String::new();
-        http.read_to_string(&mut resp).unwrap();
+        let get = |accept: &str| {
+            let mut http = std::net::TcpStream::connect(addr).unwrap();
+            http.write_all(format!("GET /metrics HTTP/1.0\r\n{accept}\r\n").as_bytes())
+                .unwrap();
+            let mut resp = String::new();
+            http.read_to_string(&mut resp).unwrap();
+            resp
+        };
+        // Prometheus asks for OpenMetrics and gets it as encoded...
+        let resp = get("Accept: application/openmetrics-text;version=1.0.0\r\n");
         assert!(
-            resp.contains(OPENMETRICS) && resp.ends_with("# EOF\n"),
+            resp.contains(OPENMETRICS) && resp.ends_with("c_created 1.5\n# EOF\n"),
+            "{resp}"
+        );
+        // ...anyone else gets the classic text format.
+        let resp = get("");
+        assert!(
+            resp.contains(exposition::CLASSIC)
+                && resp.ends_with("# TYPE c_total counter\nc_total 1\n"),
             "{resp}"
         );
         stop.store(true, Ordering::Relaxed);

@@ -115,6 +115,7 @@ fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Ve
             vcpus,
             mem_mb: if i == 0 { 512 } else { 256 },
             disk,
+            kernel_args: String::new(),
         };
         let mut vm = Vm::start(&spec, &img, &run.join(&name))?;
         vm.wait_ready(Duration::from_secs(300))?;

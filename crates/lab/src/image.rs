@@ -7,8 +7,9 @@ use anyhow::{bail, Context, Result};
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
-/// The modules the guest needs, in load order (see guest/init).
-pub const MODULES: [&str; 7] = [
+/// The modules the guest needs, in load order (see guest/init): virtio, then what an
+/// ext4 root needs (the systemd guest of the install test).
+pub const MODULES: [&str; 12] = [
     "virtio_ring",
     "virtio",
     "virtio_pci_legacy_dev",
@@ -16,6 +17,11 @@ pub const MODULES: [&str; 7] = [
     "virtio_pci",
     "virtio_blk",
     "virtio_console",
+    "crc16",
+    "mbcache",
+    "jbd2",
+    "crc32c_generic",
+    "ext4",
 ];
 
 const INIT: &str = include_str!("../guest/init");

@@ -8,5 +8,6 @@ pub mod bench;
 pub mod cpio;
 pub mod host;
 pub mod image;
+pub mod install;
 pub mod summary;
 pub mod vm;

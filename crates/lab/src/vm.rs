@@ -17,6 +17,8 @@ pub struct VmSpec {
     pub mem_mb: u32,
     /// Raw disk image, seen as /dev/vda.
     pub disk: PathBuf,
+    /// Appended to the kernel command line (e.g. `lab.root=/dev/vda`, see guest/init).
+    pub kernel_args: String,
 }
 
 pub struct Vm {
@@ -51,7 +53,11 @@ impl Vm {
             .arg("-initrd")
             .arg(&image.initrd)
             // tsc=reliable: without it the guest reads the emulated HPET on every clock read.
-            .args(["-append", "console=ttyS0 panic=-1 tsc=reliable quiet"])
+            .arg("-append")
+            .arg(format!(
+                "console=ttyS0 panic=-1 tsc=reliable quiet {}",
+                spec.kernel_args
+            ))
             .args(["-serial", &format!("file:{}", serial.display())])
             .args([
                 "-drive",

@@ -8,7 +8,6 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
-use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Registry, Unit};
 use std::sync::atomic::AtomicU64;
 
@@ -168,14 +167,16 @@ impl Metrics {
             "The attach mode of the block I/O programs (value is always 1)",
             mode,
         );
-        r.register(
-            "build",
-            "Build information",
-            Info::new(BuildLabel {
+        // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
+        // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
+        let build: Family<BuildLabel, Gauge> = Family::default();
+        build
+            .get_or_create(&BuildLabel {
                 version: env!("CARGO_PKG_VERSION"),
                 dry_run: if dry_run { "true" } else { "false" },
-            }),
-        );
+            })
+            .set(1);
+        r.register("build_info", "Build information (value is always 1)", build);
         m
     }
 

@@ -25,6 +25,12 @@ enum Cmd {
         bin_dir: PathBuf,
         commands: Vec<String>,
     },
+    /// Installs the .deb in a Debian guest booting systemd and checks the service end to end.
+    InstallTest {
+        /// Where `make package` put the packages.
+        #[arg(long, default_value = "target/package")]
+        packages: PathBuf,
+    },
     /// The benefit benchmark: every scenario and mode, JSON to --out.
     Bench {
         /// Where vmigrater, vmigrater-workload and vmigrater-hv-agent are (release builds).
@@ -60,6 +66,7 @@ fn main() {
 fn run() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Shell { bin_dir, commands } => shell(bin_dir, &commands),
+        Cmd::InstallTest { packages } => lab::install::install_test(&packages),
         Cmd::Bench {
             bin_dir,
             secs,
@@ -245,6 +252,7 @@ fn shell(bins: PathBuf, commands: &[String]) -> Result<()> {
         vcpus: 2,
         mem_mb: 512,
         disk,
+        kernel_args: String::new(),
     };
     let t0 = std::time::Instant::now();
     let mut vm = Vm::start(&spec, &img, &dir)?;

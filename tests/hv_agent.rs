@@ -605,7 +605,8 @@ fn silent_guests_are_observed_from_the_host_and_exported() {
         "vmigrater_hv_vcpu_source{vm=\"silent\",vcpu=\"0\",source=\"schedstat\"} 1",
         "vmigrater_hv_vcpu_run_seconds{vm=\"busy\"",
         "vmigrater_hv_guest_connected{vm=\"silent\"} 0",
-        "# EOF",
+        // Without an OpenMetrics Accept header: the classic text format.
+        "# TYPE vmigrater_hv_periods_total counter",
     ] {
         assert!(metrics.contains(want), "missing {want:?}:\n{metrics}");
     }

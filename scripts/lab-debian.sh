@@ -11,21 +11,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 lab=${VMIGRATER_LAB_DIR:-target/lab}
 out=$lab/debian
-if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
-
-missing=()
-for p in debootstrap e2fsprogs prometheus; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "lab-debian: installing ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+. scripts/debs.sh
+if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed"; then
+    need_debs lab-debian prometheus
     # Only promtool is wanted from prometheus: never a server listening on this machine.
-    if systemctl is-enabled prometheus >/dev/null 2>&1; then
-        $SUDO systemctl disable --now prometheus prometheus-node-exporter 2>/dev/null || true
-    fi
+    $SUDO systemctl disable --now prometheus 2>/dev/null || true
 fi
+need_debs lab-debian debootstrap e2fsprogs
 
 stamp=$(sha256sum "$0" crates/lab/guest/agent.sh | sha256sum | cut -c1-16)
 if [ -f "$out/rootfs.img" ] && [ "$(cat "$out/stamp" 2>/dev/null)" = "$stamp" ]; then

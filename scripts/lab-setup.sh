@@ -6,17 +6,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 lab=${VMIGRATER_LAB_DIR:-target/lab}
-if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
-
-missing=()
-for p in qemu-system-x86 busybox-static; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "lab-setup: installing ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+. scripts/debs.sh
+need_debs lab-setup qemu-system-x86 busybox-static
 
 # The virtio modules every lab guest loads, then what mounting an ext4 root needs (the
 # systemd guest of the install test); keep in step with crates/lab/src/image.rs.

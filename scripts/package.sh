@@ -8,17 +8,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 target=${CARGO_TARGET_DIR:-target}
 out=$target/package
-if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
-
-missing=()
-for p in rpm lintian systemd; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "package: installing ${missing[*]}"
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+. scripts/debs.sh
+need_debs package rpm lintian systemd
 # Pinned: the lintian overrides and `make package-check`'s expectations were made with these.
 command -v cargo-deb >/dev/null || cargo install --locked cargo-deb --version 3.8.0
 command -v cargo-generate-rpm >/dev/null || cargo install --locked cargo-generate-rpm --version 0.21.1

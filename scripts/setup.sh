@@ -2,19 +2,10 @@
 # Installs what building and testing vmigrater needs on a Debian 12 machine, and nothing
 # when it is all there already. Safe to run again.
 set -euo pipefail
-
-packages=(clang llvm libbpf-dev libelf-dev zlib1g-dev pkg-config bpftool make
-          python3-matplotlib coreutils)
-missing=()
-for p in "${packages[@]}"; do
-    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
-done
-if [ ${#missing[@]} -gt 0 ]; then
-    echo "setup: installing ${missing[*]}"
-    if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
-    $SUDO apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
-fi
+cd "$(dirname "$0")/.."
+. scripts/debs.sh
+need_debs setup clang llvm libbpf-dev libelf-dev zlib1g-dev pkg-config bpftool make \
+    python3-matplotlib coreutils
 
 for comp in rustfmt clippy; do
     if ! cargo "${comp/rustfmt/fmt}" --version >/dev/null 2>&1; then

@@ -12,23 +12,26 @@ pub fn pin(tid: u32, cpu: usize) -> Result<()> {
         .with_context(|| format!("pinning thread {tid} to CPU {cpu}"))
 }
 
+/// Changes `tid`'s scheduling attributes with `f`, keeping the rest.
+fn update_attr(tid: u32, what: &str, f: impl FnOnce(&mut libc::sched_attr)) -> Result<()> {
+    let mut attr =
+        hv_agent::backend::get_attr(tid).with_context(|| format!("sched_getattr({tid})"))?;
+    f(&mut attr);
+    hv_agent::backend::set_attr(tid, &attr)
+        .with_context(|| format!("setting {what} on thread {tid}"))
+}
+
 /// Sets `tid`'s custom slice (sched_attr.sched_runtime of a fair-class thread, Linux 6.12+;
 /// the kernel clamps it to 0.1–100 ms), keeping its nice.
 pub fn set_slice(tid: u32, slice_ns: u64) -> Result<()> {
-    let mut attr =
-        hv_agent::backend::get_attr(tid).with_context(|| format!("sched_getattr({tid})"))?;
-    attr.sched_runtime = slice_ns;
-    hv_agent::backend::set_attr(tid, &attr)
-        .with_context(|| format!("setting a {slice_ns} ns slice on thread {tid}"))
+    update_attr(tid, &format!("a {slice_ns} ns slice"), |a| {
+        a.sched_runtime = slice_ns
+    })
 }
 
 /// Sets `tid`'s nice, keeping its slice.
 pub fn set_nice(tid: u32, nice: i32) -> Result<()> {
-    let mut attr =
-        hv_agent::backend::get_attr(tid).with_context(|| format!("sched_getattr({tid})"))?;
-    attr.sched_nice = nice;
-    hv_agent::backend::set_attr(tid, &attr)
-        .with_context(|| format!("setting nice {nice} on thread {tid}"))
+    update_attr(tid, &format!("nice {nice}"), |a| a.sched_nice = nice)
 }
 
 /// The on-CPU time of a thread so far (schedstat), in seconds.

@@ -1,0 +1,16 @@
+# Sourced by the setup scripts: `need_debs WHO PACKAGE...` installs the Debian packages that
+# are not installed yet (nothing, and no apt call, when all are), saying which and for whom.
+if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
+
+need_debs() {
+    local who=$1 p
+    shift
+    local missing=()
+    for p in "$@"; do
+        dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+    done
+    [ ${#missing[@]} -gt 0 ] || return 0
+    echo "$who: installing ${missing[*]}"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
+}

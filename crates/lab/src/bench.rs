@@ -177,7 +177,7 @@ fn process_cpu_s(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<Child> {
+fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<AgentProc> {
     std::fs::create_dir_all(dir)?;
     let mut cfg = format!(
         "state_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
@@ -193,13 +193,15 @@ fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<Child> {
     }
     let path = dir.join("agent.toml");
     std::fs::write(&path, cfg)?;
-    let child = Command::new(bin_dir.join("vmigrater-hv-agent"))
-        .arg("--config")
-        .arg(&path)
-        .arg("run")
-        .stderr(std::fs::File::create(dir.join("agent.log"))?)
-        .spawn()
-        .context("starting vmigrater-hv-agent")?;
+    let agent = AgentProc(Some(
+        Command::new(bin_dir.join("vmigrater-hv-agent"))
+            .arg("--config")
+            .arg(&path)
+            .arg("run")
+            .stderr(std::fs::File::create(dir.join("agent.log"))?)
+            .spawn()
+            .context("starting vmigrater-hv-agent")?,
+    ));
     // Running once its status socket answers with every VM's vCPUs mapped.
     let t0 = Instant::now();
     loop {
@@ -221,7 +223,7 @@ fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<Child> {
             })
             .unwrap_or(false);
         if mapped {
-            return Ok(child);
+            return Ok(agent);
         }
         if t0.elapsed() > Duration::from_secs(30) {
             bail!(
@@ -275,14 +277,37 @@ fn agent_view(samples: &[Value]) -> Vec<AgentVcpu> {
     out
 }
 
-fn stop_agent(mut child: Child) -> Result<()> {
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(child.id() as i32),
-        nix::sys::signal::Signal::SIGTERM,
-    )?;
-    let status = child.wait()?;
-    anyhow::ensure!(status.success(), "agent exited with {status}");
-    Ok(())
+/// The running agent; a run that fails half-way still stops it (SIGTERM: it restores every
+/// thread it changed) instead of leaving it to steer the next run's threads.
+struct AgentProc(Option<Child>);
+
+impl AgentProc {
+    fn id(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+
+    fn stop(mut self) -> Result<()> {
+        let status = self.terminate()?;
+        anyhow::ensure!(status.success(), "agent exited with {status}");
+        Ok(())
+    }
+
+    fn terminate(&mut self) -> Result<std::process::ExitStatus> {
+        let mut child = self.0.take().context("agent already stopped")?;
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        Ok(child.wait()?)
+    }
+}
+
+impl Drop for AgentProc {
+    fn drop(&mut self) {
+        if self.0.is_some() {
+            let _ = self.terminate();
+        }
+    }
 }
 
 fn start_daemon(vm: &mut Vm, dry_run: bool) -> Result<()> {
@@ -428,7 +453,7 @@ fn run_once(
     let pids: Vec<u32> = std::iter::once(a.vm.pid())
         .chain(hogs.iter().map(|h| h.vm.pid()))
         .collect();
-    let agent_pid = agent.as_ref().map(|c| c.id());
+    let agent_pid = agent.as_ref().map(AgentProc::id);
     let lab_cpu = || -> f64 {
         pids.iter()
             .chain(agent_pid.iter())
@@ -503,7 +528,7 @@ fn run_once(
         }
     }
     if let Some(c) = agent {
-        stop_agent(c)?;
+        c.stop()?;
     }
     if mode.daemon() {
         stop_daemon(&mut a.vm)?;

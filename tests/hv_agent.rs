@@ -10,16 +10,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
-use vmigrater_testbed::host::{Agent, Hogs};
+use vmigrater_testbed::host::{nice_of, Agent, Hogs};
 use vmigrater_testbed::{require_root, workspace_bin};
-
-fn nice_of(tid: u32) -> i32 {
-    // SAFETY: getpriority has no memory arguments; errno is cleared first.
-    unsafe {
-        *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, tid)
-    }
-}
 
 fn cpu_ns(tid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{tid}/schedstat"))

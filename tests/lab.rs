@@ -8,35 +8,19 @@
 //! applied to the right vCPU threads and restored after it stops. Root only; the guest
 //! kernel and QEMU come from scripts/lab-setup.sh (`make test` runs it).
 
+use lab::bench::HOST_SLICE_NS;
+use lab::guest::{self, daemon_status};
 use lab::image::{self, Contents, Kernel};
 use lab::vm::{Vm, VmSpec};
 use serde_json::Value;
 use std::time::{Duration, Instant};
-use vmigrater_testbed::host::{Agent, Hogs};
+use vmigrater_testbed::host::{nice_of, Agent, Hogs};
 use vmigrater_testbed::{require_root, workspace_bin};
-
-/// The vMigrater paper's hypervisor time slice.
-const HOST_SLICE_NS: u64 = 11_000_000;
-
-fn nice_of(tid: u32) -> i32 {
-    // SAFETY: getpriority has no memory arguments; errno is cleared first.
-    unsafe {
-        *libc::__errno_location() = 0;
-        libc::getpriority(libc::PRIO_PROCESS, tid)
-    }
-}
 
 fn slice_of(tid: u32) -> u64 {
     hv_agent::backend::get_attr(tid)
         .map(|a| a.sched_runtime)
         .unwrap_or(0)
-}
-
-fn guest_status(vm: &mut Vm) -> Option<Value> {
-    let out = vm
-        .sh("vmigrater status --json", Duration::from_secs(60))
-        .ok()?;
-    serde_json::from_str(&out).ok()
 }
 
 #[test]
@@ -91,26 +75,13 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
         ),
     );
 
-    vm.sh(
-        "setsid vmigrater run </dev/null >/tmp/vmigrater.log 2>&1 &",
-        Duration::from_secs(10),
-    )
-    .unwrap();
     let t1 = Instant::now();
-    while guest_status(&mut vm).is_none() {
-        assert!(
-            t1.elapsed() < Duration::from_secs(120),
-            "guest daemon did not come up: {}",
-            vm.sh("cat /tmp/vmigrater.log", Duration::from_secs(10))
-                .unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(500));
-    }
+    guest::start_daemon(&mut vm, false).expect("guest daemon did not come up");
     eprintln!("guest daemon up after {:.1?}", t1.elapsed());
 
     vm.sh(
         "setsid vmigrater-workload --file /dev/vda --readers 1 --hogs 2 --duration-ms 20000 \
-         </dev/null >/tmp/workload.json 2>/tmp/workload.err &",
+         </dev/null >/tmp/workload.json 2>/tmp/workload.json.err &",
         Duration::from_secs(10),
     )
     .unwrap();
@@ -118,7 +89,7 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     // guest reports for the vCPU threads QMP names. The agent's view is per period (a
     // period without a report shows no events), so it is polled, not sampled once.
     std::thread::sleep(Duration::from_secs(6));
-    let mid = guest_status(&mut vm).expect("guest status mid-run");
+    let mid = daemon_status(&mut vm).expect("guest status mid-run");
     let mut host_mid = Value::Null;
     let mut from_guest = false;
     let mut io_vcpu_tweaked = false;
@@ -135,23 +106,9 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
             .any(|&t| nice_of(t) != 0 || slice_of(t) != HOST_SLICE_NS);
         std::thread::sleep(Duration::from_millis(50));
     }
-    let t2 = Instant::now();
-    let workload = loop {
-        let out = vm
-            .sh("cat /tmp/workload.json", Duration::from_secs(10))
-            .unwrap();
-        if let Ok(v) = serde_json::from_str::<Value>(&out) {
-            break v;
-        }
-        assert!(
-            t2.elapsed() < Duration::from_secs(120),
-            "workload did not finish: {}",
-            vm.sh("cat /tmp/workload.err", Duration::from_secs(10))
-                .unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_secs(1));
-    };
-    let end = guest_status(&mut vm).expect("guest status");
+    let workload = guest::read_json(&mut vm, "/tmp/workload.json", Duration::from_secs(120))
+        .expect("workload did not finish");
+    let end = daemon_status(&mut vm).expect("guest status");
     let host = agent.status().expect("agent status");
     eprintln!("workload: {workload}");
     eprintln!("guest mid-run tasks: {}", mid["tasks"]);

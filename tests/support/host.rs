@@ -9,6 +9,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The nice of a thread (getpriority).
+pub fn nice_of(tid: u32) -> i32 {
+    // SAFETY: getpriority has no memory arguments; errno is cleared first.
+    unsafe {
+        *libc::__errno_location() = 0;
+        libc::getpriority(libc::PRIO_PROCESS, tid)
+    }
+}
+
 /// A workload process whose `n` CPU hogs stand in for vCPU threads, each pinned to `cpus[i]`.
 pub struct Hogs {
     child: Child,

@@ -5,6 +5,7 @@
 //! always runs first), and each run records the host CPU spent outside the lab so noisy runs
 //! are left out of the medians.
 
+use crate::guest;
 use crate::host;
 use crate::image::{self, Contents, Kernel};
 use crate::summary::{self, AgentVcpu, Run};
@@ -205,13 +206,7 @@ fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<AgentPro
     // Running once its status socket answers with every VM's vCPUs mapped.
     let t0 = Instant::now();
     loop {
-        let out = Command::new(bin_dir.join("vmigrater-hv-agent"))
-            .arg("--config")
-            .arg(&path)
-            .args(["status", "--json"])
-            .output()?;
-        let mapped = serde_json::from_slice::<Value>(&out.stdout)
-            .ok()
+        let mapped = agent_status(dir, bin_dir)
             .and_then(|v| {
                 let vms = v["vms"].as_array()?.clone();
                 Some(
@@ -310,45 +305,6 @@ impl Drop for AgentProc {
     }
 }
 
-fn start_daemon(vm: &mut Vm, dry_run: bool) -> Result<()> {
-    let flag = if dry_run { " --dry-run" } else { "" };
-    vm.sh(
-        &format!("setsid vmigrater run{flag} </dev/null >/tmp/vmigrater.log 2>&1 &"),
-        Duration::from_secs(20),
-    )?;
-    let t0 = Instant::now();
-    while vm
-        .sh_rc(
-            "vmigrater status --json >/dev/null",
-            Duration::from_secs(60),
-        )?
-        .0
-        != 0
-    {
-        if t0.elapsed() > Duration::from_secs(180) {
-            bail!(
-                "guest daemon not up after 180 s: {}",
-                vm.sh("cat /tmp/vmigrater.log", Duration::from_secs(20))?
-            );
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    Ok(())
-}
-
-/// SIGTERM and wait: the daemon restores every mask it changed, then exits. The guest's
-/// PID 1 (the command agent's shell) does not reap orphans, so an exited daemon stays a
-/// zombie and only live processes count.
-fn stop_daemon(vm: &mut Vm) -> Result<()> {
-    vm.sh(
-        "live() { for p in $(pidof vmigrater); do grep -q '^State:.*Z' /proc/$p/status || return 0; done; return 1; }; \
-         kill $(pidof vmigrater) 2>/dev/null; for i in $(seq 1 600); do live || exit 0; sleep 0.1; done; exit 1",
-        Duration::from_secs(120),
-    )
-    .map(drop)
-    .context("guest daemon still running 60 s after SIGTERM")
-}
-
 /// CPU seconds of the guest daemon's threads by name (utime+stime, USER_HZ ticks).
 fn daemon_threads_cpu(vm: &mut Vm) -> Vec<(String, f64)> {
     let out = vm
@@ -372,30 +328,10 @@ fn daemon_threads_cpu(vm: &mut Vm) -> Vec<(String, f64)> {
     by
 }
 
-fn daemon_migrations(vm: &mut Vm) -> u64 {
-    vm.sh("vmigrater status --json", Duration::from_secs(60))
-        .ok()
-        .and_then(|s| serde_json::from_str::<Value>(&s).ok())
+fn guest_migrations(vm: &mut Vm) -> u64 {
+    guest::daemon_status(vm)
         .and_then(|v| v["migrations"].as_u64())
         .unwrap_or(0)
-}
-
-fn read_json(vm: &mut Vm, path: &str, timeout: Duration) -> Result<Value> {
-    let t0 = Instant::now();
-    loop {
-        let out = vm.sh(
-            &format!("cat {path} 2>/dev/null; true"),
-            Duration::from_secs(60),
-        )?;
-        if let Ok(v) = serde_json::from_str::<Value>(out.trim()) {
-            return Ok(v);
-        }
-        if t0.elapsed() > timeout {
-            let err = vm.sh(&format!("cat {path}.err; true"), Duration::from_secs(20))?;
-            bail!("{}: no result in {path} after {timeout:?}: {err}", vm.name);
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
 }
 
 fn units_per_s(w: &Value) -> f64 {
@@ -428,7 +364,7 @@ fn run_once(
         }
     }
     if mode.daemon() {
-        start_daemon(&mut a.vm, mode == Mode::VmigraterDry)?;
+        guest::start_daemon(&mut a.vm, mode == Mode::VmigraterDry)?;
     }
     let agent = if mode.agent() {
         let mut all: Vec<&Guest> = vec![&*a];
@@ -467,7 +403,7 @@ fn run_once(
             .sum()
     };
     let (migrations0, daemon0) = if mode.daemon() {
-        (daemon_migrations(&mut a.vm), daemon_threads_cpu(&mut a.vm))
+        (guest_migrations(&mut a.vm), daemon_threads_cpu(&mut a.vm))
     } else {
         (0, vec![])
     };
@@ -492,21 +428,17 @@ fn run_once(
             agent_samples.extend(agent_status(&run_dir.join("agent"), &opts.bin_dir));
         }
     }
-    let wa = read_json(&mut a.vm, "/tmp/w.json", Duration::from_secs(120))?;
+    let wa = guest::read_json(&mut a.vm, "/tmp/w.json", Duration::from_secs(120))?;
     let wall = t0.elapsed().as_secs_f64();
     let (busy1, lab1, a1) = (host_busy_s(), lab_cpu(), vcpu_cpu(a));
     let b1: f64 = hogs.iter().map(vcpu_cpu).sum();
     let migrations = if mode.daemon() {
-        daemon_migrations(&mut a.vm).saturating_sub(migrations0)
+        guest_migrations(&mut a.vm).saturating_sub(migrations0)
     } else {
         0
     };
     let guest_vcpus = if mode.daemon() {
-        a.vm.sh("vmigrater status --json", Duration::from_secs(60))
-            .ok()
-            .and_then(|s| serde_json::from_str::<Value>(&s).ok())
-            .map(|v| v["vcpus"].clone())
-            .unwrap_or(Value::Null)
+        guest::daemon_status(&mut a.vm).map_or(Value::Null, |v| v["vcpus"].clone())
     } else {
         Value::Null
     };
@@ -520,7 +452,7 @@ fn run_once(
     let mut hog_b = 0.0;
     for h in hogs.iter_mut() {
         if mode != Mode::NoSharing {
-            hog_b += units_per_s(&read_json(
+            hog_b += units_per_s(&guest::read_json(
                 &mut h.vm,
                 "/tmp/w.json",
                 Duration::from_secs(120),
@@ -531,7 +463,7 @@ fn run_once(
         c.stop()?;
     }
     if mode.daemon() {
-        stop_daemon(&mut a.vm)?;
+        guest::stop_daemon(&mut a.vm)?;
     }
     let reader = |pattern: &str| -> Value {
         wa["readers"]

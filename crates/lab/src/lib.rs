@@ -6,6 +6,7 @@
 
 pub mod bench;
 pub mod cpio;
+pub mod guest;
 pub mod host;
 pub mod image;
 pub mod install;

@@ -1,0 +1,71 @@
+//! The guest daemon and workloads of a lab VM, driven through its command port: start
+//! `vmigrater` and wait until it answers, ask its status, stop it, and wait for a JSON
+//! result file a background workload writes.
+
+use crate::vm::Vm;
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+/// Starts `vmigrater run` (with `--dry-run` if asked) in the background and waits until its
+/// status socket answers (BPF loading takes seconds under TCG); the daemon's log is in
+/// /tmp/vmigrater.log of the guest.
+pub fn start_daemon(vm: &mut Vm, dry_run: bool) -> Result<()> {
+    let flag = if dry_run { " --dry-run" } else { "" };
+    vm.sh(
+        &format!("setsid vmigrater run{flag} </dev/null >/tmp/vmigrater.log 2>&1 &"),
+        Duration::from_secs(20),
+    )?;
+    let t0 = Instant::now();
+    while daemon_status(vm).is_none() {
+        if t0.elapsed() > Duration::from_secs(180) {
+            bail!(
+                "guest daemon not up after 180 s: {}",
+                vm.sh("cat /tmp/vmigrater.log", Duration::from_secs(20))?
+            );
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    Ok(())
+}
+
+/// `vmigrater status --json`, or None while the daemon does not answer.
+pub fn daemon_status(vm: &mut Vm) -> Option<Value> {
+    let out = vm
+        .sh("vmigrater status --json", Duration::from_secs(60))
+        .ok()?;
+    serde_json::from_str(&out).ok()
+}
+
+/// SIGTERM and wait: the daemon restores every mask it changed, then exits. The guest's
+/// PID 1 (the command agent's shell) does not reap orphans, so an exited daemon stays a
+/// zombie and only live processes count.
+pub fn stop_daemon(vm: &mut Vm) -> Result<()> {
+    vm.sh(
+        "live() { for p in $(pidof vmigrater); do grep -q '^State:.*Z' /proc/$p/status || return 0; done; return 1; }; \
+         kill $(pidof vmigrater) 2>/dev/null; for i in $(seq 1 600); do live || exit 0; sleep 0.1; done; exit 1",
+        Duration::from_secs(120),
+    )
+    .map(drop)
+    .context("guest daemon still running 60 s after SIGTERM")
+}
+
+/// Waits until the guest file `path` holds a JSON document (a workload prints its result
+/// at the end); on timeout the error carries `path.err`.
+pub fn read_json(vm: &mut Vm, path: &str, timeout: Duration) -> Result<Value> {
+    let t0 = Instant::now();
+    loop {
+        let out = vm.sh(
+            &format!("cat {path} 2>/dev/null; true"),
+            Duration::from_secs(60),
+        )?;
+        if let Ok(v) = serde_json::from_str::<Value>(out.trim()) {
+            return Ok(v);
+        }
+        if t0.elapsed() > timeout {
+            let err = vm.sh(&format!("cat {path}.err; true"), Duration::from_secs(20))?;
+            bail!("{}: no result in {path} after {timeout:?}: {err}", vm.name);
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}

@@ -172,7 +172,9 @@ impl Daemon {
     fn start(warmup: Duration) -> Result<Daemon> {
         let state_dir = tempfile::tempdir()?;
         let config = state_dir.path().join("vmigrater.toml");
-        std::fs::write(&config, "")?;
+        // The steal emulator's threads run inside this kernel, which serves their CPUs'
+        // timer interrupts on time: only the sleepers see its "deschedules".
+        std::fs::write(&config, "[monitor]\nsource = \"sleepers\"\n")?;
         let child = Command::new(workspace_bin("vmigrater"))
             .arg("--config")
             .arg(&config)

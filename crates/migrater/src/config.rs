@@ -46,6 +46,11 @@ impl Default for Config {
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MonitorSection {
+    /// Where deschedules are learnt from: "kernel" (late kernel timers seen by BPF, no
+    /// wake-up of our own per tick), "sleepers" (a SCHED_FIFO sleeper per vCPU: the only
+    /// source that also sees a steal emulator inside the same kernel) or "auto" (kernel,
+    /// else sleepers).
+    pub source: MonitorSource,
     /// Sleep period of each vCPU's sleeper while I/O-bound tasks need slice information.
     pub period_us: u64,
     /// Period while I/O-bound tasks exist but no descheduling was seen recently.
@@ -65,6 +70,7 @@ pub struct MonitorSection {
 impl Default for MonitorSection {
     fn default() -> Self {
         MonitorSection {
+            source: MonitorSource::Auto,
             period_us: 300,
             probe_period_us: 2_000,
             idle_period_us: 50_000,
@@ -72,6 +78,26 @@ impl Default for MonitorSection {
             default_slice_us: 11_000,
             rt_priority: 1,
             cpus: Vec::new(),
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum MonitorSource {
+    #[default]
+    Auto,
+    Kernel,
+    Sleepers,
+}
+
+impl MonitorSource {
+    /// The source to insist on, `None` for "the best that loads".
+    pub fn wanted(self) -> Option<vcpu_monitor::Source> {
+        match self {
+            MonitorSource::Auto => None,
+            MonitorSource::Kernel => Some(vcpu_monitor::Source::Kernel),
+            MonitorSource::Sleepers => Some(vcpu_monitor::Source::Sleepers),
         }
     }
 }
@@ -294,6 +320,22 @@ mod tests {
             Config::parse("[monitor]\nperiod_us = 1\n", "c").unwrap_err()
         );
         assert!(err.contains("monitor.period_us"), "{err}");
+    }
+
+    #[test]
+    fn monitor_source_is_typed() {
+        let cfg = Config::parse("[monitor]\nsource = \"sleepers\"\n", "c").unwrap();
+        assert_eq!(cfg.monitor.source, MonitorSource::Sleepers);
+        assert_eq!(
+            Config::parse("", "c").unwrap().monitor.source,
+            MonitorSource::Auto
+        );
+        let err = format!(
+            "{:#}",
+            Config::parse("[monitor]\nsource = \"ticks\"\n", "c").unwrap_err()
+        );
+        assert!(err.starts_with("c:2:"), "{err}");
+        assert!(err.contains("kernel"), "the valid values are listed: {err}");
     }
 
     #[test]

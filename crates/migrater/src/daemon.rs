@@ -15,7 +15,7 @@ use task_detector::{
     AttachMode, ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions,
 };
 use tracing::{debug, info, warn};
-use vcpu_monitor::{monotonic_ns, Demand, Monitor, MonitorConfig, VcpuBoard};
+use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 
 use crate::affinity::AffinityExecutor;
 use crate::channel::{self, ChannelStats, VcpuSample};
@@ -68,6 +68,7 @@ struct Running {
     board: Arc<VcpuBoard>,
     cpu_io: Arc<ArcSwap<Vec<CpuIoSample>>>,
     attach_mode: String,
+    monitor_source: &'static str,
     dry_run: bool,
     started: Instant,
     channel: Arc<ChannelStats>,
@@ -138,6 +139,7 @@ impl Running {
             uptime_s: self.started.elapsed().as_secs_f64(),
             dry_run: self.dry_run,
             attach_mode: self.attach_mode.clone(),
+            monitor_source: self.monitor_source.into(),
             demand: if tasks.is_empty() { "idle" } else { "active" }.into(),
             io_tasks: tasks.len() as u64,
             managed_tasks: placement.executor.as_ref().map_or(0, |e| e.managed_count()) as u64,
@@ -282,8 +284,20 @@ pub fn run(cfg: Config) -> Result<()> {
         cfg.migration.push_threshold_us * 1_000,
         &cpus,
     ));
-    let monitor = Monitor::start(mon_cfg, board.clone(), hook).context("starting vCPU monitors")?;
-    info!(cpus = ?cpus, period_us = cfg.monitor.period_us, "vCPU monitors started");
+    let (monitor, fallback) = AnyMonitor::start(
+        cfg.monitor.source.wanted(),
+        mon_cfg,
+        board.clone(),
+        hook,
+        Duration::from_micros(cfg.migration.push_threshold_us),
+    )
+    .context("starting the vCPU monitor")?;
+    if let Some(why) = fallback {
+        warn!("kernel-timer vCPU monitor unavailable, using sleepers: {why}");
+    }
+    let monitor_source = monitor.source().as_str();
+    shared.metrics.set_monitor_source(monitor_source);
+    info!(cpus = ?cpus, source = monitor_source, period_us = cfg.monitor.period_us, "vCPU monitor started");
 
     let stop = Arc::new(AtomicBool::new(false));
     let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
@@ -306,6 +320,7 @@ pub fn run(cfg: Config) -> Result<()> {
         board,
         cpu_io,
         attach_mode,
+        monitor_source,
         dry_run: cfg.dry_run,
         started: Instant::now(),
         channel: Arc::new(ChannelStats::default()),
@@ -365,7 +380,12 @@ fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
             for_metrics.refresh_metrics();
             for_metrics.shared.metrics.encode()
         },
-        async { info!("{}: shutting down", control::terminated().await) },
+        // The signal is awaited outside the log macro: a macro whose level is off does not
+        // evaluate its arguments, and the daemon would "shut down" at once (exit 0).
+        async {
+            let signal = control::terminated().await;
+            info!("{signal}: shutting down");
+        },
     )
 }
 

@@ -131,6 +131,20 @@ pub fn vcpu_view(s: &VcpuSnapshot) -> VcpuView {
 }
 
 impl TickHook for MigrationHook {
+    fn holds_tasks(&self, cpu: usize) -> bool {
+        let tasks = self.shared.tasks.load();
+        if tasks.is_empty() {
+            return false;
+        }
+        // Busy lock: another thread is placing tasks; assume they may be here.
+        let Ok(placement) = self.shared.placement.try_lock() else {
+            return true;
+        };
+        tasks
+            .iter()
+            .any(|t| placement.placed_on(t.tid).unwrap_or(t.last_cpu) == cpu)
+    }
+
     fn on_tick(&self, cpu: usize, event: TickEvent, board: &VcpuBoard, now_ns: u64) {
         let tasks = self.shared.tasks.load();
         if tasks.is_empty() {

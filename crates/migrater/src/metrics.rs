@@ -31,6 +31,11 @@ struct ModeLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SourceLabel {
+    source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabel {
     version: &'static str,
     dry_run: &'static str,
@@ -65,6 +70,7 @@ pub struct Metrics {
     pub migration_latency: Histogram,
     pub releases: Counter,
     pub detector_errors: Counter,
+    monitor_source: Family<SourceLabel, Gauge>,
 }
 
 impl Metrics {
@@ -84,12 +90,13 @@ impl Metrics {
             migration_latency: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
             releases: Counter::default(),
             detector_errors: Counter::default(),
+            monitor_source: Family::default(),
             registry: Registry::with_prefix("vmigrater"),
         };
         let r = &mut m.registry;
         r.register(
             "vcpu_deschedules",
-            "Times a vCPU was seen descheduled (a sleeper woke up later than the gap threshold)",
+            "Times a vCPU was seen descheduled (a kernel timer or a sleeper fired later than the gap threshold)",
             m.deschedules.clone(),
         );
         r.register_with_unit(
@@ -167,6 +174,11 @@ impl Metrics {
             "The attach mode of the block I/O programs (value is always 1)",
             mode,
         );
+        r.register(
+            "vcpu_monitor_source",
+            "Where vCPU deschedules are learnt from: kernel (late kernel timers, BPF) or sleepers (value is always 1)",
+            m.monitor_source.clone(),
+        );
         // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
         // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
         let build: Family<BuildLabel, Gauge> = Family::default();
@@ -178,6 +190,13 @@ impl Metrics {
             .set(1);
         r.register("build_info", "Build information (value is always 1)", build);
         m
+    }
+
+    pub fn set_monitor_source(&self, source: &'static str) {
+        self.monitor_source.clear();
+        self.monitor_source
+            .get_or_create(&SourceLabel { source })
+            .set(1);
     }
 
     pub fn record_migration(&self, reason: Reason, outcome: &Outcome) {

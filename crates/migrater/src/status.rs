@@ -54,6 +54,9 @@ pub struct StatusReport {
     pub uptime_s: f64,
     pub dry_run: bool,
     pub attach_mode: String,
+    /// Where vCPU deschedules are learnt from: "kernel" or "sleepers".
+    #[serde(default)]
+    pub monitor_source: String,
     pub demand: String,
     pub io_tasks: u64,
     pub managed_tasks: u64,
@@ -79,11 +82,12 @@ pub fn render(r: &StatusReport) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "vmigrater {} pid {} up {:.0}s  attach={}  demand={}{}",
+        "vmigrater {} pid {} up {:.0}s  attach={}  monitor={}  demand={}{}",
         r.version,
         r.pid,
         r.uptime_s,
         r.attach_mode,
+        r.monitor_source,
         r.demand,
         if r.dry_run { "  DRY-RUN" } else { "" }
     );

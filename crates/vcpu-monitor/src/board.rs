@@ -58,6 +58,9 @@ pub(crate) struct Slot {
     pub inactive_total_ns: AtomicU64,
     pub gap_threshold_ns: AtomicU64,
     pub hiccups: AtomicU64,
+    /// In the guest's idle loop (kernel source only): halted, not descheduled, and free
+    /// to take work the moment it is given some.
+    pub idle: std::sync::atomic::AtomicBool,
 }
 
 const DEMAND_IDLE: u32 = 0;
@@ -170,7 +173,7 @@ impl VcpuBoard {
         let period = s.period_ns.load(Relaxed);
         let threshold = s.gap_threshold_ns.load(Relaxed);
         let overdue = now_ns.saturating_sub(last_seen + period);
-        let active = overdue <= threshold;
+        let active = overdue <= threshold || s.idle.load(Relaxed);
         let slice_start = s.slice_start_ns.load(Relaxed);
         let est = s.est_slice_ns.load(Relaxed);
         VcpuSnapshot {

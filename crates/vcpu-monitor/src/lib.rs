@@ -1,6 +1,11 @@
-//! vCPU time-slice detection inside a guest (vMigrater §2.4.1). One sleeper thread per
-//! vCPU, pinned to it, sleeps on absolute CLOCK_MONOTONIC deadlines; a wake-up much later
-//! than asked means the hypervisor had that vCPU descheduled. The pure `SliceEstimator`
+//! vCPU time-slice detection inside a guest (vMigrater §2.4.1), from one of two sources:
+//! - `kernel` (preferred): a BPF program watches the timers the guest kernel fires anyway;
+//!   a timer that fires late means the vCPU was descheduled (`KernelMonitor`).
+//! - `sleepers` (the paper's mechanism, the fallback): one sleeper thread per vCPU,
+//!   pinned to it, sleeps on absolute CLOCK_MONOTONIC deadlines; a wake-up much later
+//!   than asked means the hypervisor had that vCPU descheduled (`Monitor`).
+//!
+//! Both feed the same board and hook. The pure `SliceEstimator`
 //! turns wake-ups into slices; the lock-free `VcpuBoard` publishes each vCPU's state to
 //! every other thread; a `TickHook` lets the caller decide on the sleeper's own thread,
 //! where the information is freshest.
@@ -9,11 +14,14 @@
 //! the timed sleeps.
 
 mod board;
+mod bpf_skel;
 mod estimator;
+mod kernel;
 mod monitor;
 
 pub use board::{Demand, VcpuBoard, VcpuSnapshot};
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
+pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
 pub use monitor::{online_cpus, sleep_until, Monitor, MonitorConfig, TickEvent, TickHook};
 
 /// CLOCK_MONOTONIC in nanoseconds: the one clock of the sleepers, the board and callers.
@@ -21,4 +29,79 @@ pub fn monotonic_ns() -> u64 {
     let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
         .expect("CLOCK_MONOTONIC is always available");
     ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
+}
+
+/// Where vCPU deschedules are learnt from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Source {
+    /// Late kernel timers seen by BPF: no wake-up of our own per tick.
+    Kernel,
+    /// Timed sleeps of a SCHED_FIFO thread per vCPU.
+    Sleepers,
+}
+
+impl Source {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Kernel => "kernel",
+            Source::Sleepers => "sleepers",
+        }
+    }
+}
+
+/// The running monitor of either source.
+pub enum AnyMonitor {
+    Kernel(KernelMonitor),
+    Sleepers(Monitor),
+}
+
+impl AnyMonitor {
+    /// Starts `wanted`, or with `None` the kernel source and the sleepers where it does
+    /// not load (the reason is returned for the log, once).
+    pub fn start(
+        wanted: Option<Source>,
+        cfg: MonitorConfig,
+        board: std::sync::Arc<VcpuBoard>,
+        hook: std::sync::Arc<dyn TickHook>,
+        push_threshold: std::time::Duration,
+    ) -> anyhow::Result<(AnyMonitor, Option<String>)> {
+        use anyhow::Context;
+        match wanted {
+            Some(Source::Sleepers) => Ok((
+                AnyMonitor::Sleepers(Monitor::start(cfg, board, hook)?),
+                None,
+            )),
+            Some(Source::Kernel) => Ok((
+                AnyMonitor::Kernel(
+                    KernelMonitor::start(cfg, board, hook, push_threshold)
+                        .context("starting the kernel-timer vCPU monitor")?,
+                ),
+                None,
+            )),
+            None => {
+                match KernelMonitor::start(cfg.clone(), board.clone(), hook.clone(), push_threshold)
+                {
+                    Ok(k) => Ok((AnyMonitor::Kernel(k), None)),
+                    Err(e) => Ok((
+                        AnyMonitor::Sleepers(Monitor::start(cfg, board, hook)?),
+                        Some(format!("{e:#}")),
+                    )),
+                }
+            }
+        }
+    }
+
+    pub fn source(&self) -> Source {
+        match self {
+            AnyMonitor::Kernel(_) => Source::Kernel,
+            AnyMonitor::Sleepers(_) => Source::Sleepers,
+        }
+    }
+
+    pub fn stop(self) {
+        match self {
+            AnyMonitor::Kernel(k) => k.stop(),
+            AnyMonitor::Sleepers(m) => m.stop(),
+        }
+    }
 }

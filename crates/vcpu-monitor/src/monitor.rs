@@ -99,6 +99,12 @@ pub enum TickEvent {
 /// told from a deschedule during it and is reported as a gap at the next wake-up.
 pub trait TickHook: Send + Sync + 'static {
     fn on_tick(&self, cpu: usize, event: TickEvent, board: &VcpuBoard, now_ns: u64);
+
+    /// Whether tasks the hook manages are on `cpu`, so that a push check at the end of its
+    /// slice can matter (the kernel source wakes for those only). Must not block.
+    fn holds_tasks(&self, _cpu: usize) -> bool {
+        true
+    }
 }
 
 pub struct Monitor {

@@ -1,0 +1,142 @@
+// SPDX-License-Identifier: GPL-2.0
+/* vCPU deschedule detection from timers the guest kernel fires anyway (vmigrater's
+ * "kernel" monitor source).
+ *
+ * A timer interrupt cannot be delivered to a vCPU that the hypervisor has descheduled; it
+ * fires when the vCPU runs again, late by about the time it was out. Every busy vCPU
+ * already takes the scheduler tick (HZ per second) and every idle one wakes for its next
+ * timer, so watching hrtimer expiries measures the hypervisor's slices for free: no
+ * sleeper, no extra interrupt, no context switch. User space reads the per-vCPU state
+ * from the mmapped .bss without a syscall and is woken only when a vCPU comes back from
+ * a deschedule, and only while it asks for that (I/O-bound tasks exist).
+ *
+ * Owns: the per-vCPU state in `vcpus` and the gap ring buffer. Must never: take a lock,
+ * loop, or wake user space except for a deschedule while `emit_events` is set.
+ *
+ * What it cannot see: a steal-time emulator inside the same kernel (its threads are
+ * preempted by the timer interrupt, which therefore fires on time) — user space falls
+ * back to sleepers there; and a vCPU in the idle loop with no timer pending (it is
+ * flagged idle instead: halted, so free to take work).
+ */
+#include "vmlinux.h"
+#include <bpf/bpf_helpers.h>
+#include <bpf/bpf_tracing.h>
+#include "vcputick.h"
+
+char LICENSE[] SEC("license") = "GPL";
+
+#define PWR_EVENT_EXIT ((unsigned int)-1)
+/* Intervals longer than this are not ticks of a busy vCPU (idle, or a gap). */
+#define TICK_MAX_NS 50000000ULL
+
+/* A timer later than this, with no sign of life since its expiry, is a deschedule. */
+const volatile __u64 gap_threshold_ns = 1000000;
+
+struct vcpu_tick vcpus[VT_MAX_CPUS];
+/* Set by user space while it wants a wake-up per deschedule. */
+volatile __u32 emit_events;
+__u64 events_lost;
+
+struct {
+	__uint(type, BPF_MAP_TYPE_RINGBUF);
+	__uint(max_entries, 64 * 1024);
+} gaps SEC(".maps");
+
+static __always_inline struct vcpu_tick *this_vcpu(__u32 *cpu)
+{
+	*cpu = bpf_get_smp_processor_id();
+	if (*cpu >= VT_MAX_CPUS)
+		return 0;
+	return &vcpus[*cpu];
+}
+
+static __always_inline void seen(struct vcpu_tick *v, __u64 ts)
+{
+	__u64 interval = ts - v->last_seen;
+	if (v->last_seen && !v->idle && interval < TICK_MAX_NS) {
+		__u64 decayed = v->tick_ns - (v->tick_ns >> 6);
+		v->tick_ns = interval > decayed ? interval : decayed;
+	}
+	v->last_seen = ts;
+}
+
+static __always_inline int on_expiry(__s64 late)
+{
+	__u32 cpu;
+	struct vcpu_tick *v = this_vcpu(&cpu);
+	if (!v)
+		return 0;
+	__u64 ts = bpf_ktime_get_ns();
+	v->timers++;
+	__u64 expired = late > 0 ? ts - (__u64)late : ts;
+	/* Several timers expire in one interrupt: only the first can be a gap, since the
+	 * vCPU was seen at it. A timer that expired before the last sign of life was merely
+	 * handled late (interrupts off), not missed by a descheduled vCPU. */
+	if (late <= 0 || (__u64)late <= gap_threshold_ns || expired < v->last_seen ||
+	    !v->last_seen) {
+		seen(v, ts);
+		return 0;
+	}
+	/* Out from somewhere between the last sign of life and the expiry: take the middle. */
+	__u64 gap_start = v->last_seen + (expired - v->last_seen) / 2;
+	__u64 gap = ts - gap_start;
+	__u64 run = v->slice_start && gap_start > v->slice_start ? gap_start - v->slice_start : 0;
+	v->last_gap_ns = gap;
+	v->last_slice_ns = run;
+	v->gaps++;
+	v->inactive_ns += gap;
+	v->slice_start = ts;
+	v->last_seen = ts;
+	if (emit_events) {
+		struct gap_event e = {
+			.ts = ts,
+			.inactive_ns = gap,
+			.last_slice_ns = run,
+			.cpu = cpu,
+		};
+		if (bpf_ringbuf_output(&gaps, &e, sizeof(e), 0))
+			__sync_fetch_and_add(&events_lost, 1);
+	}
+	return 0;
+}
+
+SEC("tp_btf/hrtimer_expire_entry")
+int BPF_PROG(btf_hrtimer_expire_entry, struct hrtimer *timer, ktime_t *now)
+{
+	__s64 n = 0;
+	bpf_probe_read_kernel(&n, sizeof(n), now);
+	return on_expiry(n - timer->node.expires);
+}
+
+SEC("raw_tp/hrtimer_expire_entry")
+int BPF_PROG(raw_hrtimer_expire_entry, struct hrtimer *timer, ktime_t *now)
+{
+	__s64 n = 0, expires = 0;
+	bpf_probe_read_kernel(&n, sizeof(n), now);
+	bpf_probe_read_kernel(&expires, sizeof(expires), &timer->node.expires);
+	return on_expiry(n - expires);
+}
+
+static __always_inline int on_idle(unsigned int state)
+{
+	__u32 cpu;
+	struct vcpu_tick *v = this_vcpu(&cpu);
+	if (!v)
+		return 0;
+	__u64 ts = bpf_ktime_get_ns();
+	v->idle = state != PWR_EVENT_EXIT;
+	v->last_seen = ts;
+	return 0;
+}
+
+SEC("tp_btf/cpu_idle")
+int BPF_PROG(btf_cpu_idle, unsigned int state, unsigned int cpu_id)
+{
+	return on_idle(state);
+}
+
+SEC("raw_tp/cpu_idle")
+int BPF_PROG(raw_cpu_idle, unsigned int state, unsigned int cpu_id)
+{
+	return on_idle(state);
+}

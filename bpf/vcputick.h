@@ -1,0 +1,32 @@
+/* Shared between bpf/vcputick.bpf.c and crates/vcpu-monitor/src/kernel.rs: the per-vCPU
+ * state user space reads from the mmapped .bss and the gap event of the ring buffer. */
+#ifndef VMIGRATER_VCPUTICK_H
+#define VMIGRATER_VCPUTICK_H
+
+#define VT_MAX_CPUS 1024
+
+/* One vCPU, written only on that vCPU (timer interrupt or idle path), read by anyone.
+ * Times are CLOCK_MONOTONIC ns (bpf_ktime_get_ns). */
+struct vcpu_tick {
+	__u64 last_seen;      /* last sign of life: an on-time timer, idle entry or exit */
+	__u64 slice_start;    /* when it came back from its last deschedule */
+	__u64 last_slice_ns;  /* length of the run that the last deschedule ended */
+	__u64 last_gap_ns;    /* length of the last deschedule */
+	__u64 gaps;           /* deschedules seen */
+	__u64 inactive_ns;    /* total time seen descheduled */
+	__u64 tick_ns;        /* decaying maximum of the on-time intervals: the tick period */
+	__u64 timers;         /* timer expiries seen */
+	__u32 idle;           /* in the idle loop (halted: no tick, nothing to run) */
+	__u32 pad;
+};
+
+/* Sent when a vCPU comes back from a deschedule, while user space asks for events. */
+struct gap_event {
+	__u64 ts;             /* when the vCPU was seen again */
+	__u64 inactive_ns;    /* how long it was out */
+	__u64 last_slice_ns;  /* the run before the gap (0: unknown) */
+	__u32 cpu;
+	__u32 pad;
+};
+
+#endif

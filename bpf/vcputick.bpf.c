@@ -35,6 +35,12 @@ const volatile __u64 gap_threshold_ns = 1000000;
 struct vcpu_tick vcpus[VT_MAX_CPUS];
 /* Set by user space while it wants a wake-up per deschedule. */
 volatile __u32 emit_events;
+/* Gaps shorter than this wake nobody: a host's own housekeeping (its I/O threads, an
+ * interrupt) preempts a vCPU for a millisecond or two; a hypervisor slice is longer. */
+const volatile __u64 event_min_gap_ns = 2000000;
+/* vCPUs that hold the tasks user space manages: their own return changes nothing for
+ * those tasks (they were waiting there and simply run again), so it wakes nobody. */
+volatile __u64 task_cpus[VT_MAX_CPUS / 64];
 __u64 events_lost;
 
 struct {
@@ -87,7 +93,8 @@ static __always_inline int on_expiry(__s64 late)
 	v->inactive_ns += gap;
 	v->slice_start = ts;
 	v->last_seen = ts;
-	if (emit_events) {
+	if (emit_events && gap >= event_min_gap_ns &&
+	    !(task_cpus[(cpu / 64) & (VT_MAX_CPUS / 64 - 1)] & (1ULL << (cpu % 64)))) {
 		struct gap_event e = {
 			.ts = ts,
 			.inactive_ns = gap,

@@ -19,6 +19,8 @@ use std::time::{Duration, Instant};
 /// The vMigrater paper's hypervisor time slice.
 pub const HOST_SLICE_NS: u64 = 11_000_000;
 pub const HOST_CPUS: usize = 2;
+/// SCHED_FIFO priority of the host-side steal spinners (above every lab thread).
+const STEAL_RT_PRIORITY: i32 = 50;
 /// Nice of QEMU's non-vCPU threads (see `boot`).
 pub const IO_PATH_NICE: i32 = -10;
 
@@ -35,6 +37,9 @@ pub enum Mode {
     /// The host agent only (it observes VM A from schedstat: no guest reports).
     Agent,
     Both,
+    /// The guest daemon fed the host's known steal schedule instead of detecting it
+    /// (scenarios with `host_steal` only): what migration gains with perfect knowledge.
+    VmigraterOracle,
 }
 
 impl Mode {
@@ -46,10 +51,14 @@ impl Mode {
             Mode::VmigraterDry => "vmigrater_dry",
             Mode::Agent => "agent",
             Mode::Both => "both",
+            Mode::VmigraterOracle => "vmigrater_oracle",
         }
     }
     fn daemon(self) -> bool {
-        matches!(self, Mode::Vmigrater | Mode::VmigraterDry | Mode::Both)
+        matches!(
+            self,
+            Mode::Vmigrater | Mode::VmigraterDry | Mode::Both | Mode::VmigraterOracle
+        )
     }
     fn agent(self) -> bool {
         matches!(self, Mode::Agent | Mode::Both)
@@ -60,15 +69,26 @@ pub struct Scenario {
     pub name: &'static str,
     pub what: &'static str,
     pub a_vcpus: u32,
-    /// Co-located 2-vCPU VMs running a CPU hog per vCPU.
+    /// Co-located VMs running a CPU hog per vCPU, of `hog_vcpus` vCPUs each.
     pub hog_vms: usize,
+    pub hog_vcpus: u32,
+    /// Host-side steal instead of (or besides) hog VMs: a SCHED_FIFO spinner per host CPU
+    /// (`CPU:BUSY_US:IDLE_US:PHASE_US`), invisible to the guest like a hypervisor's other
+    /// work, on a schedule the lab knows exactly (the oracle mode's truth).
+    pub host_steal: &'static [&'static str],
     pub modes: Vec<Mode>,
 }
 
 impl Scenario {
     /// vCPUs per host CPU.
     pub fn consolidation(&self) -> f64 {
-        (self.a_vcpus as f64 + 2.0 * self.hog_vms as f64) / HOST_CPUS as f64
+        let stolen = if self.host_steal.is_empty() {
+            0.0
+        } else {
+            self.a_vcpus as f64
+        };
+        (stolen + self.a_vcpus as f64 + (self.hog_vcpus as usize * self.hog_vms) as f64)
+            / HOST_CPUS as f64
     }
 }
 
@@ -107,7 +127,7 @@ fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Ve
     for i in 0..=sc.hog_vms {
         let (name, vcpus, disk_mb) = match i {
             0 => ("a".to_string(), sc.a_vcpus, 256),
-            n => (format!("hog{n}"), 2, 4),
+            n => (format!("hog{n}"), sc.hog_vcpus, 4),
         };
         let disk = lab.join(format!("disk-bench-{name}.img"));
         host::make_disk(&disk, disk_mb)?;
@@ -138,8 +158,19 @@ fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Ve
     Ok(guests)
 }
 
-/// Busy time (user+nice+system+irq+softirq+steal) of host CPUs 0..HOST_CPUS, seconds.
+/// Busy time (user+nice+system+irq+softirq) of host CPUs 0..HOST_CPUS, seconds.
 fn host_busy_s() -> f64 {
+    host_stat_s(&[0, 1, 2, 5, 6])
+}
+
+/// Time this machine's own hypervisor took from host CPUs 0..HOST_CPUS (steal), seconds.
+/// Not "foreign": no process here used it, and interleaved modes share it alike.
+fn host_steal_s() -> f64 {
+    host_stat_s(&[7])
+}
+
+/// The sum of `/proc/stat` columns `cols` (0 = user) of host CPUs 0..HOST_CPUS, seconds.
+fn host_stat_s(cols: &[usize]) -> f64 {
     let hz = 100.0; // USER_HZ on every Linux ABI this runs on
     std::fs::read_to_string("/proc/stat")
         .unwrap_or_default()
@@ -158,8 +189,7 @@ fn host_busy_s() -> f64 {
                 .filter_map(|x| x.parse().ok())
                 .collect();
             // user nice system idle iowait irq softirq steal
-            [0, 1, 2, 5, 6, 7]
-                .iter()
+            cols.iter()
                 .map(|&i| f.get(i).copied().unwrap_or(0.0))
                 .sum::<f64>()
                 / hz
@@ -349,6 +379,7 @@ fn units_per_s(w: &Value) -> f64 {
 
 /// One run of `mode`; VM A's workload lasts `opts.secs`.
 fn run_once(
+    sc: &Scenario,
     mode: Mode,
     rep: u32,
     guests: &mut [Guest],
@@ -363,8 +394,60 @@ fn run_once(
             h.vm.resume()?;
         }
     }
-    if mode.daemon() {
-        guest::start_daemon(&mut a.vm, mode == Mode::VmigraterDry)?;
+    // The oracle's schedule is only as good as the guest clock's offset to the host's: it
+    // is measured before the steal starts (a stolen command agent answers tens of ms
+    // late), and again after it ends to show the drift.
+    let offset_before = if mode == Mode::VmigraterOracle {
+        Some(guest::clock_offset(&mut a.vm)?)
+    } else {
+        None
+    };
+    // The host's own steal runs for the whole run, daemon start included.
+    let steal = if sc.host_steal.is_empty() || mode == Mode::NoSharing {
+        None
+    } else {
+        let patterns = sc
+            .host_steal
+            .iter()
+            .map(|p| p.parse())
+            .collect::<Result<Vec<steal_emulator::Pattern>>>()?;
+        Some(steal_emulator::Emulator::start(
+            &patterns,
+            STEAL_RT_PRIORITY,
+        )?)
+    };
+    let mut clock_drift_us = None;
+    let mut oracle_offset = None;
+    match mode {
+        Mode::VmigraterOracle => {
+            let emu = steal
+                .as_ref()
+                .context("the oracle needs a host_steal scenario")?;
+            let (offset, err) = offset_before.context("offset measured above")?;
+            let epoch = (emu.epoch_ns() as i64 + offset) as u64;
+            let schedule: Vec<String> = sc.host_steal.iter().map(|p| format!("{p:?}")).collect();
+            let base = opts.guest_config.clone().unwrap_or_default();
+            let cfg = base
+                .replace("source = \"kernel\"", "source = \"oracle\"")
+                // The oracle measures what moves gain, so nothing may switch them off.
+                .replace("[migration]\n", "[migration]\nguard = false\n")
+                .replace(
+                    "[monitor]\n",
+                    &format!(
+                        "[monitor]\noracle_schedule = [{}]\noracle_epoch_ns = {epoch}\n",
+                        schedule.join(", ")
+                    ),
+                );
+            anyhow::ensure!(
+                cfg.contains("source = \"oracle\""),
+                "the lab guest config sets no kernel source to replace"
+            );
+            guest::write_file(&mut a.vm, "/tmp/oracle.toml", &cfg)?;
+            guest::start_daemon_with(&mut a.vm, "--config /tmp/oracle.toml")?;
+            oracle_offset = Some((offset, err));
+        }
+        m if m.daemon() => guest::start_daemon(&mut a.vm, mode == Mode::VmigraterDry)?,
+        _ => {}
     }
     let agent = if mode.agent() {
         let mut all: Vec<&Guest> = vec![&*a];
@@ -386,8 +469,10 @@ fn run_once(
             Duration::from_secs(60),
         )?;
     }
+    // The steal spinners are threads of this process: lab work, not foreign noise.
     let pids: Vec<u32> = std::iter::once(a.vm.pid())
         .chain(hogs.iter().map(|h| h.vm.pid()))
+        .chain(steal.is_some().then(std::process::id))
         .collect();
     let agent_pid = agent.as_ref().map(AgentProc::id);
     let lab_cpu = || -> f64 {
@@ -407,7 +492,7 @@ fn run_once(
     } else {
         (0, vec![])
     };
-    let (busy0, lab0, a0) = (host_busy_s(), lab_cpu(), vcpu_cpu(a));
+    let (busy0, lab0, a0, steal0) = (host_busy_s(), lab_cpu(), vcpu_cpu(a), host_steal_s());
     let b0: f64 = hogs.iter().map(vcpu_cpu).sum();
     let t0 = Instant::now();
     a.vm.sh(
@@ -430,18 +515,27 @@ fn run_once(
     }
     let wa = guest::read_json(&mut a.vm, "/tmp/w.json", Duration::from_secs(120))?;
     let wall = t0.elapsed().as_secs_f64();
-    let (busy1, lab1, a1) = (host_busy_s(), lab_cpu(), vcpu_cpu(a));
+    let (busy1, lab1, a1, steal1) = (host_busy_s(), lab_cpu(), vcpu_cpu(a), host_steal_s());
     let b1: f64 = hogs.iter().map(vcpu_cpu).sum();
     let migrations = if mode.daemon() {
         guest_migrations(&mut a.vm).saturating_sub(migrations0)
     } else {
         0
     };
-    let guest_vcpus = if mode.daemon() {
-        guest::daemon_status(&mut a.vm).map_or(Value::Null, |v| v["vcpus"].clone())
+    let status = if mode.daemon() {
+        guest::daemon_status(&mut a.vm)
     } else {
-        Value::Null
+        None
     };
+    let guest_vcpus = status.as_ref().map_or(Value::Null, |v| v["vcpus"].clone());
+    let guest_guard = status.as_ref().map_or(Value::Null, |v| {
+        serde_json::json!({
+            "moves_allowed": v["moves_allowed"],
+            "pays": v["guard_pays"],
+            "holds": v["guard_holds"],
+            "monitor_source": v["monitor_source"],
+        })
+    });
     let mut daemon_cpu = Vec::new();
     if mode.daemon() {
         for (n, v) in daemon_threads_cpu(&mut a.vm) {
@@ -458,6 +552,19 @@ fn run_once(
                 Duration::from_secs(120),
             )?);
         }
+    }
+    let stolen_s = steal
+        .map(|e| e.stop().iter().map(|r| r.stolen_ns()).sum::<u64>() as f64 / 1e9)
+        .unwrap_or(0.0);
+    if let Some((before, err)) = oracle_offset {
+        // The guest clock must not drift off the host's during the run, or the oracle's
+        // schedule would slide out of phase with the real steal.
+        let (after, err2) = guest::clock_offset(&mut a.vm)?;
+        clock_drift_us = Some((
+            (after - before) as f64 / 1e3,
+            err as f64 / 1e3,
+            err2 as f64 / 1e3,
+        ));
     }
     if let Some(c) = agent {
         c.stop()?;
@@ -498,11 +605,15 @@ fn run_once(
         },
         a_cpu_share: (a1 - a0) / capacity,
         foreign_cpu_s: foreign,
+        machine_steal_s: steal1 - steal0,
         noisy: summary::is_noisy(foreign, wall, HOST_CPUS),
         migrations,
         daemon_cpu_s: daemon_cpu.iter().map(|x| x.1).sum(),
         daemon_threads_cpu_s: daemon_cpu,
         guest_vcpus,
+        guest_guard,
+        host_stolen_s: stolen_s,
+        oracle_clock_drift_us: clock_drift_us,
         agent: agent_view(&agent_samples),
     })
 }
@@ -565,10 +676,10 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
         let n = modes.len();
         for k in 0..n {
             let mode = modes[(k + rep as usize) % n];
-            let r = run_once(mode, rep, &mut guests, opts, &run_dir)
+            let r = run_once(sc, mode, rep, &mut guests, opts, &run_dir)
                 .with_context(|| format!("{} {} rep {rep}", sc.name, mode.name()))?;
             eprintln!(
-                "bench-lab: {} rep {rep} {:<10} 4k {:7.1} IOPS p99 {:8.0} us  seq {:6.2} MB/s  hogA {:7.1}/s hogB {:7.1}/s  cpu A {:.3} B {:.3}  foreign {:.2} s{}  migrations {}  daemon cpu {:.2} s {:?}",
+                "bench-lab: {} rep {rep} {:<10} 4k {:7.1} IOPS p99 {:8.0} us  seq {:6.2} MB/s  hogA {:7.1}/s hogB {:7.1}/s  cpu A {:.3} B {:.3}  foreign {:.2} s{}  migrations {}  daemon cpu {:.2} s {:?} guard {}",
                 sc.name,
                 r.mode,
                 r.iops_4k,
@@ -582,7 +693,8 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
                 if r.noisy { " NOISY" } else { "" },
                 r.migrations,
                 r.daemon_cpu_s,
-                r.daemon_threads_cpu_s
+                r.daemon_threads_cpu_s,
+                r.guest_guard
             );
             runs.push(r);
         }

@@ -11,9 +11,13 @@ use std::time::{Duration, Instant};
 /// status socket answers (BPF loading takes seconds under TCG); the daemon's log is in
 /// /tmp/vmigrater.log of the guest.
 pub fn start_daemon(vm: &mut Vm, dry_run: bool) -> Result<()> {
-    let flag = if dry_run { " --dry-run" } else { "" };
+    start_daemon_with(vm, if dry_run { "--dry-run" } else { "" })
+}
+
+/// `start_daemon` with extra arguments of `run` (e.g. `--config FILE`).
+pub fn start_daemon_with(vm: &mut Vm, args: &str) -> Result<()> {
     vm.sh(
-        &format!("setsid vmigrater run{flag} </dev/null >/tmp/vmigrater.log 2>&1 &"),
+        &format!("setsid vmigrater run {args} </dev/null >/tmp/vmigrater.log 2>&1 &"),
         Duration::from_secs(20),
     )?;
     let t0 = Instant::now();
@@ -68,4 +72,46 @@ pub fn read_json(vm: &mut Vm, path: &str, timeout: Duration) -> Result<Value> {
         }
         std::thread::sleep(Duration::from_millis(500));
     }
+}
+
+/// The guest's CLOCK_MONOTONIC minus the host's, ns, from `/proc/timer_list`'s "now at"
+/// read over the command port; the best of five round trips (its uncertainty is half
+/// the round trip, returned as the second value).
+pub fn clock_offset(vm: &mut Vm) -> Result<(i64, u64)> {
+    let mut best: Option<(i64, u64)> = None;
+    for _ in 0..5 {
+        let t0 = steal_emulator::monotonic_ns();
+        let out = vm.sh(
+            "grep -m1 '^now at' /proc/timer_list",
+            Duration::from_secs(20),
+        )?;
+        let t1 = steal_emulator::monotonic_ns();
+        let guest: u64 = out
+            .split_whitespace()
+            .nth(2)
+            .and_then(|n| n.parse().ok())
+            .with_context(|| format!("no time in /proc/timer_list's {out:?}"))?;
+        let rtt = t1 - t0;
+        let offset = guest as i64 - (t0 + rtt / 2) as i64;
+        if best.is_none_or(|(_, r)| rtt < r) {
+            best = Some((offset, rtt));
+        }
+    }
+    let (offset, rtt) = best.expect("five tries");
+    Ok((offset, rtt / 2))
+}
+
+/// Writes `text` to the guest file `path` (one shell line: comment lines are dropped,
+/// quotes and newlines escaped).
+pub fn write_file(vm: &mut Vm, path: &str, text: &str) -> Result<()> {
+    let body: String = text
+        .lines()
+        .filter(|l| !l.trim_start().starts_with('#'))
+        .map(|l| l.replace('\\', "\\\\").replace('\'', "'\\''") + "\\n")
+        .collect();
+    vm.sh(
+        &format!("printf '%b' '{body}' > {path}"),
+        Duration::from_secs(20),
+    )
+    .map(drop)
 }

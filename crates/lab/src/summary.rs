@@ -26,6 +26,10 @@ pub struct Run {
     pub a_cpu_share: f64,
     /// Host CPU seconds spent by anything but the VMs and the agent during the run.
     pub foreign_cpu_s: f64,
+    /// CPU seconds this machine's own hypervisor took from the host CPUs during the run
+    /// (`/proc/stat` steal; counted in `foreign_cpu_s` before this field existed).
+    #[serde(default)]
+    pub machine_steal_s: f64,
     /// Foreign CPU above the noise limit: kept in the JSON, left out of the medians.
     pub noisy: bool,
     /// Guest daemon's migrations during the run (modes with the daemon).
@@ -35,6 +39,17 @@ pub struct Run {
     pub daemon_threads_cpu_s: Vec<(String, f64)>,
     /// The guest daemon's per-vCPU view at the end of the run (`vmigrater status`).
     pub guest_vcpus: serde_json::Value,
+    /// The guest daemon's move guard at the end of the run: moves allowed, probes that
+    /// found moves paying and not paying.
+    #[serde(default)]
+    pub guest_guard: serde_json::Value,
+    /// CPU seconds the host-side steal spinners took (scenarios with `host_steal`).
+    #[serde(default)]
+    pub host_stolen_s: f64,
+    /// Oracle runs: how far the guest clock moved against the host's over the run, and
+    /// the uncertainty of the offset before (the one the oracle used) and after, in µs.
+    #[serde(default)]
+    pub oracle_clock_drift_us: Option<(f64, f64, f64)>,
     /// What the host agent did to each vCPU (modes with the agent).
     pub agent: Vec<AgentVcpu>,
 }
@@ -71,6 +86,12 @@ pub struct ModeSummary {
     pub seq_speedup: Option<f64>,
     /// The co-located VMs' hog progress against `vanilla` (CPU fairness: ~1.0 expected).
     pub hog_b_vs_vanilla: Option<f64>,
+    /// VM A's own hogs against `vanilla` (what the cure costs the VM's CPU work).
+    pub hog_a_vs_vanilla: Option<f64>,
+    /// 95% bootstrap intervals of the ratios of medians to `vanilla` (see `bootstrap_ratio`).
+    pub iops_speedup_ci95: Option<[f64; 2]>,
+    pub seq_speedup_ci95: Option<[f64; 2]>,
+    pub hog_a_vs_vanilla_ci95: Option<[f64; 2]>,
     /// 4 KiB IOPS as a fraction of `no_sharing` (the VM alone on its CPUs).
     pub iops_vs_no_sharing: Option<f64>,
 }
@@ -94,6 +115,42 @@ pub fn median(mut xs: Vec<f64>) -> f64 {
     } else {
         (xs[n / 2 - 1] + xs[n / 2]) / 2.0
     }
+}
+
+/// Resamples drawn for each bootstrap interval.
+pub const BOOTSTRAP_RESAMPLES: usize = 4000;
+
+/// The 95% percentile-bootstrap interval of median(a) / median(b): both samples are
+/// resampled with replacement, independently, `BOOTSTRAP_RESAMPLES` times. The generator
+/// is seeded, so the same runs always give the same interval. None with fewer than two
+/// values on either side (no spread to resample).
+pub fn bootstrap_ratio(a: &[f64], b: &[f64]) -> Option<[f64; 2]> {
+    if a.len() < 2 || b.len() < 2 {
+        return None;
+    }
+    // splitmix64: a fixed, dependency-free generator is all a resampling needs.
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move |n: usize| -> usize {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) % n as u64) as usize
+    };
+    let mut ratios = Vec::with_capacity(BOOTSTRAP_RESAMPLES);
+    for _ in 0..BOOTSTRAP_RESAMPLES {
+        let ra = median((0..a.len()).map(|_| a[next(a.len())]).collect());
+        let rb = median((0..b.len()).map(|_| b[next(b.len())]).collect());
+        if rb > 0.0 && ra.is_finite() {
+            ratios.push(ra / rb);
+        }
+    }
+    if ratios.is_empty() {
+        return None;
+    }
+    ratios.sort_by(f64::total_cmp);
+    let at = |q: f64| ratios[((ratios.len() - 1) as f64 * q).round() as usize];
+    Some([at(0.025), at(0.975)])
 }
 
 /// Per mode, in the order the modes first appear in `runs`.
@@ -127,6 +184,16 @@ pub fn summarize(runs: &[Run]) -> Vec<ModeSummary> {
             }
         })
         .collect();
+    // The runs behind each median, for the intervals.
+    let values = |mode: &str, f: fn(&Run) -> f64| -> Vec<f64> {
+        let all: Vec<&Run> = runs.iter().filter(|r| r.mode == mode).collect();
+        let clean: Vec<f64> = all.iter().filter(|r| !r.noisy).map(|r| f(r)).collect();
+        if clean.is_empty() {
+            all.iter().map(|r| f(r)).collect()
+        } else {
+            clean
+        }
+    };
     let find = |name: &str| out.iter().find(|s| s.mode == name).cloned();
     let (vanilla, alone) = (find("vanilla"), find("no_sharing"));
     let ratio = |a: f64, b: f64| (b > 0.0 && a.is_finite() && b.is_finite()).then(|| a / b);
@@ -135,6 +202,12 @@ pub fn summarize(runs: &[Run]) -> Vec<ModeSummary> {
             s.iops_speedup = ratio(s.iops_4k, v.iops_4k);
             s.seq_speedup = ratio(s.seq_mbps, v.seq_mbps);
             s.hog_b_vs_vanilla = ratio(s.hog_b_units_s, v.hog_b_units_s);
+            s.hog_a_vs_vanilla = ratio(s.hog_a_units_s, v.hog_a_units_s);
+            let ci =
+                |f: fn(&Run) -> f64| bootstrap_ratio(&values(&s.mode, f), &values("vanilla", f));
+            s.iops_speedup_ci95 = ci(|r| r.iops_4k);
+            s.seq_speedup_ci95 = ci(|r| r.seq_mbps);
+            s.hog_a_vs_vanilla_ci95 = ci(|r| r.hog_a_units_s);
         }
         if let Some(a) = &alone {
             s.iops_vs_no_sharing = ratio(s.iops_4k, a.iops_4k);
@@ -187,6 +260,23 @@ mod tests {
         let s = summarize(&[run("vanilla", 100.0, true), run("vanilla", 300.0, true)]);
         assert_eq!((s[0].iops_4k, s[0].clean_runs), (200.0, 0));
         assert_eq!(s[0].iops_vs_no_sharing, None);
+    }
+
+    #[test]
+    fn bootstrap_interval_brackets_the_ratio_and_separates_a_clear_speedup() {
+        let vanilla = [100.0, 110.0, 95.0, 105.0, 98.0, 102.0];
+        let faster = [150.0, 160.0, 140.0, 155.0, 148.0, 152.0];
+        let [lo, hi] = bootstrap_ratio(&faster, &vanilla).unwrap();
+        let point = median(faster.to_vec()) / median(vanilla.to_vec());
+        assert!(lo <= point && point <= hi, "{lo} {point} {hi}");
+        assert!(lo > 1.0, "a clear speedup's interval excludes 1.0: {lo}");
+        // Overlapping samples: the interval straddles 1.0.
+        let same = [99.0, 111.0, 96.0, 104.0, 97.0, 103.0];
+        let [lo, hi] = bootstrap_ratio(&same, &vanilla).unwrap();
+        assert!(lo < 1.0 && hi > 1.0, "{lo} {hi}");
+        // Deterministic, and undefined without spread to resample.
+        assert_eq!(bootstrap_ratio(&same, &vanilla), Some([lo, hi]));
+        assert_eq!(bootstrap_ratio(&[1.0], &vanilla), None);
     }
 
     #[test]

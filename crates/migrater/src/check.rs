@@ -113,6 +113,12 @@ fn monitor_source(cfg: &Config, m: vcpu_monitor::MonitorConfig, root: bool) -> S
     if cfg.monitor.source == MonitorSource::Sleepers {
         return format!("{sleepers}, as configured");
     }
+    if cfg.monitor.source == MonitorSource::Oracle {
+        return format!(
+            "oracle (nested-VM lab only): the host's steal schedule {:?}",
+            cfg.monitor.oracle_schedule
+        );
+    }
     if !root {
         return "kernel timers (not verified: loading BPF needs root)".into();
     }

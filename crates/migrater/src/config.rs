@@ -49,8 +49,15 @@ pub struct MonitorSection {
     /// Where deschedules are learnt from: "kernel" (late kernel timers seen by BPF, no
     /// wake-up of our own per tick), "sleepers" (a SCHED_FIFO sleeper per vCPU: the only
     /// source that also sees a steal emulator inside the same kernel) or "auto" (kernel,
-    /// else sleepers).
+    /// else sleepers). "oracle" is for the nested-VM lab only: the host's known steal
+    /// schedule (`oracle_schedule`, `oracle_epoch_ns`) stands in for detection.
     pub source: MonitorSource,
+    /// Lab oracle: one `CPU:OUT_US:RUN_US[:PHASE_US]` per vCPU.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub oracle_schedule: Vec<String>,
+    /// Lab oracle: the schedule's epoch in this guest's CLOCK_MONOTONIC, ns.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub oracle_epoch_ns: u64,
     /// Sleep period of each vCPU's sleeper while I/O-bound tasks need slice information.
     pub period_us: u64,
     /// Period while I/O-bound tasks exist but no descheduling was seen recently.
@@ -71,6 +78,8 @@ impl Default for MonitorSection {
     fn default() -> Self {
         MonitorSection {
             source: MonitorSource::Auto,
+            oracle_schedule: Vec::new(),
+            oracle_epoch_ns: 0,
             period_us: 300,
             probe_period_us: 2_000,
             idle_period_us: 50_000,
@@ -82,22 +91,36 @@ impl Default for MonitorSection {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum MonitorSource {
     #[default]
     Auto,
     Kernel,
     Sleepers,
+    Oracle,
 }
 
-impl MonitorSource {
-    /// The source to insist on, `None` for "the best that loads".
-    pub fn wanted(self) -> Option<vcpu_monitor::Source> {
-        match self {
-            MonitorSource::Auto => None,
-            MonitorSource::Kernel => Some(vcpu_monitor::Source::Kernel),
-            MonitorSource::Sleepers => Some(vcpu_monitor::Source::Sleepers),
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+
+impl MonitorSection {
+    /// What the daemon should start (the oracle's schedule was checked by `validate`).
+    pub fn wanted(&self) -> vcpu_monitor::Wanted {
+        use vcpu_monitor::Wanted;
+        match self.source {
+            MonitorSource::Auto => Wanted::Auto,
+            MonitorSource::Kernel => Wanted::Kernel,
+            MonitorSource::Sleepers => Wanted::Sleepers,
+            MonitorSource::Oracle => Wanted::Oracle {
+                schedules: self
+                    .oracle_schedule
+                    .iter()
+                    .filter_map(|s| s.parse().ok())
+                    .collect(),
+                epoch_ns: self.oracle_epoch_ns,
+            },
         }
     }
 }
@@ -133,6 +156,11 @@ pub struct MigrationSection {
     pub max_load_per_vcpu: f64,
     /// Commands (comm) never to migrate.
     pub exclude_comm: Vec<String>,
+    /// Measure online whether moves raise the guest's block I/O rate (epochs with and
+    /// without moves, compared) and hold tasks on their own masks while they do not.
+    pub guard: bool,
+    /// Length of one guard epoch.
+    pub guard_epoch_ms: u64,
 }
 
 impl Default for MigrationSection {
@@ -141,6 +169,8 @@ impl Default for MigrationSection {
             push_threshold_us: 1_000,
             max_load_per_vcpu: 2.0,
             exclude_comm: Vec::new(),
+            guard: true,
+            guard_epoch_ms: 1_000,
         }
     }
 }
@@ -232,6 +262,15 @@ impl Config {
         if m.probe_period_us < m.period_us || m.idle_period_us < m.period_us {
             bail!("monitor.probe_period_us and monitor.idle_period_us must be ≥ monitor.period_us");
         }
+        for sch in &m.oracle_schedule {
+            sch.parse::<vcpu_monitor::StealSchedule>()
+                .context("monitor.oracle_schedule")?;
+        }
+        if m.source == MonitorSource::Oracle
+            && (m.oracle_schedule.is_empty() || m.oracle_epoch_ns == 0)
+        {
+            bail!("monitor.source = \"oracle\" needs monitor.oracle_schedule and monitor.oracle_epoch_ns (nested-VM lab only)");
+        }
         if m.default_slice_us == 0 {
             bail!("monitor.default_slice_us must be > 0");
         }
@@ -255,6 +294,12 @@ impl Config {
             bail!(
                 "channel.period_ms = {} is outside 10..=60000",
                 self.channel.period_ms
+            );
+        }
+        if !(100..=60_000).contains(&self.migration.guard_epoch_ms) {
+            bail!(
+                "migration.guard_epoch_ms = {} is outside 100..=60000",
+                self.migration.guard_epoch_ms
             );
         }
         if self.migration.max_load_per_vcpu <= 0.0 {
@@ -336,6 +381,41 @@ mod tests {
         );
         assert!(err.starts_with("c:2:"), "{err}");
         assert!(err.contains("kernel"), "the valid values are listed: {err}");
+    }
+
+    #[test]
+    fn the_oracle_needs_its_schedule_and_epoch() {
+        let err = format!(
+            "{:#}",
+            Config::parse("[monitor]\nsource = \"oracle\"\n", "c").unwrap_err()
+        );
+        assert!(err.contains("oracle_schedule"), "{err}");
+        let err = format!(
+            "{:#}",
+            Config::parse(
+                "[monitor]\nsource = \"oracle\"\noracle_schedule = [\"0:x:1\"]\noracle_epoch_ns = 5\n",
+                "c"
+            )
+            .unwrap_err()
+        );
+        assert!(err.contains("not a number"), "{err}");
+        let cfg = Config::parse(
+            "[monitor]\nsource = \"oracle\"\noracle_schedule = [\"0:11000:11000\", \"1:11000:11000:5500\"]\noracle_epoch_ns = 5\n",
+            "c",
+        )
+        .unwrap();
+        match cfg.monitor.wanted() {
+            vcpu_monitor::Wanted::Oracle {
+                schedules,
+                epoch_ns,
+            } => {
+                assert_eq!(schedules.len(), 2);
+                assert_eq!(epoch_ns, 5);
+            }
+            other => panic!("{other:?}"),
+        }
+        // Lab-only keys stay out of the default configuration a package ships.
+        assert!(!Config::default_toml().contains("oracle"));
     }
 
     #[test]

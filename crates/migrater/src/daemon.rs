@@ -20,6 +20,7 @@ use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 use crate::affinity::AffinityExecutor;
 use crate::channel::{self, ChannelStats, VcpuSample};
 use crate::config::Config;
+use crate::guard::{GuardConfig, MoveGuard};
 use crate::hook::{LatencyRing, MigrationHook, Placement, Shared, TaskEntry};
 use crate::journal::AffinityJournal;
 use crate::metrics::{CpuLabel, Metrics};
@@ -140,6 +141,9 @@ impl Running {
             dry_run: self.dry_run,
             attach_mode: self.attach_mode.clone(),
             monitor_source: self.monitor_source.into(),
+            moves_allowed: self.shared.metrics.moves_allowed.get() != 0,
+            guard_pays: self.shared.metrics.guard_verdicts().0,
+            guard_holds: self.shared.metrics.guard_verdicts().1,
             demand: if tasks.is_empty() { "idle" } else { "active" }.into(),
             io_tasks: tasks.len() as u64,
             managed_tasks: placement.executor.as_ref().map_or(0, |e| e.managed_count()) as u64,
@@ -285,7 +289,7 @@ pub fn run(cfg: Config) -> Result<()> {
         &cpus,
     ));
     let (monitor, fallback) = AnyMonitor::start(
-        cfg.monitor.source.wanted(),
+        cfg.monitor.wanted(),
         mon_cfg,
         board.clone(),
         hook,
@@ -413,6 +417,12 @@ fn detect_loop(
         .map(|s| s.cpu)
         .collect();
     let mut last_completions = 0u64;
+    let mut guard = (cfg.migration.guard && !cfg.dry_run).then(|| {
+        MoveGuard::new(GuardConfig {
+            epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
+            ..GuardConfig::default()
+        })
+    });
     while !stop.load(Ordering::Relaxed) {
         let out = match detector.poll() {
             Ok(out) => out,
@@ -430,7 +440,34 @@ fn detect_loop(
 
         let current = shared.tasks.load();
         let mut next: Vec<TaskEntry> = Vec::with_capacity(out.tasks.len());
-        {
+        let candidates = out
+            .tasks
+            .iter()
+            .filter(|i| i.task.tgid != own_pid && !cfg.migration.exclude_comm.contains(&i.comm))
+            .count();
+        let moves_allowed = match guard.as_mut() {
+            Some(g) => {
+                if let Some(v) = g.observe(monotonic_ns(), completions, candidates > 0) {
+                    shared.metrics.record_guard_verdict(v.pays);
+                    info!(
+                        pays = v.pays,
+                        with_moves = format!("{:.0}/s", v.with_moves),
+                        without_moves = format!("{:.0}/s", v.without_moves),
+                        for_s = v.for_ns / 1_000_000_000,
+                        "move guard: block requests completed per second with and without moves {}",
+                        if v.pays {
+                            "— moves pay, keeping them"
+                        } else {
+                            "— moves do not pay, holding tasks on their own masks"
+                        }
+                    );
+                }
+                g.moves_allowed()
+            }
+            None => true,
+        };
+        shared.metrics.moves_allowed.set(i64::from(moves_allowed));
+        if moves_allowed {
             let mut placement = shared.placement.lock().expect("placement lock");
             for info in out.tasks {
                 let t = &info.task;
@@ -480,6 +517,9 @@ fn detect_loop(
                     allowed,
                 });
             }
+        }
+        {
+            let mut placement = shared.placement.lock().expect("placement lock");
             for gone in current
                 .iter()
                 .filter(|e| !next.iter().any(|n| n.tid == e.tid))
@@ -492,7 +532,8 @@ fn detect_loop(
                         tid = gone.tid,
                         comm = %gone.comm,
                         result = crate::metrics::outcome_label(&outcome),
-                        "task no longer I/O-bound: original affinity restored"
+                        "{}: original affinity restored",
+                        if moves_allowed { "task no longer I/O-bound" } else { "moves on hold" }
                     );
                 }
             }
@@ -505,6 +546,11 @@ fn detect_loop(
         shared.metrics.io_bound_tasks.set(next.len() as i64);
         shared.tasks.store(Arc::new(next));
         board.set_demand(if active { Demand::Active } else { Demand::Idle });
-        std::thread::sleep(if active || io_seen { window } else { idle });
+        // On hold nothing is decided per window: the guard needs only an epoch's count.
+        std::thread::sleep(if (active || io_seen) && moves_allowed {
+            window
+        } else {
+            idle
+        });
     }
 }

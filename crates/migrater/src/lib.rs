@@ -6,6 +6,7 @@ pub mod channel;
 pub mod check;
 pub mod config;
 pub mod daemon;
+pub mod guard;
 pub mod hook;
 pub mod journal;
 pub mod metrics;

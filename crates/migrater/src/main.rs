@@ -54,6 +54,10 @@ struct RunArgs {
     /// vCPU sleeper period in microseconds while I/O-bound tasks exist (overrides `monitor.period_us`).
     #[arg(long)]
     period_us: Option<u64>,
+    /// Where vCPU deschedules are learnt from (overrides `monitor.source`): kernel timers,
+    /// sleepers, or auto (kernel, else sleepers).
+    #[arg(long, value_enum)]
+    monitor_source: Option<migrater::config::MonitorSource>,
     /// BPF attach mode: auto, tp_btf, raw_tp or tracepoint (overrides `detector.attach_mode`).
     #[arg(long)]
     attach_mode: Option<String>,
@@ -103,6 +107,9 @@ fn real_main(cli: Cli) -> Result<()> {
             }
             if let Some(p) = args.period_us {
                 cfg.monitor.period_us = p;
+            }
+            if let Some(src) = args.monitor_source {
+                cfg.monitor.source = src;
             }
             if let Some(m) = &args.attach_mode {
                 cfg.detector.attach_mode = m.clone();

@@ -36,6 +36,11 @@ struct SourceLabel {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VerdictLabel {
+    pays: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BuildLabel {
     version: &'static str,
     dry_run: &'static str,
@@ -71,6 +76,9 @@ pub struct Metrics {
     pub releases: Counter,
     pub detector_errors: Counter,
     monitor_source: Family<SourceLabel, Gauge>,
+    /// 1 while the move guard lets tasks move (or it is off), 0 while moves are on hold.
+    pub moves_allowed: Gauge,
+    guard_verdicts: Family<VerdictLabel, Counter>,
 }
 
 impl Metrics {
@@ -91,6 +99,8 @@ impl Metrics {
             releases: Counter::default(),
             detector_errors: Counter::default(),
             monitor_source: Family::default(),
+            moves_allowed: Gauge::default(),
+            guard_verdicts: Family::default(),
             registry: Registry::with_prefix("vmigrater"),
         };
         let r = &mut m.registry;
@@ -179,6 +189,20 @@ impl Metrics {
             "Where vCPU deschedules are learnt from: kernel (late kernel timers, BPF) or sleepers (value is always 1)",
             m.monitor_source.clone(),
         );
+        m.moves_allowed.set(1);
+        r.register(
+            "moves_allowed",
+            "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
+            m.moves_allowed.clone(),
+        );
+        for pays in ["true", "false"] {
+            let _ = m.guard_verdicts.get_or_create(&VerdictLabel { pays });
+        }
+        r.register(
+            "guard_verdicts",
+            "Move-guard probes concluded, by whether moves raised the block I/O rate",
+            m.guard_verdicts.clone(),
+        );
         // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
         // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
         let build: Family<BuildLabel, Gauge> = Family::default();
@@ -190,6 +214,24 @@ impl Metrics {
             .set(1);
         r.register("build_info", "Build information (value is always 1)", build);
         m
+    }
+
+    /// Guard probes that found moves paying, and not paying.
+    pub fn guard_verdicts(&self) -> (u64, u64) {
+        let get = |pays| {
+            self.guard_verdicts
+                .get_or_create(&VerdictLabel { pays })
+                .get()
+        };
+        (get("true"), get("false"))
+    }
+
+    pub fn record_guard_verdict(&self, pays: bool) {
+        self.guard_verdicts
+            .get_or_create(&VerdictLabel {
+                pays: if pays { "true" } else { "false" },
+            })
+            .inc();
     }
 
     pub fn set_monitor_source(&self, source: &'static str) {

@@ -58,6 +58,14 @@ pub struct StatusReport {
     #[serde(default)]
     pub monitor_source: String,
     pub demand: String,
+    /// False while the move guard holds tasks on their own masks.
+    #[serde(default)]
+    pub moves_allowed: bool,
+    /// Probes of the move guard that found moves paying / not paying.
+    #[serde(default)]
+    pub guard_pays: u64,
+    #[serde(default)]
+    pub guard_holds: u64,
     pub io_tasks: u64,
     pub managed_tasks: u64,
     pub migrations: u64,

@@ -72,6 +72,7 @@ impl StealRecord {
 pub struct Emulator {
     stop: Arc<AtomicBool>,
     threads: Vec<JoinHandle<Result<StealRecord>>>,
+    epoch: u64,
 }
 
 pub use vcpu_monitor::{monotonic_ns, sleep_until};
@@ -138,7 +139,11 @@ impl Emulator {
             );
         }
         drop(ready_tx);
-        let mut emu = Emulator { stop, threads };
+        let mut emu = Emulator {
+            stop,
+            threads,
+            epoch,
+        };
         for _ in 0..patterns.len() {
             match ready_rx.recv() {
                 Ok(Ok(())) => {}
@@ -161,6 +166,11 @@ impl Emulator {
             .drain(..)
             .filter_map(|t| t.join().ok().and_then(|r| r.ok()))
             .collect()
+    }
+
+    /// CLOCK_MONOTONIC ns from which every pattern's phase counts.
+    pub fn epoch_ns(&self) -> u64 {
+        self.epoch
     }
 
     /// Stops every thread and returns what each actually stole.

@@ -42,6 +42,10 @@ const DEFAULT_TICK_NS: u64 = 4_000_000;
 const MAX_WAIT: Duration = Duration::from_millis(100);
 /// No deschedule for this long: the vCPU is treated as dedicated (no slice end ahead).
 const QUIET_NS: u64 = 1_000_000_000;
+/// Push points are predicted only from slices at least this long: shorter "slices" are a
+/// host's housekeeping chopping a vCPU's time (seen in the TCG lab: median 2–4.5 ms), too
+/// irregular to time a move by, and a wake-up each would cost more than it could save.
+const MIN_PREDICTABLE_SLICE_NS: u64 = 5_000_000;
 /// Slices kept per vCPU for the median estimate (as `SliceEstimator`).
 const SLICE_HISTORY: usize = 8;
 
@@ -303,6 +307,7 @@ fn event_thread(
     };
     let vcpus: *const types::vcpu_tick = bss.vcpus.as_ptr();
     let emit: *mut u32 = std::ptr::addr_of!(bss.emit_events).cast_mut();
+    let task_cpus: *mut u64 = bss.task_cpus.as_ptr().cast_mut();
     let events: Rc<RefCell<Vec<GapEvent>>> = Rc::default();
     let rb = {
         let sink = events.clone();
@@ -358,24 +363,29 @@ fn event_thread(
             board.idle_sleep_until(now + cfg.idle_period.as_nanos() as u64);
             continue;
         }
+        publish_task_cpus(task_cpus, &cpus, hook);
         // Sleep until the earliest push point of a vCPU holding tasks, or an event.
         let mut wait = MAX_WAIT.as_nanos() as u64;
         for (i, &cpu) in cpus.iter().enumerate() {
             let Some(s) = board.cpu_snapshot(cpu, now) else {
                 continue;
             };
-            if slicing[i] && s.active && pushed[i] != s.slice_start_ns && hook.holds_tasks(cpu) {
+            if slicing[i]
+                && s.est_slice_ns >= MIN_PREDICTABLE_SLICE_NS
+                && s.active
+                && pushed[i] != s.slice_start_ns
+                && hook.holds_tasks(cpu)
+            {
                 let at = (s.slice_start_ns + s.est_slice_ns).saturating_sub(push_ns);
                 wait = wait.min(at.saturating_sub(now));
             }
         }
         if wait > 0 {
-            if let Err(e) = rb.poll(Duration::from_nanos(wait)) {
-                warn!("polling the gap ring buffer failed: {e}");
-                std::thread::sleep(Duration::from_millis(10));
-            }
-        } else {
-            let _ = rb.consume();
+            wait_for_events(rb.epoll_fd(), wait);
+        }
+        if let Err(e) = rb.consume() {
+            warn!("reading the gap ring buffer failed: {e}");
+            std::thread::sleep(Duration::from_millis(10));
         }
         let now = monotonic_ns();
         let drained: Vec<GapEvent> = std::mem::take(&mut *events.borrow_mut());
@@ -411,6 +421,7 @@ fn event_thread(
                 continue;
             };
             if slicing[i]
+                && s.est_slice_ns >= MIN_PREDICTABLE_SLICE_NS
                 && s.active
                 && pushed[i] != s.slice_start_ns
                 && s.slice_start_ns + s.est_slice_ns <= now + push_ns
@@ -423,6 +434,50 @@ fn event_thread(
     }
     set_emit(emit, false);
     debug!("vCPU event thread stopped");
+}
+
+/// Tells the BPF program which vCPUs hold managed tasks (their own return wakes nobody).
+fn publish_task_cpus(p: *mut u64, cpus: &[usize], hook: &dyn TickHook) {
+    let mut mask = [0u64; MAX_CPUS / 64];
+    for &c in cpus {
+        if hook.holds_tasks(c) {
+            mask[c / 64] |= 1 << (c % 64);
+        }
+    }
+    for (i, m) in mask.iter().enumerate() {
+        // SAFETY: `p` is the mmapped .bss `task_cpus`, MAX_CPUS / 64 words long.
+        unsafe { p.add(i).write_volatile(*m) };
+    }
+}
+
+/// Waits up to `timeout_ns` for the ring buffer's epoll fd. A push point is due at a
+/// precise time: the millisecond timeout of `epoll_wait` (and of libbpf's poll) rounds a
+/// sub-millisecond wait down to a busy loop, so this uses `epoll_pwait2` (Linux 5.11+)
+/// and rounds up to the next millisecond only where that call does not exist.
+fn wait_for_events(epfd: i32, timeout_ns: u64) {
+    let mut ev = libc::epoll_event { events: 0, u64: 0 };
+    let ts = libc::timespec {
+        tv_sec: (timeout_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: a valid epoll fd owned by the ring buffer, one event slot, a valid timespec
+    // and no signal mask.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_epoll_pwait2,
+            epfd,
+            &mut ev as *mut libc::epoll_event,
+            1,
+            &ts as *const libc::timespec,
+            std::ptr::null::<libc::sigset_t>(),
+            0usize,
+        )
+    };
+    if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
+        let ms = timeout_ns.div_ceil(1_000_000).min(i32::MAX as u64) as i32;
+        // SAFETY: as above.
+        unsafe { libc::epoll_wait(epfd, &mut ev, 1, ms) };
+    }
 }
 
 /// Copies the BPF state of every vCPU onto the board, in the sleepers' terms: "seen"

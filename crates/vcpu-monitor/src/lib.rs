@@ -18,11 +18,13 @@ mod bpf_skel;
 mod estimator;
 mod kernel;
 mod monitor;
+mod schedule;
 
 pub use board::{Demand, VcpuBoard, VcpuSnapshot};
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
 pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
 pub use monitor::{online_cpus, sleep_until, Monitor, MonitorConfig, TickEvent, TickHook};
+pub use schedule::{ScheduleMonitor, StealSchedule, Window};
 
 /// CLOCK_MONOTONIC in nanoseconds: the one clock of the sleepers, the board and callers.
 pub fn monotonic_ns() -> u64 {
@@ -38,6 +40,8 @@ pub enum Source {
     Kernel,
     /// Timed sleeps of a SCHED_FIFO thread per vCPU.
     Sleepers,
+    /// The lab's known steal schedule (perfect knowledge; nested-VM lab only).
+    Oracle,
 }
 
 impl Source {
@@ -45,6 +49,7 @@ impl Source {
         match self {
             Source::Kernel => "kernel",
             Source::Sleepers => "sleepers",
+            Source::Oracle => "oracle",
         }
     }
 }
@@ -53,13 +58,28 @@ impl Source {
 pub enum AnyMonitor {
     Kernel(KernelMonitor),
     Sleepers(Monitor),
+    Oracle(ScheduleMonitor),
+}
+
+/// What `AnyMonitor::start` should run.
+#[derive(Clone, Debug)]
+pub enum Wanted {
+    /// The kernel source, the sleepers where it does not load.
+    Auto,
+    Kernel,
+    Sleepers,
+    /// The lab oracle: these schedules from `epoch_ns` (guest CLOCK_MONOTONIC).
+    Oracle {
+        schedules: Vec<StealSchedule>,
+        epoch_ns: u64,
+    },
 }
 
 impl AnyMonitor {
-    /// Starts `wanted`, or with `None` the kernel source and the sleepers where it does
-    /// not load (the reason is returned for the log, once).
+    /// Starts `wanted`; with `Auto` the kernel source, or the sleepers where it does not
+    /// load (the reason is returned for the log, once).
     pub fn start(
-        wanted: Option<Source>,
+        wanted: Wanted,
         cfg: MonitorConfig,
         board: std::sync::Arc<VcpuBoard>,
         hook: std::sync::Arc<dyn TickHook>,
@@ -67,18 +87,32 @@ impl AnyMonitor {
     ) -> anyhow::Result<(AnyMonitor, Option<String>)> {
         use anyhow::Context;
         match wanted {
-            Some(Source::Sleepers) => Ok((
+            Wanted::Oracle {
+                schedules,
+                epoch_ns,
+            } => Ok((
+                AnyMonitor::Oracle(ScheduleMonitor::start(
+                    cfg,
+                    board,
+                    hook,
+                    push_threshold,
+                    schedules,
+                    epoch_ns,
+                )?),
+                None,
+            )),
+            Wanted::Sleepers => Ok((
                 AnyMonitor::Sleepers(Monitor::start(cfg, board, hook)?),
                 None,
             )),
-            Some(Source::Kernel) => Ok((
+            Wanted::Kernel => Ok((
                 AnyMonitor::Kernel(
                     KernelMonitor::start(cfg, board, hook, push_threshold)
                         .context("starting the kernel-timer vCPU monitor")?,
                 ),
                 None,
             )),
-            None => {
+            Wanted::Auto => {
                 match KernelMonitor::start(cfg.clone(), board.clone(), hook.clone(), push_threshold)
                 {
                     Ok(k) => Ok((AnyMonitor::Kernel(k), None)),
@@ -95,6 +129,7 @@ impl AnyMonitor {
         match self {
             AnyMonitor::Kernel(_) => Source::Kernel,
             AnyMonitor::Sleepers(_) => Source::Sleepers,
+            AnyMonitor::Oracle(_) => Source::Oracle,
         }
     }
 
@@ -102,6 +137,7 @@ impl AnyMonitor {
         match self {
             AnyMonitor::Kernel(k) => k.stop(),
             AnyMonitor::Sleepers(m) => m.stop(),
+            AnyMonitor::Oracle(o) => o.stop(),
         }
     }
 }

@@ -42,7 +42,7 @@ enum Cmd {
         /// Repetitions of every mode.
         #[arg(long, default_value_t = 3)]
         reps: u32,
-        /// Only these scenarios (comma-separated names: main, quad, sweep1, sweep4).
+        /// Only these scenarios (comma-separated names: steal, steal_inphase, main, four, quad, sweep1, sweep4).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both).
@@ -101,17 +101,48 @@ fn scenarios() -> Vec<Scenario> {
     use Mode::*;
     vec![
         Scenario {
+            name: "steal",
+            what: "VM A 2 vCPUs; the host takes each CPU 11 ms of every 22 (SCHED_FIFO spinner, a quarter period apart: both vCPUs out a quarter of the time)",
+            a_vcpus: 2,
+            hog_vms: 0,
+            hog_vcpus: 2,
+            host_steal: &["0:11000:11000:0", "1:11000:11000:5500"],
+            modes: vec![Vanilla, Vmigrater, VmigraterDry, VmigraterOracle],
+        },
+        Scenario {
+            name: "steal_inphase",
+            what: "VM A 2 vCPUs; the host takes both CPUs at once, 11 ms of every 22 (nothing to gain)",
+            a_vcpus: 2,
+            hog_vms: 0,
+            hog_vcpus: 2,
+            host_steal: &["0:11000:11000:0", "1:11000:11000:0"],
+            modes: vec![Vanilla, Vmigrater, VmigraterOracle],
+        },
+        Scenario {
             name: "main",
             what: "VM A 2 vCPUs + hog VM B 2 vCPUs on 2 host CPUs (2 vCPUs per CPU)",
             a_vcpus: 2,
             hog_vms: 1,
+            hog_vcpus: 2,
+            host_steal: &[],
             modes: vec![NoSharing, Vanilla, Vmigrater, VmigraterDry, Agent, Both],
+        },
+        Scenario {
+            name: "four",
+            what: "VM A 4 vCPUs + hog VM B 4 vCPUs on 2 host CPUs (4 vCPUs per CPU, like the paper's many-vCPU VMs)",
+            a_vcpus: 4,
+            hog_vms: 1,
+            hog_vcpus: 4,
+            host_steal: &[],
+            modes: vec![Vanilla, Vmigrater, VmigraterDry, Agent, Both],
         },
         Scenario {
             name: "quad",
             what: "VM A 4 vCPUs alone on 2 host CPUs (its own vCPUs share them)",
             a_vcpus: 4,
             hog_vms: 0,
+            hog_vcpus: 2,
+            host_steal: &[],
             modes: vec![Vanilla, Vmigrater, Agent, Both],
         },
         Scenario {
@@ -119,13 +150,17 @@ fn scenarios() -> Vec<Scenario> {
             what: "VM A 2 vCPUs alone on 2 host CPUs (1 vCPU per CPU)",
             a_vcpus: 2,
             hog_vms: 0,
-            modes: vec![Vanilla, Vmigrater, Both],
+            hog_vcpus: 2,
+            host_steal: &[],
+            modes: vec![Vanilla, Vmigrater, VmigraterDry, Both],
         },
         Scenario {
             name: "sweep4",
             what: "VM A 2 vCPUs + 3 hog VMs of 2 vCPUs on 2 host CPUs (4 vCPUs per CPU)",
             a_vcpus: 2,
             hog_vms: 3,
+            hog_vcpus: 2,
+            host_steal: &[],
             modes: vec![Vanilla, Vmigrater, Both],
         },
     ]
@@ -161,7 +196,7 @@ fn bench_all(opts: Options, only: &[String], out: &PathBuf) -> Result<()> {
             "what": sc.what,
             "vcpus_per_host_cpu": sc.consolidation(),
             // The hog VMs' fair share of the host CPUs: their vCPUs among all, as peers.
-            "b_fair_share": (2 * sc.hog_vms) as f64 / (sc.a_vcpus as usize + 2 * sc.hog_vms) as f64,
+            "b_fair_share": (sc.hog_vcpus as usize * sc.hog_vms) as f64 / (sc.a_vcpus as usize + sc.hog_vcpus as usize * sc.hog_vms) as f64,
             "summary": summary,
             "runs": runs,
         }));

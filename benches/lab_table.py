@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""README tables from `vmigrater-lab bench` JSON files: per scenario and mode the median of
+every run, each ratio to vanilla with its 95% percentile-bootstrap interval (runs of both
+modes resampled independently, 4000 times, fixed seed), and the daemon's guest CPU.
+
+    benches/lab_table.py benches/results/lab-issue10.json [more.json ...] [--clean-only]
+
+All runs are used unless --clean-only: in runs recorded before `machine_steal_s` existed,
+the noise flag counted this machine's own steal time (its hypervisor's, which interleaved
+modes share alike) as foreign load, and flagged most runs.
+"""
+import json
+import random
+import statistics
+import sys
+
+RESAMPLES = 4000
+
+
+def ci(a, b, seed=1):
+    if len(a) < 2 or len(b) < 2:
+        return None
+    rng = random.Random(seed)
+    rs = []
+    for _ in range(RESAMPLES):
+        ma = statistics.median(rng.choice(a) for _ in a)
+        mb = statistics.median(rng.choice(b) for _ in b)
+        if mb > 0:
+            rs.append(ma / mb)
+    rs.sort()
+    return rs[round(0.025 * (len(rs) - 1))], rs[round(0.975 * (len(rs) - 1))]
+
+
+def fmt_ratio(a, b):
+    if not a or not b:
+        return "–"
+    r = statistics.median(a) / statistics.median(b)
+    c = ci(a, b)
+    if c is None:
+        return f"{r:.2f}×"
+    mark = " ✔" if c[0] > 1.0 else (" ✘" if c[1] < 1.0 else "")
+    return f"{r:.2f}× [{c[0]:.2f}, {c[1]:.2f}]{mark}"
+
+
+def main():
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    clean_only = "--clean-only" in sys.argv
+    for path in args:
+        doc = json.load(open(path))
+        for sc in doc["scenarios"]:
+            runs = [r for r in sc["runs"] if not (clean_only and r["noisy"])]
+            modes = []
+            for r in runs:
+                if r["mode"] not in modes:
+                    modes.append(r["mode"])
+            get = lambda m, k: [r[k] for r in runs if r["mode"] == m]
+            van = lambda k: get("vanilla", k)
+            print(f"\n{sc['name']}: {sc['what']} ({path})\n")
+            print("| mode | runs | 4 KiB IOPS | vs vanilla [95% CI] | 1 MiB MB/s | vs vanilla [95% CI] | VM A hogs vs vanilla [95% CI] | daemon guest CPU-s/run | migrations/run |")
+            print("|---|---|---|---|---|---|---|---|---|")
+            for m in modes:
+                iops, seq, hog = get(m, "iops_4k"), get(m, "seq_mbps"), get(m, "hog_a_units_s")
+                cpu = get(m, "daemon_cpu_s")
+                mig = get(m, "migrations")
+                print(
+                    f"| {m} | {len(iops)} | {statistics.median(iops):.0f} | {fmt_ratio(iops, van('iops_4k'))} "
+                    f"| {statistics.median(seq):.0f} | {fmt_ratio(seq, van('seq_mbps'))} "
+                    f"| {fmt_ratio(hog, van('hog_a_units_s'))} "
+                    f"| {statistics.median(cpu):.2f} | {statistics.median(mig):.0f} |"
+                )
+
+
+if __name__ == "__main__":
+    main()

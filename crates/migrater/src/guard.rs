@@ -1,0 +1,274 @@
+//! The move guard: measures online whether migrations pay, and stops them while they do
+//! not (JUPITER's rule, dissertation ch. 4: a mechanism whose predictions keep failing
+//! disables its own decisions). Moves pay only where a running vCPU is there to take a
+//! task and the task's I/O can progress there; on a VM with no contention, with every vCPU
+//! stolen at once, or where a request's completion waits for the vCPU that queued it
+//! anyway, they are pure cost. The guard tells these apart by the guest's own I/O
+//! progress, not by a model.
+//!
+//! A probe alternates epochs with moves and epochs without (ABBA order, so a trend does
+//! not favour either side), comparing completed block requests per second. Moves are
+//! trusted for `trust_ns` when the median rate with moves beats the one without by
+//! `min_gain`; otherwise the daemon holds (tasks back on their original masks, the monitor
+//! idle) for a back-off that doubles up to `max_hold_ns`, then probes again.
+//!
+//! Pure: time and counters come in as plain values, so every verdict is reproducible.
+
+/// Settings of the guard.
+#[derive(Clone, Debug)]
+pub struct GuardConfig {
+    pub epoch_ns: u64,
+    /// Epoch pairs per probe (each pair: one with moves, one without).
+    pub probe_pairs: usize,
+    /// Moves must raise the I/O rate by at least this factor.
+    pub min_gain: f64,
+    pub trust_ns: u64,
+    pub hold_ns: u64,
+    pub max_hold_ns: u64,
+}
+
+impl Default for GuardConfig {
+    fn default() -> Self {
+        GuardConfig {
+            epoch_ns: 1_000_000_000,
+            probe_pairs: 3,
+            min_gain: 1.03,
+            trust_ns: 30_000_000_000,
+            hold_ns: 30_000_000_000,
+            max_hold_ns: 240_000_000_000,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub enum Phase {
+    /// Epoch `epoch` of the probe (0-based); moves are on in the ABBA pattern.
+    Probing { epoch: usize },
+    /// Moves paid in the last probe.
+    Trusting { until_ns: u64 },
+    /// Moves did not pay: none until `until_ns`.
+    Holding { until_ns: u64 },
+}
+
+/// What a probe concluded, for the log and the metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Verdict {
+    pub pays: bool,
+    /// Median completed requests per second with and without moves.
+    pub with_moves: f64,
+    pub without_moves: f64,
+    /// How long the verdict holds.
+    pub for_ns: u64,
+}
+
+pub struct MoveGuard {
+    cfg: GuardConfig,
+    phase: Phase,
+    epoch_start: Option<(u64, u64)>,
+    with: Vec<f64>,
+    without: Vec<f64>,
+    hold_ns: u64,
+}
+
+/// Moves on in probe epoch `e`: pairs alternate M H, H M, M H, ... (ABBA).
+fn probe_moves(e: usize) -> bool {
+    e.is_multiple_of(2) == (e / 2).is_multiple_of(2)
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    let n = v.len();
+    if n == 0 {
+        0.0
+    } else if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    }
+}
+
+impl MoveGuard {
+    pub fn new(cfg: GuardConfig) -> Self {
+        let hold_ns = cfg.hold_ns;
+        MoveGuard {
+            cfg,
+            phase: Phase::Probing { epoch: 0 },
+            epoch_start: None,
+            with: Vec::new(),
+            without: Vec::new(),
+            hold_ns,
+        }
+    }
+
+    pub fn phase(&self) -> &Phase {
+        &self.phase
+    }
+
+    /// Whether the daemon may move tasks now.
+    pub fn moves_allowed(&self) -> bool {
+        match self.phase {
+            Phase::Probing { epoch } => probe_moves(epoch),
+            Phase::Trusting { .. } => true,
+            Phase::Holding { .. } => false,
+        }
+    }
+
+    /// Feeds the cumulative count of completed block requests at `now_ns`. `busy` says
+    /// whether I/O-bound tasks exist: without them there is nothing to judge, and an
+    /// epoch in progress is dropped. Returns a verdict when a probe ends.
+    pub fn observe(&mut self, now_ns: u64, completed: u64, busy: bool) -> Option<Verdict> {
+        if !busy {
+            self.epoch_start = None;
+            return None;
+        }
+        match self.phase {
+            Phase::Trusting { until_ns } | Phase::Holding { until_ns } => {
+                if now_ns >= until_ns {
+                    self.start_probe(now_ns, completed);
+                }
+                None
+            }
+            Phase::Probing { epoch } => {
+                let Some((t0, c0)) = self.epoch_start else {
+                    self.epoch_start = Some((now_ns, completed));
+                    return None;
+                };
+                let dt = now_ns.saturating_sub(t0);
+                if dt < self.cfg.epoch_ns {
+                    return None;
+                }
+                let rate = completed.saturating_sub(c0) as f64 * 1e9 / dt as f64;
+                if probe_moves(epoch) {
+                    self.with.push(rate);
+                } else {
+                    self.without.push(rate);
+                }
+                self.epoch_start = Some((now_ns, completed));
+                if epoch + 1 < 2 * self.cfg.probe_pairs {
+                    self.phase = Phase::Probing { epoch: epoch + 1 };
+                    return None;
+                }
+                Some(self.conclude(now_ns))
+            }
+        }
+    }
+
+    fn start_probe(&mut self, now_ns: u64, completed: u64) {
+        self.phase = Phase::Probing { epoch: 0 };
+        self.epoch_start = Some((now_ns, completed));
+        self.with.clear();
+        self.without.clear();
+    }
+
+    fn conclude(&mut self, now_ns: u64) -> Verdict {
+        let with_moves = median(std::mem::take(&mut self.with));
+        let without_moves = median(std::mem::take(&mut self.without));
+        let pays = with_moves > 0.0 && with_moves >= without_moves * self.cfg.min_gain;
+        let for_ns = if pays {
+            self.hold_ns = self.cfg.hold_ns;
+            self.phase = Phase::Trusting {
+                until_ns: now_ns + self.cfg.trust_ns,
+            };
+            self.cfg.trust_ns
+        } else {
+            let hold = self.hold_ns;
+            self.hold_ns = (self.hold_ns * 2).min(self.cfg.max_hold_ns);
+            self.phase = Phase::Holding {
+                until_ns: now_ns + hold,
+            };
+            hold
+        };
+        Verdict {
+            pays,
+            with_moves,
+            without_moves,
+            for_ns,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const S: u64 = 1_000_000_000;
+
+    fn guard() -> MoveGuard {
+        MoveGuard::new(GuardConfig::default())
+    }
+
+    /// Drives whole 1 s epochs; `rate(moves)` is the I/O rate the "VM" delivers.
+    fn probe(g: &mut MoveGuard, t: &mut u64, c: &mut u64, rate: impl Fn(bool) -> u64) -> Verdict {
+        g.observe(*t, *c, true);
+        loop {
+            let moves = g.moves_allowed();
+            *t += S;
+            *c += rate(moves);
+            if let Some(v) = g.observe(*t, *c, true) {
+                return v;
+            }
+        }
+    }
+
+    #[test]
+    fn epochs_alternate_abba() {
+        let on: Vec<bool> = (0..6).map(probe_moves).collect();
+        assert_eq!(on, [true, false, false, true, true, false]);
+    }
+
+    #[test]
+    fn moves_that_pay_are_trusted_then_probed_again() {
+        let (mut g, mut t, mut c) = (guard(), 0, 0);
+        let v = probe(&mut g, &mut t, &mut c, |m| if m { 1500 } else { 1000 });
+        assert!(v.pays);
+        assert_eq!((v.with_moves, v.without_moves), (1500.0, 1000.0));
+        assert!(g.moves_allowed());
+        assert!(matches!(g.phase(), Phase::Trusting { .. }));
+        // After the trust period a new probe starts.
+        g.observe(t + 31 * S, c, true);
+        assert_eq!(g.phase(), &Phase::Probing { epoch: 0 });
+    }
+
+    #[test]
+    fn moves_that_do_not_pay_stop_with_a_growing_back_off() {
+        let (mut g, mut t, mut c) = (guard(), 0, 0);
+        let v = probe(&mut g, &mut t, &mut c, |m| if m { 990 } else { 1000 });
+        assert!(!v.pays);
+        assert_eq!(v.for_ns, 30 * S);
+        assert!(!g.moves_allowed());
+        t += 30 * S;
+        g.observe(t, c, true);
+        assert!(g.moves_allowed(), "probing again with moves first");
+        // A gain below min_gain is no gain: noise must not turn moves on.
+        let v = probe(&mut g, &mut t, &mut c, |m| if m { 1020 } else { 1000 });
+        assert!(!v.pays);
+        assert_eq!(v.for_ns, 60 * S, "the back-off doubled");
+        // A paying probe resets the back-off.
+        t += 60 * S;
+        g.observe(t, c, true);
+        assert!(probe(&mut g, &mut t, &mut c, |m| if m { 2000 } else { 1000 }).pays);
+        t += 30 * S;
+        g.observe(t, c, true);
+        let v = probe(&mut g, &mut t, &mut c, |_| 1000);
+        assert_eq!(v.for_ns, 30 * S);
+    }
+
+    #[test]
+    fn idle_time_does_not_count() {
+        let (mut g, mut c) = (guard(), 0);
+        g.observe(0, 0, true);
+        // No I/O-bound task for a minute: the epoch in progress is dropped, not judged.
+        assert_eq!(g.observe(60 * S, 0, false), None);
+        assert_eq!(g.phase(), &Phase::Probing { epoch: 0 });
+        g.observe(61 * S, c, true);
+        c += 1000;
+        g.observe(62 * S, c, true);
+        assert_eq!(g.phase(), &Phase::Probing { epoch: 1 });
+    }
+
+    #[test]
+    fn no_io_at_all_never_pays() {
+        let (mut g, mut t, mut c) = (guard(), 0, 0);
+        assert!(!probe(&mut g, &mut t, &mut c, |_| 0).pays);
+    }
+}

@@ -1,0 +1,296 @@
+//! The oracle source, for the nested-VM lab only: the host deschedules this VM's vCPUs on
+//! a schedule it drives itself (a SCHED_FIFO spinner per host CPU) and tells the guest
+//! that schedule and its epoch in the guest's CLOCK_MONOTONIC. The board then holds the
+//! truth: which vCPU is out right now and when each current run ends. Measured beside the
+//! real sources, it says how much migration can gain on real interrupts with perfect
+//! knowledge; the gap to the kernel source is the cost and error of detecting it.
+//!
+//! One thread wakes at each resume (hook `Resumed`) and at each push point (run end −
+//! push threshold, hook `Running`) of a vCPU holding tasks. It must never be used outside
+//! the lab: on a real hypervisor nobody knows the schedule.
+
+use anyhow::{bail, Context, Result};
+use std::str::FromStr;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::board::VcpuBoard;
+use crate::monitor::{sleep_until, MonitorConfig, TickEvent, TickHook};
+use crate::monotonic_ns;
+
+/// One vCPU's known steal schedule: out for `out_ns`, then running for `run_ns`, the first
+/// outage `phase_ns` after the epoch (the steal emulator's `CPU:BUSY_US:IDLE_US:PHASE_US`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StealSchedule {
+    pub cpu: usize,
+    pub out_ns: u64,
+    pub run_ns: u64,
+    pub phase_ns: u64,
+}
+
+impl FromStr for StealSchedule {
+    type Err = anyhow::Error;
+
+    /// `CPU:OUT_US:RUN_US[:PHASE_US]`.
+    fn from_str(s: &str) -> Result<Self> {
+        let parts: Vec<&str> = s.split(':').collect();
+        if !(3..=4).contains(&parts.len()) {
+            bail!("schedule {s:?}: expected CPU:OUT_US:RUN_US[:PHASE_US]");
+        }
+        let num = |i: usize| -> Result<u64> {
+            parts[i]
+                .trim()
+                .parse()
+                .with_context(|| format!("schedule {s:?}: {:?} is not a number", parts[i]))
+        };
+        let sch = StealSchedule {
+            cpu: num(0)? as usize,
+            out_ns: num(1)? * 1_000,
+            run_ns: num(2)? * 1_000,
+            phase_ns: if parts.len() == 4 { num(3)? * 1_000 } else { 0 },
+        };
+        if sch.out_ns == 0 || sch.run_ns == 0 {
+            bail!("schedule {s:?}: OUT_US and RUN_US must be > 0");
+        }
+        Ok(sch)
+    }
+}
+
+/// Where a vCPU stands at a moment, times relative to the epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Window {
+    Running {
+        since: u64,
+        until: u64,
+        outages: u64,
+    },
+    Out {
+        since: u64,
+        until: u64,
+        outages: u64,
+    },
+}
+
+impl StealSchedule {
+    /// The window containing `t` (ns after the epoch). Before the first outage the vCPU
+    /// runs from the epoch on.
+    pub fn at(&self, t: u64) -> Window {
+        if t < self.phase_ns {
+            return Window::Running {
+                since: 0,
+                until: self.phase_ns,
+                outages: 0,
+            };
+        }
+        let period = self.out_ns + self.run_ns;
+        let k = (t - self.phase_ns) / period;
+        let start = self.phase_ns + k * period;
+        if t < start + self.out_ns {
+            Window::Out {
+                since: start,
+                until: start + self.out_ns,
+                outages: k + 1,
+            }
+        } else {
+            Window::Running {
+                since: start + self.out_ns,
+                until: start + period,
+                outages: k + 1,
+            }
+        }
+    }
+}
+
+pub struct ScheduleMonitor {
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl ScheduleMonitor {
+    pub fn start(
+        cfg: MonitorConfig,
+        board: Arc<VcpuBoard>,
+        hook: Arc<dyn TickHook>,
+        push_threshold: Duration,
+        schedules: Vec<StealSchedule>,
+        epoch_ns: u64,
+    ) -> Result<ScheduleMonitor> {
+        for s in &schedules {
+            anyhow::ensure!(
+                board.slot(s.cpu).is_some(),
+                "schedule for CPU {}, which is not monitored",
+                s.cpu
+            );
+        }
+        let _ = cfg;
+        let stop = Arc::new(AtomicBool::new(false));
+        let thread = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("vcpu-oracle".into())
+                .spawn(move || {
+                    oracle_thread(&board, &*hook, push_threshold, &schedules, epoch_ns, &stop)
+                })
+                .context("spawning the oracle thread")?
+        };
+        Ok(ScheduleMonitor {
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    pub fn stop(mut self) {
+        self.shutdown();
+    }
+
+    fn shutdown(&mut self) {
+        self.stop.store(true, Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+impl Drop for ScheduleMonitor {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+/// The longest the oracle sleeps (stop flag, status freshness).
+const MAX_SLEEP_NS: u64 = 100_000_000;
+
+fn oracle_thread(
+    board: &VcpuBoard,
+    hook: &dyn TickHook,
+    push_threshold: Duration,
+    schedules: &[StealSchedule],
+    epoch_ns: u64,
+    stop: &AtomicBool,
+) {
+    let push_ns = push_threshold.as_nanos() as u64;
+    // Per schedule: the outage count last seen, and the run whose push point was handled.
+    let mut seen_outages = vec![u64::MAX; schedules.len()];
+    let mut was_out = vec![false; schedules.len()];
+    let mut pushed = vec![u64::MAX; schedules.len()];
+    while !stop.load(Relaxed) {
+        let now = monotonic_ns();
+        let t = now.saturating_sub(epoch_ns);
+        let mut resumed = Vec::new();
+        let mut next = now + MAX_SLEEP_NS;
+        for (i, s) in schedules.iter().enumerate() {
+            let Some(slot) = board.slot(s.cpu) else {
+                continue;
+            };
+            let w = s.at(t);
+            match w {
+                Window::Running {
+                    since,
+                    until,
+                    outages,
+                } => {
+                    slot.last_seen_ns.store(now, Relaxed);
+                    slot.slice_start_ns.store(epoch_ns + since, Relaxed);
+                    slot.est_slice_ns.store(until - since, Relaxed);
+                    // Back from an outage seen while out, or one that fell between wakes.
+                    if seen_outages[i] != u64::MAX && (was_out[i] || outages > seen_outages[i]) {
+                        resumed.push((s.cpu, s.out_ns));
+                    }
+                    was_out[i] = false;
+                    let push_at = epoch_ns + until.saturating_sub(push_ns);
+                    if now < push_at {
+                        next = next.min(push_at);
+                    } else if pushed[i] != since && hook.holds_tasks(s.cpu) {
+                        pushed[i] = since;
+                        hook.on_tick(s.cpu, TickEvent::Running, board, now);
+                    }
+                    next = next.min(epoch_ns + until + s.out_ns);
+                    seen_outages[i] = outages;
+                }
+                Window::Out {
+                    since,
+                    until,
+                    outages,
+                } => {
+                    slot.last_seen_ns.store(epoch_ns + since, Relaxed);
+                    next = next.min(epoch_ns + until);
+                    seen_outages[i] = outages;
+                    was_out[i] = true;
+                }
+            }
+            // Out means "not seen since `since`", with no tolerance.
+            slot.period_ns.store(0, Relaxed);
+            slot.gap_threshold_ns.store(0, Relaxed);
+            let outages = seen_outages[i];
+            slot.deschedules.store(outages, Relaxed);
+            slot.inactive_total_ns.store(outages * s.out_ns, Relaxed);
+            slot.last_inactive_ns.store(s.out_ns, Relaxed);
+        }
+        for (cpu, inactive_ns) in resumed {
+            hook.on_tick(cpu, TickEvent::Resumed { inactive_ns }, board, now);
+        }
+        sleep_until(next.max(monotonic_ns() + 50_000));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: u64 = 1_000_000;
+
+    #[test]
+    fn parses_like_the_steal_emulator() {
+        let s: StealSchedule = "1:11000:11000:5500".parse().unwrap();
+        assert_eq!(
+            s,
+            StealSchedule {
+                cpu: 1,
+                out_ns: 11 * MS,
+                run_ns: 11 * MS,
+                phase_ns: 5_500_000
+            }
+        );
+        assert!("1:0:5".parse::<StealSchedule>().is_err());
+        assert!("x:1:1".parse::<StealSchedule>().is_err());
+    }
+
+    #[test]
+    fn windows_follow_the_schedule() {
+        let s: StealSchedule = "0:10000:20000:5000".parse().unwrap();
+        assert_eq!(
+            s.at(0),
+            Window::Running {
+                since: 0,
+                until: 5 * MS,
+                outages: 0
+            }
+        );
+        assert_eq!(
+            s.at(5 * MS),
+            Window::Out {
+                since: 5 * MS,
+                until: 15 * MS,
+                outages: 1
+            }
+        );
+        assert_eq!(
+            s.at(15 * MS),
+            Window::Running {
+                since: 15 * MS,
+                until: 35 * MS,
+                outages: 1
+            }
+        );
+        assert_eq!(
+            s.at(36 * MS),
+            Window::Out {
+                since: 35 * MS,
+                until: 45 * MS,
+                outages: 2
+            }
+        );
+    }
+}

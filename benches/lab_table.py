@@ -66,7 +66,7 @@ def main():
                     f"| {m} | {len(iops)} | {statistics.median(iops):.0f} | {fmt_ratio(iops, van('iops_4k'))} "
                     f"| {statistics.median(seq):.0f} | {fmt_ratio(seq, van('seq_mbps'))} "
                     f"| {fmt_ratio(hog, van('hog_a_units_s'))} "
-                    f"| {statistics.median(cpu):.2f} | {statistics.median(mig):.0f} |"
+                    f"| {max(0.0, statistics.median(cpu)):.2f} | {statistics.median(mig):.0f} |"
                 )
 
 

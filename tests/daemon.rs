@@ -77,6 +77,7 @@ impl Drop for Reader {
 }
 
 const SLEEPERS: &str = "[monitor]\nsource = \"sleepers\"\n";
+const MECHANISM: &str = "[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard = false\n";
 
 struct Daemon {
     child: Option<Child>,
@@ -90,10 +91,12 @@ impl Daemon {
     }
 
     fn start_in(state_dir: tempfile::TempDir, extra: &[&str]) -> Daemon {
-        // Defaults, whatever /etc/vmigrater holds on this machine, but for the source: the
+        // Defaults, whatever /etc/vmigrater holds on this machine, but for the source (the
         // steal emulator's threads run inside this kernel, which serves their CPUs' timer
-        // interrupts on time, so only the sleepers see its "deschedules".
-        Self::start_with_config(state_dir, SLEEPERS, extra)
+        // interrupts on time, so only the sleepers see its "deschedules") and the move
+        // guard: these tests check the mechanism, whose moves the guard's probe would stop
+        // half the time; `the_move_guard_keeps_moves_that_pay` checks the guard.
+        Self::start_with_config(state_dir, MECHANISM, extra)
     }
 
     fn start_with_config(
@@ -590,4 +593,36 @@ fn runs_until_sigterm_at_every_log_level() {
         let status = child.wait().expect("wait");
         assert!(status.success(), "--log {level}: exited with {status}");
     }
+}
+
+/// The move guard on the real kernel: with the two CPUs stolen in anti-phase, moving the
+/// reader to the running CPU raises its I/O rate (the contention benchmark's 1.59x), so
+/// the guard's first probe must find that moves pay and keep them.
+#[test]
+fn the_move_guard_keeps_moves_that_pay() {
+    if !require_root("the_move_guard_keeps_moves_that_pay") || online_cpus() < 2 {
+        return;
+    }
+    let file = data_file();
+    let reader = Reader::start(&file);
+    let _hogs: Vec<_> = (0..2)
+        .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect();
+    let _emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
+    let mut daemon = Daemon::start_with_config(
+        tempfile::tempdir().expect("tempdir"),
+        SLEEPERS,
+        &["--no-metrics"],
+    );
+    let s = daemon.wait_for(Duration::from_secs(30), "the guard's first verdict", |s| {
+        s["guard_pays"].as_u64() >= Some(1) || s["guard_holds"].as_u64() >= Some(1)
+    });
+    eprintln!(
+        "guard: pays {} holds {}, moves allowed {}, migrations {}",
+        s["guard_pays"], s["guard_holds"], s["moves_allowed"], s["migrations"]
+    );
+    assert_eq!(s["guard_pays"], 1, "moves that pay were stopped: {s:#}");
+    assert_eq!(s["moves_allowed"], true);
+    assert!(managed(&s, reader.tid()) || s["io_tasks"].as_u64() > Some(0));
+    daemon.terminate();
 }

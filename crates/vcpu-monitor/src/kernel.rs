@@ -367,16 +367,8 @@ fn event_thread(
         // Sleep until the earliest push point of a vCPU holding tasks, or an event.
         let mut wait = MAX_WAIT.as_nanos() as u64;
         for (i, &cpu) in cpus.iter().enumerate() {
-            let Some(s) = board.cpu_snapshot(cpu, now) else {
-                continue;
-            };
-            if slicing[i]
-                && s.est_slice_ns >= MIN_PREDICTABLE_SLICE_NS
-                && s.active
-                && pushed[i] != s.slice_start_ns
-                && hook.holds_tasks(cpu)
+            if let Some((_, at)) = push_point(board, cpu, now, slicing[i], pushed[i], push_ns, hook)
             {
-                let at = (s.slice_start_ns + s.est_slice_ns).saturating_sub(push_ns);
                 wait = wait.min(at.saturating_sub(now));
             }
         }
@@ -417,23 +409,43 @@ fn event_thread(
             );
         }
         for (i, &cpu) in cpus.iter().enumerate() {
-            let Some(s) = board.cpu_snapshot(cpu, now) else {
-                continue;
-            };
-            if slicing[i]
-                && s.est_slice_ns >= MIN_PREDICTABLE_SLICE_NS
-                && s.active
-                && pushed[i] != s.slice_start_ns
-                && s.slice_start_ns + s.est_slice_ns <= now + push_ns
-                && hook.holds_tasks(cpu)
-            {
-                pushed[i] = s.slice_start_ns;
-                hook.on_tick(cpu, TickEvent::Running, board, now);
+            match push_point(board, cpu, now, slicing[i], pushed[i], push_ns, hook) {
+                Some((slice_start, at)) if at <= now => {
+                    pushed[i] = slice_start;
+                    hook.on_tick(cpu, TickEvent::Running, board, now);
+                }
+                _ => {}
             }
         }
     }
     set_emit(emit, false);
     debug!("vCPU event thread stopped");
+}
+
+/// The push point (slice start, time) of `cpu`'s current run, if one is due at all: it
+/// runs, its slices are long enough to predict, this run's point was not handled yet, and
+/// it holds tasks.
+fn push_point(
+    board: &VcpuBoard,
+    cpu: usize,
+    now: u64,
+    slicing: bool,
+    pushed: u64,
+    push_ns: u64,
+    hook: &dyn TickHook,
+) -> Option<(u64, u64)> {
+    let s = board.cpu_snapshot(cpu, now)?;
+    (slicing
+        && s.est_slice_ns >= MIN_PREDICTABLE_SLICE_NS
+        && s.active
+        && pushed != s.slice_start_ns
+        && hook.holds_tasks(cpu))
+    .then(|| {
+        (
+            s.slice_start_ns,
+            (s.slice_start_ns + s.est_slice_ns).saturating_sub(push_ns),
+        )
+    })
 }
 
 /// Tells the BPF program which vCPUs hold managed tasks (their own return wakes nobody).

@@ -543,7 +543,13 @@ fn detect_loop(
                 .set(placement.executor.as_ref().map_or(0, |e| e.managed_count()) as i64);
         }
         let active = !next.is_empty();
-        shared.metrics.io_bound_tasks.set(next.len() as i64);
+        // On hold the I/O-bound tasks still exist; they are only left alone.
+        let io_bound = if moves_allowed {
+            next.len()
+        } else {
+            candidates
+        };
+        shared.metrics.io_bound_tasks.set(io_bound as i64);
         shared.tasks.store(Arc::new(next));
         board.set_demand(if active { Demand::Active } else { Demand::Idle });
         // On hold nothing is decided per window: the guard needs only an epoch's count.

@@ -294,20 +294,22 @@ fn event_thread(
             }
         }
     };
-    let Some(((skel, _links), attach)) = loaded else {
+    let Some(((mut skel, _links), attach)) = loaded else {
         let _ = started.send(Err(anyhow!(
             "no timer program loaded ({})",
             errors.join("; ")
         )));
         return;
     };
-    let Some(bss) = skel.maps.bss_data.as_deref() else {
+    // Raw pointers into the mmapped .bss, derived from the one mutable view of it: the
+    // kernel writes `vcpus` concurrently, so no Rust reference may be held across reads.
+    let Some(bss) = skel.maps.bss_data.as_deref_mut() else {
         let _ = started.send(Err(anyhow!("the timer BPF object has no mmapped .bss")));
         return;
     };
-    let vcpus: *const types::vcpu_tick = bss.vcpus.as_ptr();
-    let emit: *mut u32 = std::ptr::addr_of!(bss.emit_events).cast_mut();
-    let task_cpus: *mut u64 = bss.task_cpus.as_ptr().cast_mut();
+    let vcpus: *const types::vcpu_tick = std::ptr::addr_of!(bss.vcpus).cast();
+    let emit: *mut u32 = std::ptr::addr_of_mut!(bss.emit_events).cast();
+    let task_cpus: *mut u64 = std::ptr::addr_of_mut!(bss.task_cpus).cast();
     let events: Rc<RefCell<Vec<GapEvent>>> = Rc::default();
     let rb = {
         let sink = events.clone();

@@ -92,7 +92,6 @@ impl AnyMonitor {
                 epoch_ns,
             } => Ok((
                 AnyMonitor::Oracle(ScheduleMonitor::start(
-                    cfg,
                     board,
                     hook,
                     push_threshold,

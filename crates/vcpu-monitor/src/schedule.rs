@@ -17,7 +17,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::board::VcpuBoard;
-use crate::monitor::{sleep_until, MonitorConfig, TickEvent, TickHook};
+use crate::monitor::{sleep_until, TickEvent, TickHook};
 use crate::monotonic_ns;
 
 /// One vCPU's known steal schedule: out for `out_ns`, then running for `run_ns`, the first
@@ -110,7 +110,6 @@ pub struct ScheduleMonitor {
 
 impl ScheduleMonitor {
     pub fn start(
-        cfg: MonitorConfig,
         board: Arc<VcpuBoard>,
         hook: Arc<dyn TickHook>,
         push_threshold: Duration,
@@ -124,7 +123,6 @@ impl ScheduleMonitor {
                 s.cpu
             );
         }
-        let _ = cfg;
         let stop = Arc::new(AtomicBool::new(false));
         let thread = {
             let stop = stop.clone();

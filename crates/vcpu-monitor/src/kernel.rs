@@ -336,7 +336,12 @@ fn event_thread(
     let mut history: Vec<SliceHistory> = cpus.iter().map(|_| SliceHistory::default()).collect();
     // Slice start of the last push point handled per vCPU: one push check per slice.
     let mut pushed: Vec<u64> = vec![0; cpus.len()];
-    let default_slice = cfg.default_slice.as_nanos() as u64;
+    let view = BoardView {
+        cpus: &cpus,
+        vcpus,
+        default_slice: cfg.default_slice.as_nanos() as u64,
+        threshold_ns,
+    };
     let push_ns = push_threshold.as_nanos() as u64;
     let mut emitting = false;
     let mut slicing = vec![false; cpus.len()];
@@ -348,16 +353,7 @@ fn event_thread(
             emitting = active;
             debug!(active, "gap events switched");
         }
-        publish(
-            board,
-            &cpus,
-            vcpus,
-            &history,
-            default_slice,
-            threshold_ns,
-            now,
-            &mut slicing,
-        );
+        view.publish(board, &history, now, &mut slicing);
         if !active {
             // Events raised just before the switch went off are stale by the next demand.
             let _ = rb.consume();
@@ -390,16 +386,7 @@ fn event_thread(
                 }
             }
         }
-        publish(
-            board,
-            &cpus,
-            vcpus,
-            &history,
-            default_slice,
-            threshold_ns,
-            now,
-            &mut slicing,
-        );
+        view.publish(board, &history, now, &mut slicing);
         for e in &drained {
             hook.on_tick(
                 e.cpu as usize,
@@ -494,46 +481,54 @@ fn wait_for_events(epfd: i32, timeout_ns: u64) {
     }
 }
 
-/// Copies the BPF state of every vCPU onto the board, in the sleepers' terms: "seen"
-/// within one tick period plus the threshold is running; an idle vCPU counts as seen now
-/// (halted, it runs as soon as it is given work).
-#[allow(clippy::too_many_arguments)]
-fn publish(
-    board: &VcpuBoard,
-    cpus: &[usize],
+/// The BPF state of the monitored vCPUs, and how it maps onto the board.
+struct BoardView<'a> {
+    cpus: &'a [usize],
     vcpus: *const types::vcpu_tick,
-    history: &[SliceHistory],
     default_slice: u64,
     threshold_ns: u64,
-    now: u64,
-    slicing_now: &mut [bool],
-) {
-    for (i, &cpu) in cpus.iter().enumerate() {
-        let Some(slot) = board.slot(cpu) else {
-            continue;
-        };
-        // SAFETY: cpu < MAX_CPUS, the length of the .bss array.
-        let st = read_state(unsafe { vcpus.add(cpu) });
-        let tick = if st.tick_ns == 0 {
-            DEFAULT_TICK_NS
-        } else {
-            st.tick_ns.clamp(1_000_000, 20_000_000)
-        };
-        slot.idle.store(st.idle, Relaxed);
-        slot.last_seen_ns.store(st.last_seen.max(1), Relaxed);
-        slot.period_ns.store(tick, Relaxed);
-        slot.gap_threshold_ns.store(threshold_ns, Relaxed);
-        slot.est_slice_ns
-            .store(history[i].median().unwrap_or(default_slice), Relaxed);
-        // No deschedule seen for a while (or ever): as far as we know the slice never
-        // ends, and no push point is due (`slicing` false).
-        let slicing = st.slice_start > 0 && now.saturating_sub(st.slice_start) <= QUIET_NS;
-        slicing_now[i] = slicing;
-        slot.slice_start_ns
-            .store(if slicing { st.slice_start } else { now }, Relaxed);
-        slot.deschedules.store(st.gaps, Relaxed);
-        slot.inactive_total_ns.store(st.inactive_ns, Relaxed);
-        slot.last_inactive_ns.store(st.last_gap_ns, Relaxed);
+}
+
+impl BoardView<'_> {
+    /// Copies the BPF state of every vCPU onto the board, in the sleepers' terms: "seen"
+    /// within one tick period plus the threshold is running; an idle vCPU is flagged idle
+    /// (halted, it runs as soon as it is given work).
+    fn publish(
+        &self,
+        board: &VcpuBoard,
+        history: &[SliceHistory],
+        now: u64,
+        slicing_now: &mut [bool],
+    ) {
+        let (vcpus, default_slice, threshold_ns) =
+            (self.vcpus, self.default_slice, self.threshold_ns);
+        for (i, &cpu) in self.cpus.iter().enumerate() {
+            let Some(slot) = board.slot(cpu) else {
+                continue;
+            };
+            // SAFETY: cpu < MAX_CPUS, the length of the .bss array.
+            let st = read_state(unsafe { vcpus.add(cpu) });
+            let tick = if st.tick_ns == 0 {
+                DEFAULT_TICK_NS
+            } else {
+                st.tick_ns.clamp(1_000_000, 20_000_000)
+            };
+            slot.idle.store(st.idle, Relaxed);
+            slot.last_seen_ns.store(st.last_seen.max(1), Relaxed);
+            slot.period_ns.store(tick, Relaxed);
+            slot.gap_threshold_ns.store(threshold_ns, Relaxed);
+            slot.est_slice_ns
+                .store(history[i].median().unwrap_or(default_slice), Relaxed);
+            // No deschedule seen for a while (or ever): as far as we know the slice never
+            // ends, and no push point is due (`slicing` false).
+            let slicing = st.slice_start > 0 && now.saturating_sub(st.slice_start) <= QUIET_NS;
+            slicing_now[i] = slicing;
+            slot.slice_start_ns
+                .store(if slicing { st.slice_start } else { now }, Relaxed);
+            slot.deschedules.store(st.gaps, Relaxed);
+            slot.inactive_total_ns.store(st.inactive_ns, Relaxed);
+            slot.last_inactive_ns.store(st.last_gap_ns, Relaxed);
+        }
     }
 }
 

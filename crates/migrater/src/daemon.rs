@@ -440,11 +440,13 @@ fn detect_loop(
 
         let current = shared.tasks.load();
         let mut next: Vec<TaskEntry> = Vec::with_capacity(out.tasks.len());
-        let candidates = out
+        // The I/O-bound tasks the user lets us move (never our own threads).
+        let eligible: Vec<_> = out
             .tasks
-            .iter()
+            .into_iter()
             .filter(|i| i.task.tgid != own_pid && !cfg.migration.exclude_comm.contains(&i.comm))
-            .count();
+            .collect();
+        let candidates = eligible.len();
         let moves_allowed = match guard.as_mut() {
             Some(g) => {
                 if let Some(v) = g.observe(monotonic_ns(), completions, candidates > 0) {
@@ -469,12 +471,9 @@ fn detect_loop(
         shared.metrics.moves_allowed.set(i64::from(moves_allowed));
         if moves_allowed {
             let mut placement = shared.placement.lock().expect("placement lock");
-            for info in out.tasks {
+            for info in eligible {
                 let t = &info.task;
-                if t.tgid == own_pid
-                    || cfg.migration.exclude_comm.contains(&info.comm)
-                    || placement.hands_off.contains(&(t.tid, info.start_time))
-                {
+                if placement.hands_off.contains(&(t.tid, info.start_time)) {
                     continue;
                 }
                 let known = current

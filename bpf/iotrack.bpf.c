@@ -36,6 +36,12 @@ char LICENSE[] SEC("license") = "GPL";
 
 #define PF_KTHREAD 0x00200000
 
+/* Sampled tracking: user space sets this between samples, and every hook returns at once.
+ * A flag, not a detach: attaching or detaching a tracepoint program patches kernel text
+ * (static keys, with IPIs that wait for every vCPU), which on an overcommitted VM means
+ * spinning until descheduled vCPUs run again; an early return costs a few instructions. */
+volatile __u32 paused;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_THREADS);
@@ -84,6 +90,8 @@ static __always_inline void thread_done(__u32 tid, __u64 now, __u32 bytes)
  * from the next (its first bio; 0 when unknown, in classic tracepoint mode). */
 static __always_inline void begin(__u64 key, __u64 cookie, __u32 kind)
 {
+	if (paused)
+		return;
 	__u64 now = bpf_ktime_get_ns();
 	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
 	if (fl) {
@@ -144,6 +152,8 @@ static __always_inline void begin(__u64 key, __u64 cookie, __u32 kind)
  * request after block_io_start grow it. */
 static __always_inline void end(__u64 key, __u32 bytes, bool final)
 {
+	if (paused)
+		return;
 	if (!final) {
 		struct inflight *part = bpf_map_lookup_elem(&inflight, &key);
 		if (part) {
@@ -181,6 +191,8 @@ static __always_inline void end(__u64 key, __u32 bytes, bool final)
 /* Back to the queue: still in flight for its owner, and its re-issue is not new I/O. */
 static __always_inline void requeue(__u64 key)
 {
+	if (paused)
+		return;
 	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
 	if (!fl)
 		return;
@@ -195,6 +207,8 @@ static __always_inline void requeue(__u64 key)
  * event, so the CPU counters stay. */
 static __always_inline void merged(__u64 key)
 {
+	if (paused)
+		return;
 	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
 	if (!fl)
 		return;

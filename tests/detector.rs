@@ -331,3 +331,106 @@ fn large_split_reads_leave_nothing_in_flight() {
         check_leaks_are_rare_and_repaired(&mode.to_string(), &mut tracker, &s);
     }
 }
+
+/// Sampled tracking (issue 10): paused, the programs return at once, so requests cost
+/// almost nothing and count nothing; nothing is left "in flight"; resumed, counting goes on.
+#[test]
+fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
+    if !require_root("paused_tracking_counts_nothing_and_leaves_nothing_open") {
+        return;
+    }
+    let _serial = serial();
+    let file = data_file();
+    let mut tracker = IoTracker::open(&TrackerOptions::default()).expect("load BPF");
+    let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
+    let tid = reader.tid;
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(tracker.attached());
+    tracker.pause(monotonic_ns()).expect("pause");
+    assert!(!tracker.attached());
+    let paused = sample_of(&mut tracker, tid).expect("reader in the map");
+    let reads0 = reader.count();
+    std::thread::sleep(Duration::from_millis(300));
+    let during = reader.count() - reads0;
+    let still = sample_of(&mut tracker, tid).expect("reader in the map");
+    eprintln!(
+        "paused: {} ios before, {} after {during} more reads; open requests {:?}",
+        paused.ios,
+        still.ios,
+        tracker.open_requests().expect("inflight")
+    );
+    assert!(
+        during > 20,
+        "the reader did not run while paused: {during} reads"
+    );
+    assert_eq!(still.ios, paused.ios, "a paused program counted requests");
+    assert_eq!(
+        still.in_flight, 0,
+        "a request stayed in flight across the pause"
+    );
+    assert_eq!(still.busy_ns, paused.busy_ns, "busy time grew while paused");
+    assert!(tracker.open_requests().expect("inflight").is_empty());
+    tracker.resume().expect("resume");
+    std::thread::sleep(Duration::from_millis(200));
+    let resumed = sample_of(&mut tracker, tid).expect("reader in the map");
+    eprintln!("resumed: {} ios", resumed.ios);
+    assert!(resumed.ios > still.ios + 20, "no counting after resume");
+    reader.stop().expect("reader");
+    std::thread::sleep(Duration::from_millis(20));
+    let done = sample_of(&mut tracker, tid).expect("reader in the map");
+    assert!(
+        done.in_flight <= 1,
+        "in flight after the reader stopped: {}",
+        done.in_flight
+    );
+}
+
+/// The classifier lives on tracked time: a pause is neither idle time nor CPU time, so a
+/// reader classified before a pause is measured right after it as the reader it is.
+#[test]
+fn a_pause_does_not_read_as_idleness() {
+    if !require_root("a_pause_does_not_read_as_idleness") {
+        return;
+    }
+    let _serial = serial();
+    let file = data_file();
+    let tracker = IoTracker::open(&TrackerOptions::default()).expect("load BPF");
+    let cfg = ClassifierConfig::default();
+    let window = Duration::from_nanos(cfg.window_ns);
+    let mut det = Detector::new(tracker, cfg);
+    let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
+    let t0 = Instant::now();
+    while !det
+        .poll()
+        .expect("poll")
+        .tasks
+        .iter()
+        .any(|t| t.task.tid == reader.tid)
+    {
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "reader never classified"
+        );
+        std::thread::sleep(window);
+    }
+    det.pause().expect("pause");
+    assert!(det.poll().is_err(), "a paused detector must refuse to poll");
+    std::thread::sleep(Duration::from_millis(500));
+    det.resume().expect("resume");
+    for _ in 0..5 {
+        let out = det.poll().expect("poll");
+        let t = out
+            .tasks
+            .iter()
+            .find(|t| t.task.tid == reader.tid)
+            .expect("the reader stays I/O-bound across a pause");
+        // Fed real time, the first window after the pause would be ~1% busy.
+        assert!(
+            t.task.io_fraction >= 0.25,
+            "the window spanning the pause read as idle: {:?}",
+            t.task
+        );
+        std::thread::sleep(window);
+    }
+    reader.stop().expect("reader");
+}

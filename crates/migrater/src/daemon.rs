@@ -9,7 +9,7 @@ use arc_swap::ArcSwap;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 use task_detector::{
     AttachMode, ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions,
@@ -25,6 +25,7 @@ use crate::hook::{LatencyRing, MigrationHook, Placement, Shared, TaskEntry};
 use crate::journal::AffinityJournal;
 use crate::metrics::{CpuLabel, Metrics};
 use crate::planner::{Planner, PlannerConfig};
+use crate::sampling;
 use crate::status::{self, StatusReport, TaskStatus, VcpuStatus};
 
 pub fn journal_path(state_dir: &Path) -> std::path::PathBuf {
@@ -306,17 +307,19 @@ pub fn run(cfg: Config) -> Result<()> {
     let stop = Arc::new(AtomicBool::new(false));
     let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
     let detector = Detector::new(tracker, classifier_config(&cfg));
+    let alarm = Arc::new(Alarm::default());
     let detect_thread = {
-        let (shared, board, stop, cpu_io, cfg) = (
+        let (shared, board, stop, cpu_io, cfg, alarm) = (
             shared.clone(),
             board.clone(),
             stop.clone(),
             cpu_io.clone(),
             cfg.clone(),
+            alarm.clone(),
         );
         std::thread::Builder::new()
             .name("vmigrater-detect".into())
-            .spawn(move || detect_loop(detector, &cfg, &shared, &board, &cpu_io, &stop))?
+            .spawn(move || detect_loop(detector, &cfg, &shared, &board, &cpu_io, &stop, &alarm))?
     };
 
     let running = Arc::new(Running {
@@ -352,6 +355,7 @@ pub fn run(cfg: Config) -> Result<()> {
 
     // Shutdown: stop deciding first, then hand every task back.
     stop.store(true, Ordering::Relaxed);
+    alarm.ring();
     monitor.stop();
     if detect_thread.join().is_err() {
         warn!("detector thread panicked");
@@ -400,6 +404,8 @@ fn read_cgroup(tgid: u32) -> String {
 /// The detector loop (a normal-priority OS thread): polls the BPF maps every window,
 /// hands newly I/O-bound tasks to the executor (journaling their mask first) and releases
 /// tasks that stopped being I/O-bound, then publishes the set for the monitor threads.
+/// With sampled tracking the programs return at once between samples; the last sample's
+/// tasks stand until the next one.
 fn detect_loop(
     mut detector: Detector,
     cfg: &Config,
@@ -407,6 +413,7 @@ fn detect_loop(
     board: &VcpuBoard,
     cpu_io: &ArcSwap<Vec<CpuIoSample>>,
     stop: &AtomicBool,
+    alarm: &Alarm,
 ) {
     let own_pid = std::process::id();
     let window = Duration::from_millis(cfg.detector.window_ms);
@@ -416,6 +423,15 @@ fn detect_loop(
         .iter()
         .map(|s| s.cpu)
         .collect();
+    let schedule = (cfg.detector.sample_every_ms > 0).then(|| sampling::Schedule {
+        length: Duration::from_millis(cfg.detector.sample_ms),
+        every: Duration::from_millis(cfg.detector.sample_every_ms),
+    });
+    let mut sample_start = Instant::now();
+    let mut estimate = sampling::CompletionEstimate::default();
+    let mut sampled_cpus: Vec<CpuIoSample> = Vec::new();
+    let mut diskstats = task_detector::diskstats::DiskStats::default();
+    let mut found: Vec<task_detector::IoTaskInfo> = Vec::new();
     let mut last_completions = 0u64;
     let mut guard = (cfg.migration.guard && !cfg.dry_run).then(|| {
         MoveGuard::new(GuardConfig {
@@ -424,32 +440,76 @@ fn detect_loop(
         })
     });
     while !stop.load(Ordering::Relaxed) {
-        let out = match detector.poll() {
-            Ok(out) => out,
-            Err(e) => {
-                shared.metrics.detector_errors.inc();
-                warn!("polling the BPF maps failed: {e:#}");
-                std::thread::sleep(idle);
-                continue;
+        // The nap of this round is bounded by the sample's end or the next sample.
+        let mut nap_limit = Duration::MAX;
+        if let Some(s) = schedule {
+            match s.step(detector.tracking(), sample_start.elapsed()) {
+                sampling::Step::Track(left) => nap_limit = left,
+                sampling::Step::Pause => match detector.pause() {
+                    Ok(()) => {
+                        debug!("sample over: block tracking paused");
+                        nap_limit = s.every.saturating_sub(sample_start.elapsed());
+                    }
+                    Err(e) => {
+                        shared.metrics.detector_errors.inc();
+                        warn!("pausing block tracking failed: {e:#}");
+                    }
+                },
+                sampling::Step::Wait(left) => nap_limit = left,
+                sampling::Step::Resume => {
+                    sample_start = Instant::now();
+                    match detector.resume() {
+                        Ok(()) => nap_limit = s.length,
+                        Err(e) => {
+                            shared.metrics.detector_errors.inc();
+                            warn!("resuming block tracking failed: {e:#}");
+                            nap_limit = s.every;
+                        }
+                    }
+                }
             }
-        };
-        let completions: u64 = out.cpus.iter().map(|c| c.completions).sum();
-        let io_seen = completions != last_completions;
-        last_completions = completions;
-        cpu_io.store(Arc::new(out.cpus));
+        }
+        // The kernel's own count of completed requests: what the guard judges progress
+        // by (it moves whether or not our programs are attached).
+        let disk = diskstats.requests_completed();
+        let mut io_seen = false;
+        if detector.tracking() {
+            let out = match detector.poll() {
+                Ok(out) => out,
+                Err(e) => {
+                    shared.metrics.detector_errors.inc();
+                    warn!("polling the BPF maps failed: {e:#}");
+                    alarm.sleep(idle);
+                    continue;
+                }
+            };
+            let completions: u64 = out.cpus.iter().map(|c| c.completions).sum();
+            io_seen = completions != last_completions;
+            last_completions = completions;
+            let cpus = match (schedule, disk) {
+                (Some(_), Some(d)) => estimate.update(&out.cpus, d),
+                _ => out.cpus.clone(),
+            };
+            cpu_io.store(Arc::new(cpus));
+            sampled_cpus = out.cpus;
+            found = out.tasks;
+        } else if let Some(d) = disk {
+            cpu_io.store(Arc::new(estimate.update(&sampled_cpus, d)));
+        }
+        let progress = disk.unwrap_or(last_completions);
 
         let current = shared.tasks.load();
-        let mut next: Vec<TaskEntry> = Vec::with_capacity(out.tasks.len());
+        let mut next: Vec<TaskEntry> = Vec::with_capacity(found.len());
         // The I/O-bound tasks the user lets us move (never our own threads).
-        let eligible: Vec<_> = out
-            .tasks
-            .into_iter()
+        let eligible: Vec<_> = found
+            .iter()
             .filter(|i| i.task.tgid != own_pid && !cfg.migration.exclude_comm.contains(&i.comm))
+            .cloned()
             .collect();
         let candidates = eligible.len();
         let moves_allowed = match guard.as_mut() {
             Some(g) => {
-                if let Some(v) = g.observe(monotonic_ns(), completions, candidates > 0) {
+                if let Some(v) = g.observe(monotonic_ns(), progress, candidates > 0) {
                     shared.metrics.record_guard_verdict(v.pays);
                     info!(
                         pays = v.pays,
@@ -552,10 +612,34 @@ fn detect_loop(
         shared.tasks.store(Arc::new(next));
         board.set_demand(if active { Demand::Active } else { Demand::Idle });
         // On hold nothing is decided per window: the guard needs only an epoch's count.
-        std::thread::sleep(if (active || io_seen) && moves_allowed {
+        let nap = if detector.tracking() && (active || io_seen) && moves_allowed {
             window
+        } else if !detector.tracking() && guard.as_ref().is_none_or(|g| !g.probing()) {
+            // Paused with nothing to measure: wake for the next sample only.
+            nap_limit
         } else {
             idle
-        });
+        };
+        alarm.sleep(nap.min(nap_limit));
+    }
+}
+
+/// A sleep that shutdown cuts short: a long pause between samples must never hold up
+/// SIGTERM, and waking in short slices instead would cost the wake-ups sampling saves.
+#[derive(Default)]
+struct Alarm {
+    rung: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Alarm {
+    fn sleep(&self, nap: Duration) {
+        let rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self.cv.wait_timeout_while(rung, nap, |rung| !*rung);
+    }
+
+    fn ring(&self) {
+        *self.rung.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        self.cv.notify_all();
     }
 }

@@ -105,6 +105,11 @@ impl MoveGuard {
     }
 
     /// Whether the daemon may move tasks now.
+    /// Whether it is measuring now (and so needs a look every epoch).
+    pub fn probing(&self) -> bool {
+        matches!(self.phase, Phase::Probing { .. })
+    }
+
     pub fn moves_allowed(&self) -> bool {
         match self.phase {
             Phase::Probing { epoch } => probe_moves(epoch),

@@ -11,4 +11,5 @@ pub mod hook;
 pub mod journal;
 pub mod metrics;
 pub mod planner;
+pub mod sampling;
 pub mod status;

@@ -124,6 +124,16 @@ impl IoClassifier {
         self.threads.is_empty()
     }
 
+    /// The threads being tracked, as (tid, tgid).
+    pub fn tracked(&self) -> impl Iterator<Item = (u32, u32)> + '_ {
+        self.threads.iter().map(|(&tid, st)| (tid, st.tgid))
+    }
+
+    /// The tgid of a tracked thread.
+    pub fn tgid_of(&self, tid: u32) -> Option<u32> {
+        self.threads.get(&tid).map(|st| st.tgid)
+    }
+
     /// Whether `tid` is being tracked (so the caller keeps feeding it even when idle).
     pub fn tracks(&self, tid: u32) -> bool {
         self.threads.contains_key(&tid)

@@ -88,6 +88,14 @@ pub struct Detector {
     identities: HashMap<u32, Identity>,
     last_ios: HashMap<u32, u64>,
     last_completions: u64,
+    /// Sampled tracking: the classifier lives on the clock of tracked time only, so the
+    /// pauses in between are neither "no I/O" nor "on CPU". Time and each thread's CPU
+    /// time spent while paused are taken off what it is fed.
+    paused_at: Option<u64>,
+    untracked_ns: u64,
+    /// Per thread: on-CPU ns at the pause (while paused), and on-CPU ns spent paused.
+    cpu_at_pause: HashMap<u32, u64>,
+    untracked_cpu: HashMap<u32, u64>,
 }
 
 /// Parses the fields after `comm` in /proc/<pid>/stat (comm may contain spaces and ')').
@@ -108,7 +116,55 @@ impl Detector {
             identities: HashMap::new(),
             last_ios: HashMap::new(),
             last_completions: u64::MAX,
+            paused_at: None,
+            untracked_ns: 0,
+            cpu_at_pause: HashMap::new(),
+            untracked_cpu: HashMap::new(),
         }
+    }
+
+    /// Whether the BPF programs run on block requests now.
+    pub fn tracking(&self) -> bool {
+        self.paused_at.is_none()
+    }
+
+    /// Stops tracking block I/O (the programs return at once: requests cost a few instructions) until
+    /// `resume`. What the classifier knows stays: it is fed again after the pause as if
+    /// no time had passed.
+    pub fn pause(&mut self) -> Result<()> {
+        if self.paused_at.is_some() {
+            return Ok(());
+        }
+        let now = vcpu_clock();
+        self.tracker.pause(now)?;
+        self.paused_at = Some(now);
+        self.cpu_at_pause.clear();
+        for (tid, tgid) in self.classifier.tracked() {
+            if let Some(cpu) = self.proc.cpu_ns(tgid, tid) {
+                self.cpu_at_pause.insert(tid, cpu);
+            }
+        }
+        Ok(())
+    }
+
+    /// Tracks block I/O again after `pause`.
+    pub fn resume(&mut self) -> Result<()> {
+        let Some(at) = self.paused_at else {
+            return Ok(());
+        };
+        self.tracker.resume()?;
+        let now = vcpu_clock();
+        self.untracked_ns += now.saturating_sub(at);
+        self.paused_at = None;
+        for (tid, before) in std::mem::take(&mut self.cpu_at_pause) {
+            let Some(tgid) = self.classifier.tgid_of(tid) else {
+                continue;
+            };
+            if let Some(cpu) = self.proc.cpu_ns(tgid, tid) {
+                *self.untracked_cpu.entry(tid).or_default() += cpu.saturating_sub(before);
+            }
+        }
+        Ok(())
     }
 
     pub fn mode(&self) -> AttachMode {
@@ -126,7 +182,11 @@ impl Detector {
 
     /// One window: read the maps, add /proc facts for threads with fresh I/O, classify.
     pub fn poll(&mut self) -> Result<DetectorOutput> {
-        let now = vcpu_clock();
+        anyhow::ensure!(self.paused_at.is_none(), "polling a paused detector");
+        // Tracked time: the classifier's clock (the same as CLOCK_MONOTONIC until the
+        // first pause). The maps are read on the real clock.
+        let real_now = vcpu_clock();
+        let now = real_now - self.untracked_ns;
         let cpus = self.tracker.sample_cpus()?;
         // Idle fast path: no completion anywhere since the last poll and nobody being
         // classified means no thread can have become I/O-bound; skip the thread map.
@@ -139,7 +199,7 @@ impl Detector {
                 cpus,
             });
         }
-        let samples = self.tracker.sample_threads(now)?;
+        let samples = self.tracker.sample_threads(real_now)?;
         let mut obs = Vec::new();
         let mut gone = Vec::new();
         for s in &samples {
@@ -151,7 +211,7 @@ impl Detector {
             let fresh = new_ios >= min_ios || (prev.is_none() && s.in_flight > 0);
             if !fresh && !self.classifier.tracks(s.tid) {
                 // Idle for long and not tracked: drop it from the kernel map too.
-                if now.saturating_sub(s.last_ts) > 10_000_000_000 {
+                if real_now.saturating_sub(s.last_ts) > 10_000_000_000 {
                     gone.push(s.tid);
                 }
                 continue;
@@ -163,6 +223,8 @@ impl Detector {
                 gone.push(s.tid); // exited
                 continue;
             };
+            let cpu_ns =
+                cpu_ns.saturating_sub(self.untracked_cpu.get(&s.tid).copied().unwrap_or(0));
             obs.push((
                 ThreadObservation {
                     tid: s.tid,
@@ -181,6 +243,7 @@ impl Detector {
             self.tracker.forget_thread(tid);
             self.identities.remove(&tid);
             self.last_ios.remove(&tid);
+            self.untracked_cpu.remove(&tid);
         }
         let plain: Vec<ThreadObservation> = obs.iter().map(|(o, _)| o.clone()).collect();
         let tasks = self.classifier.observe(now, &plain);

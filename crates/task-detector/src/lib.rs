@@ -9,6 +9,7 @@
 mod bpf_skel;
 mod classifier;
 mod detector;
+pub mod diskstats;
 mod probe;
 mod tracker;
 

@@ -81,6 +81,8 @@ pub struct IoTracker {
     storage: *mut MaybeUninit<libbpf_rs::OpenObject>,
     mode: AttachMode,
     hooks: Vec<&'static str>,
+    /// Sampled tracking between samples (bpf/iotrack.bpf.c `paused`).
+    paused: bool,
     ncpus: u32,
 }
 
@@ -229,6 +231,7 @@ impl IoTracker {
                     .min(MAX_CPUS as usize) as u32;
                 Ok(IoTracker {
                     _links: links,
+                    paused: false,
                     skel: ManuallyDrop::new(skel),
                     storage,
                     mode,
@@ -260,14 +263,71 @@ impl IoTracker {
         let skel = open
             .load()
             .with_context(|| format!("loading the {mode} programs"))?;
-        let mut links = Vec::new();
-        for prog in skel.object().progs_mut() {
-            let name = prog.name().to_string_lossy().to_string();
-            if wanted.contains(&name) {
-                links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
-            }
-        }
+        let links = attach_all(&skel, wanted)?;
         Ok((skel, links))
+    }
+
+    /// Whether the programs track block requests now (not paused).
+    pub fn attached(&self) -> bool {
+        !self.paused
+    }
+
+    fn set_paused(&mut self, paused: bool) -> Result<()> {
+        let bss = self
+            .skel
+            .maps
+            .bss_data
+            .as_deref_mut()
+            .context("the block I/O BPF object has no mmapped .bss")?;
+        // SAFETY: a valid, aligned u32 in the mmapped .bss the programs read concurrently;
+        // a volatile store so the write is not elided or torn.
+        unsafe { std::ptr::write_volatile(std::ptr::addr_of_mut!(bss.paused), u32::from(paused)) };
+        self.paused = paused;
+        Ok(())
+    }
+
+    /// Stops tracking: every hook returns at once (a flag, not a detach: detaching
+    /// patches kernel text with IPIs that wait for every vCPU, descheduled ones too),
+    /// and the counters stand still. Requests in flight lose their ends, so their
+    /// intervals are closed now and the in-flight table is emptied; an end that arrives
+    /// after `resume` finds no entry and is ignored, the same as one whose start was
+    /// never seen.
+    pub fn pause(&mut self, now_ns: u64) -> Result<()> {
+        if self.paused {
+            return Ok(());
+        }
+        self.set_paused(true)?;
+        wait_for_running_programs();
+        let inflight = &self.skel.maps.inflight;
+        let keys: Vec<Vec<u8>> = inflight
+            .lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)?
+            .map(|(k, _)| k)
+            .collect();
+        for k in keys {
+            let _ = inflight.delete(&k);
+        }
+        let threads = &self.skel.maps.threads;
+        let open: Vec<(Vec<u8>, types::thread_stats)> = threads
+            .lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)?
+            .filter_map(|(k, v)| Some((k, read_pod::<types::thread_stats>(&v).ok()?)))
+            .filter(|(_, s)| s.in_flight > 0)
+            .collect();
+        for (k, mut s) in open {
+            s.busy_ns += now_ns.saturating_sub(s.busy_since);
+            s.in_flight = 0;
+            threads
+                .update(&k, pod_bytes(&s), MapFlags::EXIST)
+                .context("closing a paused thread's busy interval")?;
+        }
+        Ok(())
+    }
+
+    /// Tracks again after `pause`.
+    pub fn resume(&mut self) -> Result<()> {
+        if self.paused {
+            self.set_paused(false)?;
+        }
+        Ok(())
     }
 
     /// The tracepoints this tracker is attached to, e.g. for `check`.
@@ -378,6 +438,39 @@ impl IoTracker {
     pub fn probe() -> crate::probe::Probe {
         probe()
     }
+}
+
+/// Returns once every program run that may have started before now has ended, so the
+/// fix-ups of `pause` cannot race a run that saw the flag still clear (its write would
+/// undo theirs, and a count that goes backwards reads as a new thread). Tracing programs
+/// run under rcu_read_lock, and MEMBARRIER_CMD_GLOBAL waits for an RCU grace period.
+fn wait_for_running_programs() {
+    const MEMBARRIER_CMD_GLOBAL: libc::c_long = 1;
+    // SAFETY: membarrier takes no pointers; an unsupported command returns an error.
+    let rc = unsafe { libc::syscall(libc::SYS_membarrier, MEMBARRIER_CMD_GLOBAL, 0, 0) };
+    if rc != 0 {
+        // Not available (nohz_full, old kernel): a program run lasts microseconds, but
+        // its vCPU may be descheduled mid-run for a hypervisor slice.
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+fn attach_all(skel: &IotrackSkel<'_>, wanted: &[String]) -> Result<Vec<Link>> {
+    let mut links = Vec::new();
+    for prog in skel.object().progs_mut() {
+        let name = prog.name().to_string_lossy().to_string();
+        if wanted.contains(&name) {
+            links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
+        }
+    }
+    Ok(links)
+}
+
+/// The bytes of a generated `#[repr(C)]` map value, to write it back.
+fn pod_bytes<T: Copy>(v: &T) -> &[u8] {
+    // SAFETY: T is a plain-old-data struct generated from the BPF object's BTF (integers
+    // only, no padding in the map value layouts of bpf/iotrack.h); the slice borrows `v`.
+    unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
 }
 
 /// Copies a map value into its generated `#[repr(C)]` type.

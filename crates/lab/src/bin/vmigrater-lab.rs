@@ -272,11 +272,17 @@ fn shell(bins: PathBuf, commands: &[String]) -> Result<()> {
     let kernel = Kernel::find(&lab)?;
     let dir = lab.join("run/shell");
     std::fs::create_dir_all(&dir)?;
+    let mut binaries: Vec<_> = ["vmigrater", "vmigrater-workload"]
+        .iter()
+        .map(|b| (bins.join(b), b.to_string()))
+        .collect();
+    // For looking inside the guest's BPF (`bpftool prog show` with kernel.bpf_stats_enabled).
+    let bpftool = std::path::Path::new("/usr/sbin/bpftool");
+    if bpftool.exists() {
+        binaries.push((bpftool.to_path_buf(), "bpftool".into()));
+    }
     let contents = Contents {
-        binaries: ["vmigrater", "vmigrater-workload"]
-            .iter()
-            .map(|b| (bins.join(b), b.to_string()))
-            .collect(),
+        binaries,
         files: vec![],
     };
     let img = image::build(&kernel, &contents, &dir.join("initrd.cpio"))?;

@@ -1,0 +1,138 @@
+//! Sampled block-I/O tracking: when the detector's BPF programs run, and what the daemon
+//! reports of per-vCPU I/O while they do not.
+//!
+//! Measured in the lab guest (QEMU TCG, `bpftool prog show` with kernel.bpf_stats_enabled):
+//! `block_rq_issue` took 29 us and `block_rq_complete` 27 us per run, on the path of every
+//! request (p50 of a 4 KiB reader 567 -> 837 us with the programs attached). I/O-bound
+//! tasks stay I/O-bound for seconds, so the detector looks in short samples and the
+//! requests in between pay nothing. Pure: the caller gives the clock and the counters.
+
+use std::time::Duration;
+use task_detector::CpuIoSample;
+
+/// `length` of tracking at the start of every `every`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Schedule {
+    pub length: Duration,
+    pub every: Duration,
+}
+
+/// What the loop should do at `into` past the start of the current sample.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Tracking, and the sample lasts this much longer.
+    Track(Duration),
+    /// The sample is over: pause tracking.
+    Pause,
+    /// Paused; the next sample starts in this much.
+    Wait(Duration),
+    /// Time for the next sample: resume tracking.
+    Resume,
+}
+
+impl Schedule {
+    pub fn step(&self, tracking: bool, into: Duration) -> Step {
+        match (tracking, into >= self.length, into >= self.every) {
+            (true, false, _) => Step::Track(self.length - into),
+            (true, true, _) => Step::Pause,
+            (false, _, true) => Step::Resume,
+            (false, _, false) => Step::Wait(self.every - into),
+        }
+    }
+}
+
+/// Per-vCPU completions while tracking is sampled: the BPF counts only grow in samples,
+/// but a consumer (the host agent, `/metrics`) reads them as the vCPU's I/O rate. Each
+/// vCPU's sampled count is scaled by all the requests the kernel completed (diskstats)
+/// over those the samples saw, and never goes backwards.
+#[derive(Debug, Default)]
+pub struct CompletionEstimate {
+    /// Kernel's count at start, to count from there.
+    disk_base: Option<u64>,
+    last: Vec<CpuIoSample>,
+}
+
+impl CompletionEstimate {
+    pub fn update(&mut self, sampled: &[CpuIoSample], disk_completed: u64) -> Vec<CpuIoSample> {
+        let base = *self.disk_base.get_or_insert(disk_completed);
+        let seen: u64 = sampled.iter().map(|c| c.completions).sum();
+        let all = disk_completed.saturating_sub(base);
+        // Never scale down: other devices' requests or flushes may differ a little from
+        // the kernel's count, and an estimate is only needed where samples miss requests.
+        let scale = if seen == 0 {
+            1.0
+        } else {
+            (all as f64 / seen as f64).max(1.0)
+        };
+        let out: Vec<CpuIoSample> = sampled
+            .iter()
+            .map(|c| {
+                let prev = self
+                    .last
+                    .iter()
+                    .find(|p| p.cpu == c.cpu)
+                    .map_or(0, |p| p.completions);
+                CpuIoSample {
+                    cpu: c.cpu,
+                    completions: ((c.completions as f64 * scale) as u64).max(prev),
+                    ema_interval_ns: c.ema_interval_ns,
+                }
+            })
+            .collect();
+        self.last = out.clone();
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MS: Duration = Duration::from_millis(1);
+
+    #[test]
+    fn a_sample_then_a_pause_then_the_next() {
+        let s = Schedule {
+            length: 250 * MS,
+            every: 2500 * MS,
+        };
+        assert_eq!(s.step(true, 0 * MS), Step::Track(250 * MS));
+        assert_eq!(s.step(true, 200 * MS), Step::Track(50 * MS));
+        assert_eq!(s.step(true, 250 * MS), Step::Pause);
+        assert_eq!(s.step(false, 250 * MS), Step::Wait(2250 * MS));
+        assert_eq!(s.step(false, 2500 * MS), Step::Resume);
+        // A late loop (a long poll) still pauses, never tracks on.
+        assert_eq!(s.step(true, 9000 * MS), Step::Pause);
+    }
+
+    fn cpu(cpu: u32, completions: u64) -> CpuIoSample {
+        CpuIoSample {
+            cpu,
+            completions,
+            ema_interval_ns: 7,
+        }
+    }
+
+    #[test]
+    fn sampled_counts_are_scaled_to_the_kernels_total_and_never_go_back() {
+        let mut e = CompletionEstimate::default();
+        assert_eq!(
+            e.update(&[cpu(0, 0), cpu(1, 0)], 1000),
+            [cpu(0, 0), cpu(1, 0)]
+        );
+        // A sample saw 30 + 10 of the 40 completed: exact.
+        assert_eq!(
+            e.update(&[cpu(0, 30), cpu(1, 10)], 1040),
+            [cpu(0, 30), cpu(1, 10)]
+        );
+        // Paused: the kernel completed 360 more, split as the samples saw them (3:1).
+        assert_eq!(
+            e.update(&[cpu(0, 30), cpu(1, 10)], 1400),
+            [cpu(0, 300), cpu(1, 100)]
+        );
+        // The next sample sees only vCPU 1: vCPU 0 stays, vCPU 1 grows.
+        let next = e.update(&[cpu(0, 30), cpu(1, 50)], 1440);
+        assert_eq!(next[0], cpu(0, 300), "a counter never goes backwards");
+        assert_eq!(next[1], cpu(1, 275), "80 seen of 440: x5.5");
+    }
+}

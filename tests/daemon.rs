@@ -658,8 +658,10 @@ fn the_move_guard_keeps_moves_that_pay() {
     // The verdict is published before that round's tasks are (managing one journals
     // its mask first): the reader is managed again within a round or two.
     let tid = reader.tid();
-    daemon.wait_for(Duration::from_secs(3), "the reader managed after the verdict", |s| {
-        managed(s, tid) || s["io_tasks"].as_u64() > Some(0)
-    });
+    daemon.wait_for(
+        Duration::from_secs(3),
+        "the reader managed after the verdict",
+        |s| managed(s, tid) || s["io_tasks"].as_u64() > Some(0),
+    );
     daemon.terminate();
 }

@@ -408,6 +408,7 @@ fn metrics_expose_vcpu_and_build_figures() {
         "vmigrater_vcpu_slice_estimate_seconds{cpu=\"0\"}",
         "vmigrater_io_bound_tasks ",
         "vmigrater_bpf_attach_mode{mode=",
+        "vmigrater_block_tracking ",
         "vmigrater_build_info{",
         // The classic text format for everyone else: counters named with `_total`.
         "# TYPE vmigrater_vcpu_deschedules_total counter",

@@ -40,6 +40,9 @@ pub enum Mode {
     /// The guest daemon fed the host's known steal schedule instead of detecting it
     /// (scenarios with `host_steal` only): what migration gains with perfect knowledge.
     VmigraterOracle,
+    /// The guest daemon with a configuration of its own (`--variant NAME=FILE`): for
+    /// ablations measured interleaved with the other modes.
+    Variant(&'static str),
 }
 
 impl Mode {
@@ -52,12 +55,17 @@ impl Mode {
             Mode::Agent => "agent",
             Mode::Both => "both",
             Mode::VmigraterOracle => "vmigrater_oracle",
+            Mode::Variant(name) => name,
         }
     }
     fn daemon(self) -> bool {
         matches!(
             self,
-            Mode::Vmigrater | Mode::VmigraterDry | Mode::Both | Mode::VmigraterOracle
+            Mode::Vmigrater
+                | Mode::VmigraterDry
+                | Mode::Both
+                | Mode::VmigraterOracle
+                | Mode::Variant(_)
         )
     }
     fn agent(self) -> bool {
@@ -100,6 +108,9 @@ pub struct Options {
     pub guest_config: Option<String>,
     /// Only these modes (empty: the scenario's).
     pub modes: Vec<String>,
+    /// Extra daemon modes, each with its own configuration: (name, config text). Every
+    /// scenario runs them beside its own modes.
+    pub variants: Vec<(&'static str, String)>,
 }
 
 struct Guest {
@@ -446,6 +457,17 @@ fn run_once(
             guest::start_daemon_with(&mut a.vm, "--config /tmp/oracle.toml")?;
             oracle_offset = Some((offset, err));
         }
+        Mode::Variant(name) => {
+            let cfg = opts
+                .variants
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, c)| c)
+                .context("a variant without its configuration")?;
+            let path = format!("/tmp/variant-{name}.toml");
+            guest::write_file(&mut a.vm, &path, cfg)?;
+            guest::start_daemon_with(&mut a.vm, &format!("--config {path}"))?;
+        }
         m if m.daemon() => guest::start_daemon(&mut a.vm, mode == Mode::VmigraterDry)?,
         _ => {}
     }
@@ -670,6 +692,7 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
         .modes
         .iter()
         .copied()
+        .chain(opts.variants.iter().map(|(n, _)| Mode::Variant(n)))
         .filter(|m| opts.modes.is_empty() || opts.modes.iter().any(|o| o == m.name()))
         .collect();
     for rep in 0..opts.reps {

@@ -20,7 +20,7 @@ use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 use crate::affinity::AffinityExecutor;
 use crate::channel::{self, ChannelStats, VcpuSample};
 use crate::config::Config;
-use crate::guard::{GuardConfig, MoveGuard};
+use crate::guard::{Contention, GuardConfig, MoveGuard};
 use crate::hook::{LatencyRing, MigrationHook, Placement, Shared, TaskEntry};
 use crate::journal::AffinityJournal;
 use crate::metrics::{CpuLabel, Metrics};
@@ -143,6 +143,7 @@ impl Running {
             attach_mode: self.attach_mode.clone(),
             monitor_source: self.monitor_source.into(),
             moves_allowed: self.shared.metrics.moves_allowed.get() != 0,
+            block_tracking: self.shared.metrics.block_tracking.get() != 0,
             guard_pays: self.shared.metrics.guard_verdicts().0,
             guard_holds: self.shared.metrics.guard_verdicts().1,
             demand: if tasks.is_empty() { "idle" } else { "active" }.into(),
@@ -300,7 +301,8 @@ pub fn run(cfg: Config) -> Result<()> {
     if let Some(why) = fallback {
         warn!("kernel-timer vCPU monitor unavailable, using sleepers: {why}");
     }
-    let monitor_source = monitor.source().as_str();
+    let monitor_kind = monitor.source();
+    let monitor_source = monitor_kind.as_str();
     shared.metrics.set_monitor_source(monitor_source);
     info!(cpus = ?cpus, source = monitor_source, period_us = cfg.monitor.period_us, "vCPU monitor started");
 
@@ -319,7 +321,20 @@ pub fn run(cfg: Config) -> Result<()> {
         );
         std::thread::Builder::new()
             .name("vmigrater-detect".into())
-            .spawn(move || detect_loop(detector, &cfg, &shared, &board, &cpu_io, &stop, &alarm))?
+            .spawn(move || {
+                let env = DetectEnv {
+                    shared: &shared,
+                    board: &board,
+                    cpu_io: &cpu_io,
+                    stop: &stop,
+                    alarm: &alarm,
+                    // Only the kernel source sees deschedules while idle; sleepers at
+                    // their idle period catch a fraction of them, so there the guard
+                    // judges by I/O alone.
+                    measures_contention: monitor_kind == vcpu_monitor::Source::Kernel,
+                };
+                detect_loop(detector, &cfg, &env)
+            })?
     };
 
     let running = Arc::new(Running {
@@ -406,15 +421,26 @@ fn read_cgroup(tgid: u32) -> String {
 /// tasks that stopped being I/O-bound, then publishes the set for the monitor threads.
 /// With sampled tracking the programs return at once between samples; the last sample's
 /// tasks stand until the next one.
-fn detect_loop(
-    mut detector: Detector,
-    cfg: &Config,
-    shared: &Shared,
-    board: &VcpuBoard,
-    cpu_io: &ArcSwap<Vec<CpuIoSample>>,
-    stop: &AtomicBool,
-    alarm: &Alarm,
-) {
+/// What the detector loop shares with the rest of the daemon.
+struct DetectEnv<'a> {
+    shared: &'a Shared,
+    board: &'a VcpuBoard,
+    cpu_io: &'a ArcSwap<Vec<CpuIoSample>>,
+    stop: &'a AtomicBool,
+    alarm: &'a Alarm,
+    /// Whether the monitor's inactive times tell how contended the vCPUs are.
+    measures_contention: bool,
+}
+
+fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
+    let DetectEnv {
+        shared,
+        board,
+        cpu_io,
+        stop,
+        alarm,
+        measures_contention,
+    } = *env;
     let own_pid = std::process::id();
     let window = Duration::from_millis(cfg.detector.window_ms);
     let idle = Duration::from_millis(cfg.detector.idle_poll_ms.max(cfg.detector.window_ms));
@@ -433,6 +459,11 @@ fn detect_loop(
     let mut diskstats = task_detector::diskstats::DiskStats::default();
     let mut found: Vec<task_detector::IoTaskInfo> = Vec::new();
     let mut last_completions = 0u64;
+    // Where nothing is descheduled there is nothing to gain: with the guard on (dry run
+    // too, to show what would happen), no probe and no move there.
+    let gate_on_contention = cfg.migration.guard && measures_contention;
+    let mut contention = Contention::new(2_000_000_000, Contention::DEFAULT_MIN_FRACTION);
+    let mut contended = false;
     let mut guard = (cfg.migration.guard && !cfg.dry_run).then(|| {
         MoveGuard::new(GuardConfig {
             epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
@@ -469,6 +500,10 @@ fn detect_loop(
                 }
             }
         }
+        shared
+            .metrics
+            .block_tracking
+            .set(i64::from(detector.tracking()));
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let disk = diskstats.requests_completed();
@@ -507,9 +542,28 @@ fn detect_loop(
             .cloned()
             .collect();
         let candidates = eligible.len();
+        let now = monotonic_ns();
+        let inactive: Vec<u64> = board
+            .snapshot(now)
+            .iter()
+            .map(|v| v.inactive_total_ns)
+            .collect();
+        let was_contended = contended;
+        contended = !gate_on_contention || contention.observe(now, &inactive);
+        if contended != was_contended && gate_on_contention {
+            info!(
+                most_out = format!("{:.0}%", contention.last_fraction * 100.0),
+                "{}",
+                if contended {
+                    "vCPUs are descheduled: moves may pay, the guard will probe"
+                } else {
+                    "vCPUs run nearly all the time: nothing to gain, no moves"
+                }
+            );
+        }
         let moves_allowed = match guard.as_mut() {
             Some(g) => {
-                if let Some(v) = g.observe(monotonic_ns(), progress, candidates > 0) {
+                if let Some(v) = g.observe(now, progress, candidates > 0 && contended) {
                     shared.metrics.record_guard_verdict(v.pays);
                     info!(
                         pays = v.pays,
@@ -524,9 +578,10 @@ fn detect_loop(
                         }
                     );
                 }
-                g.moves_allowed()
+                contended && g.moves_allowed()
             }
-            None => true,
+            // Guard off: always; dry run with the guard on: where it would move.
+            None => contended,
         };
         shared.metrics.moves_allowed.set(i64::from(moves_allowed));
         if moves_allowed {

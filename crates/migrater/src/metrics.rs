@@ -79,6 +79,8 @@ pub struct Metrics {
     /// 1 while the move guard lets tasks move (or it is off), 0 while moves are on hold.
     pub moves_allowed: Gauge,
     guard_verdicts: Family<VerdictLabel, Counter>,
+    /// 1 while the block programs track requests, 0 between samples.
+    pub block_tracking: Gauge,
 }
 
 impl Metrics {
@@ -100,6 +102,7 @@ impl Metrics {
             detector_errors: Counter::default(),
             monitor_source: Family::default(),
             moves_allowed: Gauge::default(),
+            block_tracking: Gauge::default(),
             guard_verdicts: Family::default(),
             registry: Registry::with_prefix("vmigrater"),
         };
@@ -194,6 +197,12 @@ impl Metrics {
             "moves_allowed",
             "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
             m.moves_allowed.clone(),
+        );
+        m.block_tracking.set(1);
+        r.register(
+            "block_tracking",
+            "1 while the block I/O programs track requests, 0 between samples (detector.sample_ms of every detector.sample_every_ms)",
+            m.block_tracking.clone(),
         );
         for pays in ["true", "false"] {
             let _ = m.guard_verdicts.get_or_create(&VerdictLabel { pays });

@@ -96,7 +96,7 @@ mod tests {
             length: 250 * MS,
             every: 2500 * MS,
         };
-        assert_eq!(s.step(true, 0 * MS), Step::Track(250 * MS));
+        assert_eq!(s.step(true, Duration::ZERO), Step::Track(250 * MS));
         assert_eq!(s.step(true, 200 * MS), Step::Track(50 * MS));
         assert_eq!(s.step(true, 250 * MS), Step::Pause);
         assert_eq!(s.step(false, 250 * MS), Step::Wait(2250 * MS));

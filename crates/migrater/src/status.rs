@@ -61,6 +61,8 @@ pub struct StatusReport {
     /// False while the move guard holds tasks on their own masks.
     #[serde(default)]
     pub moves_allowed: bool,
+    /// Whether the block programs track requests now (false between samples).
+    pub block_tracking: bool,
     /// Probes of the move guard that found moves paying / not paying.
     #[serde(default)]
     pub guard_pays: u64,

@@ -51,6 +51,10 @@ enum Cmd {
         /// The guest daemon's configuration file (default: the lab's, crates/lab/guest/vmigrater.toml).
         #[arg(long)]
         guest_config: Option<PathBuf>,
+        /// An extra daemon mode NAME run with the configuration FILE (repeatable): for
+        /// ablations, interleaved with the scenario's modes.
+        #[arg(long, value_name = "NAME=FILE")]
+        variant: Vec<String>,
         #[arg(long, default_value = "target/bench/lab.json")]
         out: PathBuf,
     },
@@ -74,8 +78,19 @@ fn run() -> Result<()> {
             only,
             modes,
             guest_config,
+            variant,
             out,
         } => {
+            let mut variants = Vec::new();
+            for v in variant {
+                let (name, file) = v
+                    .split_once('=')
+                    .with_context(|| format!("--variant {v:?}: expected NAME=FILE"))?;
+                let text = std::fs::read_to_string(file)
+                    .with_context(|| format!("--variant {name}: reading {file}"))?;
+                // A mode name lives as long as the benchmark: leaked once per variant.
+                variants.push((&*Box::leak(name.to_string().into_boxed_str()), text));
+            }
             let guest_config = match guest_config {
                 Some(p) => std::fs::read_to_string(&p)
                     .with_context(|| format!("--guest-config {}", p.display()))?,
@@ -87,6 +102,7 @@ fn run() -> Result<()> {
                 reps,
                 guest_config: Some(guest_config),
                 modes,
+                variants,
             };
             bench_all(opts, &only, &out)
         }

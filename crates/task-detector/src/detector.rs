@@ -128,9 +128,9 @@ impl Detector {
         self.paused_at.is_none()
     }
 
-    /// Stops tracking block I/O (the programs return at once: requests cost a few instructions) until
-    /// `resume`. What the classifier knows stays: it is fed again after the pause as if
-    /// no time had passed.
+    /// Stops tracking block I/O until `resume` (the programs return at once: a request
+    /// costs a few instructions). What the classifier knows stays: it is fed again after
+    /// the pause as if no time had passed.
     pub fn pause(&mut self) -> Result<()> {
         if self.paused_at.is_some() {
             return Ok(());

@@ -29,30 +29,14 @@ impl FromStr for Pattern {
 
     /// `CPU:BUSY_US:IDLE_US[:PHASE_US]`, e.g. `1:10000:10000:10000`.
     fn from_str(s: &str) -> Result<Pattern> {
-        let parts: Vec<&str> = s.split(':').collect();
-        if !(3..=4).contains(&parts.len()) {
-            bail!("pattern {s:?}: expected CPU:BUSY_US:IDLE_US[:PHASE_US]");
-        }
-        let num = |i: usize, what: &str| -> Result<u64> {
-            parts[i]
-                .trim()
-                .parse()
-                .with_context(|| format!("pattern {s:?}: {what} {:?} is not a number", parts[i]))
-        };
-        let p = Pattern {
-            cpu: num(0, "CPU")? as usize,
-            busy: Duration::from_micros(num(1, "BUSY_US")?),
-            idle: Duration::from_micros(num(2, "IDLE_US")?),
-            phase: Duration::from_micros(if parts.len() == 4 {
-                num(3, "PHASE_US")?
-            } else {
-                0
-            }),
-        };
-        if p.busy.is_zero() || p.idle.is_zero() {
-            bail!("pattern {s:?}: BUSY_US and IDLE_US must be > 0");
-        }
-        Ok(p)
+        let (cpu, busy, idle, phase) =
+            vcpu_monitor::parse_cpu_schedule(s, "pattern", ["BUSY_US", "IDLE_US"])?;
+        Ok(Pattern {
+            cpu,
+            busy: Duration::from_micros(busy),
+            idle: Duration::from_micros(idle),
+            phase: Duration::from_micros(phase),
+        })
     }
 }
 

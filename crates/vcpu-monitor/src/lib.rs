@@ -24,7 +24,7 @@ pub use board::{Demand, VcpuBoard, VcpuSnapshot};
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
 pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
 pub use monitor::{online_cpus, sleep_until, Monitor, MonitorConfig, TickEvent, TickHook};
-pub use schedule::{ScheduleMonitor, StealSchedule, Window};
+pub use schedule::{parse_cpu_schedule, ScheduleMonitor, StealSchedule, Window};
 
 /// CLOCK_MONOTONIC in nanoseconds: the one clock of the sleepers, the board and callers.
 pub fn monotonic_ns() -> u64 {

@@ -30,31 +30,50 @@ pub struct StealSchedule {
     pub phase_ns: u64,
 }
 
+/// Parses `CPU:A_US:B_US[:PHASE_US]` into (cpu, a_us, b_us, phase_us): the syntax of the
+/// steal emulator's patterns and of the oracle's schedules, which describe the same steal.
+/// `what` and `names` (the A and B fields) word the errors; A and B must be > 0.
+pub fn parse_cpu_schedule(s: &str, what: &str, names: [&str; 2]) -> Result<(usize, u64, u64, u64)> {
+    let parts: Vec<&str> = s.split(':').collect();
+    if !(3..=4).contains(&parts.len()) {
+        bail!(
+            "{what} {s:?}: expected CPU:{}:{}[:PHASE_US]",
+            names[0],
+            names[1]
+        );
+    }
+    let num = |i: usize, field: &str| -> Result<u64> {
+        parts[i]
+            .trim()
+            .parse()
+            .with_context(|| format!("{what} {s:?}: {field} {:?} is not a number", parts[i]))
+    };
+    let cpu = num(0, "CPU")? as usize;
+    let (a, b) = (num(1, names[0])?, num(2, names[1])?);
+    let phase = if parts.len() == 4 {
+        num(3, "PHASE_US")?
+    } else {
+        0
+    };
+    if a == 0 || b == 0 {
+        bail!("{what} {s:?}: {} and {} must be > 0", names[0], names[1]);
+    }
+    Ok((cpu, a, b, phase))
+}
+
 impl FromStr for StealSchedule {
     type Err = anyhow::Error;
 
     /// `CPU:OUT_US:RUN_US[:PHASE_US]`.
     fn from_str(s: &str) -> Result<Self> {
-        let parts: Vec<&str> = s.split(':').collect();
-        if !(3..=4).contains(&parts.len()) {
-            bail!("schedule {s:?}: expected CPU:OUT_US:RUN_US[:PHASE_US]");
-        }
-        let num = |i: usize| -> Result<u64> {
-            parts[i]
-                .trim()
-                .parse()
-                .with_context(|| format!("schedule {s:?}: {:?} is not a number", parts[i]))
-        };
-        let sch = StealSchedule {
-            cpu: num(0)? as usize,
-            out_ns: num(1)? * 1_000,
-            run_ns: num(2)? * 1_000,
-            phase_ns: if parts.len() == 4 { num(3)? * 1_000 } else { 0 },
-        };
-        if sch.out_ns == 0 || sch.run_ns == 0 {
-            bail!("schedule {s:?}: OUT_US and RUN_US must be > 0");
-        }
-        Ok(sch)
+        let (cpu, out_us, run_us, phase_us) =
+            parse_cpu_schedule(s, "schedule", ["OUT_US", "RUN_US"])?;
+        Ok(StealSchedule {
+            cpu,
+            out_ns: out_us * 1_000,
+            run_ns: run_us * 1_000,
+            phase_ns: phase_us * 1_000,
+        })
     }
 }
 

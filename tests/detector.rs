@@ -345,9 +345,9 @@ fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
     let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
     let tid = reader.tid;
     std::thread::sleep(Duration::from_millis(200));
-    assert!(tracker.attached());
+    assert!(tracker.tracking());
     tracker.pause(monotonic_ns()).expect("pause");
-    assert!(!tracker.attached());
+    assert!(!tracker.tracking());
     let paused = sample_of(&mut tracker, tid).expect("reader in the map");
     let reads0 = reader.count();
     std::thread::sleep(Duration::from_millis(300));

@@ -506,7 +506,11 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
             .set(i64::from(detector.tracking()));
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
-        let disk = diskstats.requests_completed();
+        let disk = if guard.is_some() || schedule.is_some() {
+            diskstats.requests_completed()
+        } else {
+            None
+        };
         let mut io_seen = false;
         if detector.tracking() {
             let out = match detector.poll() {
@@ -543,13 +547,15 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
             .collect();
         let candidates = eligible.len();
         let now = monotonic_ns();
-        let inactive: Vec<u64> = board
-            .snapshot(now)
-            .iter()
-            .map(|v| v.inactive_total_ns)
-            .collect();
         let was_contended = contended;
-        contended = !gate_on_contention || contention.observe(now, &inactive);
+        contended = !gate_on_contention || {
+            let inactive: Vec<u64> = board
+                .snapshot(now)
+                .iter()
+                .map(|v| v.inactive_total_ns)
+                .collect();
+            contention.observe(now, &inactive)
+        };
         if contended != was_contended && gate_on_contention {
             info!(
                 most_out = format!("{:.0}%", contention.last_fraction * 100.0),

@@ -263,12 +263,18 @@ impl IoTracker {
         let skel = open
             .load()
             .with_context(|| format!("loading the {mode} programs"))?;
-        let links = attach_all(&skel, wanted)?;
+        let mut links = Vec::new();
+        for prog in skel.object().progs_mut() {
+            let name = prog.name().to_string_lossy().to_string();
+            if wanted.contains(&name) {
+                links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
+            }
+        }
         Ok((skel, links))
     }
 
     /// Whether the programs track block requests now (not paused).
-    pub fn attached(&self) -> bool {
+    pub fn tracking(&self) -> bool {
         !self.paused
     }
 
@@ -453,17 +459,6 @@ fn wait_for_running_programs() {
         // its vCPU may be descheduled mid-run for a hypervisor slice.
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-}
-
-fn attach_all(skel: &IotrackSkel<'_>, wanted: &[String]) -> Result<Vec<Link>> {
-    let mut links = Vec::new();
-    for prog in skel.object().progs_mut() {
-        let name = prog.name().to_string_lossy().to_string();
-        if wanted.contains(&name) {
-            links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
-        }
-    }
-    Ok(links)
 }
 
 /// The bytes of a generated `#[repr(C)]` map value, to write it back.

@@ -11,7 +11,8 @@
  * a deschedule, and only while it asks for that (I/O-bound tasks exist).
  *
  * Owns: the per-vCPU state in `vcpus` and the gap ring buffer. Must never: take a lock,
- * loop, or wake user space except for a deschedule while `emit_events` is set.
+ * loop on a timer that fires on time (the one loop, over the vCPUs, runs once per
+ * deschedule), or wake user space except for a deschedule while `emit_events` is set.
  *
  * What it cannot see: a steal-time emulator inside the same kernel (its threads are
  * preempted by the timer interrupt, which therefore fires on time) — user space falls
@@ -38,6 +39,8 @@ volatile __u32 emit_events;
 /* Gaps shorter than this wake nobody: a host's own housekeeping (its I/O threads, an
  * interrupt) preempts a vCPU for a millisecond or two; a hypervisor slice is longer. */
 const volatile __u64 event_min_gap_ns = 2000000;
+/* Highest monitored CPU id + 1: the vCPUs a deschedule is compared with. */
+const volatile __u32 nr_cpus = 0;
 /* vCPUs that hold the tasks user space manages: their own return changes nothing for
  * those tasks (they were waiting there and simply run again), so it wakes nobody. */
 volatile __u64 task_cpus[VT_MAX_CPUS / 64];
@@ -66,6 +69,39 @@ static __always_inline void seen(struct vcpu_tick *v, __u64 ts)
 	v->last_seen = ts;
 }
 
+/* How much of [start, end), the deschedule `cpu` just came back from, some other vCPU is
+ * known to have run: from `start` to its last sign of life, less its own last deschedule
+ * where the two overlap. When the hypervisor takes all vCPUs at once this stays near 0
+ * (the others' last signs of life precede `start` or end their own gap), and a move has
+ * nowhere to go; user space gates moves on it. Runs once per deschedule, not per timer. */
+static __always_inline __u64 covered_by_others(__u32 cpu, __u64 start, __u64 end)
+{
+	__u64 best = 0;
+	for (__u32 i = 0; i < VT_COVER_CPUS; i++) {
+		if (i >= nr_cpus)
+			break;
+		if (i == cpu)
+			continue;
+		struct vcpu_tick *o = &vcpus[i];
+		__u64 seen = o->last_seen;
+		if (seen <= start)
+			continue;
+		if (seen > end)
+			seen = end;
+		__u64 alive = seen - start;
+		__u64 o_end = o->slice_start, o_gap = o->last_gap_ns;
+		if (o->gaps && o_end > start && o_end - o_gap < seen) {
+			__u64 lo = o_end - o_gap > start ? o_end - o_gap : start;
+			__u64 hi = o_end < seen ? o_end : seen;
+			__u64 overlap = hi - lo;
+			alive = overlap < alive ? alive - overlap : 0;
+		}
+		if (alive > best)
+			best = alive;
+	}
+	return best;
+}
+
 static __always_inline int on_expiry(__s64 late)
 {
 	__u32 cpu;
@@ -87,10 +123,12 @@ static __always_inline int on_expiry(__s64 late)
 	__u64 gap_start = v->last_seen + (expired - v->last_seen) / 2;
 	__u64 gap = ts - gap_start;
 	__u64 run = v->slice_start && gap_start > v->slice_start ? gap_start - v->slice_start : 0;
+	__u64 covered = covered_by_others(cpu, gap_start, ts);
 	v->last_gap_ns = gap;
 	v->last_slice_ns = run;
 	v->gaps++;
 	v->inactive_ns += gap;
+	v->covered_ns += covered < gap ? covered : gap;
 	v->slice_start = ts;
 	v->last_seen = ts;
 	if (emit_events && gap >= event_min_gap_ns &&

@@ -4,6 +4,8 @@
 #define VMIGRATER_VCPUTICK_H
 
 #define VT_MAX_CPUS 1024
+/* vCPUs compared at each deschedule (the loop's bound; larger VMs compare the first). */
+#define VT_COVER_CPUS 256
 
 /* One vCPU, written only on that vCPU (timer interrupt or idle path), read by anyone.
  * Times are CLOCK_MONOTONIC ns (bpf_ktime_get_ns). */
@@ -18,6 +20,8 @@ struct vcpu_tick {
 	__u64 timers;         /* timer expiries seen */
 	__u32 idle;           /* in the idle loop (halted: no tick, nothing to run) */
 	__u32 pad;
+	__u64 covered_ns;     /* part of inactive_ns during which another vCPU was seen running:
+	                       * what a move could have gained (0 when all are out at once) */
 };
 
 /* Sent when a vCPU comes back from a deschedule, while user space asks for events. */

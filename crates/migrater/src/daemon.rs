@@ -20,7 +20,7 @@ use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 use crate::affinity::AffinityExecutor;
 use crate::channel::{self, ChannelStats, VcpuSample};
 use crate::config::Config;
-use crate::guard::{Contention, GuardConfig, MoveGuard};
+use crate::guard::{Contention, GuardConfig, MoveGuard, VcpuOut};
 use crate::hook::{LatencyRing, MigrationHook, Placement, Shared, TaskEntry};
 use crate::journal::AffinityJournal;
 use crate::metrics::{CpuLabel, Metrics};
@@ -125,6 +125,7 @@ impl Running {
                     active: s.active,
                     deschedules: s.deschedules,
                     inactive_total_ms: s.inactive_total_ns as f64 / 1e6,
+                    covered_total_ms: s.covered_total_ns as f64 / 1e6,
                     last_inactive_ms: s.last_inactive_ns as f64 / 1e6,
                     est_slice_ms: s.est_slice_ns as f64 / 1e6,
                     remaining_ms: s.remaining_ns as f64 / 1e6,
@@ -187,6 +188,10 @@ impl Running {
                 .store(s.deschedules, Ordering::Relaxed);
             m.inactive_seconds.get_or_create(&l).inner().store(
                 (s.inactive_total_ns as f64 / 1e9).to_bits(),
+                Ordering::Relaxed,
+            );
+            m.covered_seconds.get_or_create(&l).inner().store(
+                (s.covered_total_ns as f64 / 1e9).to_bits(),
                 Ordering::Relaxed,
             );
             m.slice_estimate_seconds
@@ -462,7 +467,11 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
     // Where nothing is descheduled there is nothing to gain: with the guard on (dry run
     // too, to show what would happen), no probe and no move there.
     let gate_on_contention = cfg.migration.guard && measures_contention;
-    let mut contention = Contention::new(2_000_000_000, Contention::DEFAULT_MIN_FRACTION);
+    let mut contention = Contention::new(
+        2_000_000_000,
+        Contention::DEFAULT_MIN_FRACTION,
+        Contention::DEFAULT_MIN_COVERED,
+    );
     let mut contended = false;
     let mut guard = (cfg.migration.guard && !cfg.dry_run).then(|| {
         MoveGuard::new(GuardConfig {
@@ -549,19 +558,25 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
         let now = monotonic_ns();
         let was_contended = contended;
         contended = !gate_on_contention || {
-            let inactive: Vec<u64> = board
+            let out: Vec<VcpuOut> = board
                 .snapshot(now)
                 .iter()
-                .map(|v| v.inactive_total_ns)
+                .map(|v| VcpuOut {
+                    inactive_ns: v.inactive_total_ns,
+                    covered_ns: v.covered_total_ns,
+                })
                 .collect();
-            contention.observe(now, &inactive)
+            contention.observe(now, &out)
         };
         if contended != was_contended && gate_on_contention {
             info!(
                 most_out = format!("{:.0}%", contention.last_fraction * 100.0),
+                others_running = format!("{:.0}%", contention.last_covered * 100.0),
                 "{}",
                 if contended {
-                    "vCPUs are descheduled: moves may pay, the guard will probe"
+                    "vCPUs are descheduled while others run: moves may pay, the guard will probe"
+                } else if contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION {
+                    "vCPUs are descheduled all at once: nowhere to move to, no moves"
                 } else {
                     "vCPUs run nearly all the time: nothing to gain, no moves"
                 }

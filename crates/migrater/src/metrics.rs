@@ -64,6 +64,7 @@ pub struct Metrics {
     registry: Registry,
     pub deschedules: Family<CpuLabel, Counter>,
     pub inactive_seconds: Family<CpuLabel, FloatCounter>,
+    pub covered_seconds: Family<CpuLabel, FloatCounter>,
     pub slice_estimate_seconds: Family<CpuLabel, FloatGauge>,
     pub remaining_slice_seconds: Family<CpuLabel, FloatGauge>,
     pub vcpu_active: Family<CpuLabel, Gauge>,
@@ -88,6 +89,7 @@ impl Metrics {
         let mut m = Metrics {
             deschedules: Family::default(),
             inactive_seconds: Family::default(),
+            covered_seconds: Family::default(),
             slice_estimate_seconds: Family::default(),
             remaining_slice_seconds: Family::default(),
             vcpu_active: Family::default(),
@@ -117,6 +119,12 @@ impl Metrics {
             "Total time a vCPU was seen descheduled",
             Unit::Seconds,
             m.inactive_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_inactive_covered",
+            "Part of a vCPU's descheduled time during which another vCPU was seen running: what moves could gain (kernel source only)",
+            Unit::Seconds,
+            m.covered_seconds.clone(),
         );
         r.register_with_unit(
             "vcpu_slice_estimate",

@@ -18,6 +18,9 @@ pub struct VcpuStatus {
     pub active: bool,
     pub deschedules: u64,
     pub inactive_total_ms: f64,
+    /// Of `inactive_total_ms`, the time another vCPU was seen running (kernel source).
+    #[serde(default)]
+    pub covered_total_ms: f64,
     pub last_inactive_ms: f64,
     pub est_slice_ms: f64,
     pub remaining_ms: f64,

@@ -37,6 +37,9 @@ pub struct VcpuSnapshot {
     pub inactive_for_ns: u64,
     pub deschedules: u64,
     pub inactive_total_ns: u64,
+    /// The part of `inactive_total_ns` during which another vCPU was seen running (kernel
+    /// source only; 0 from sleepers): time a move had somewhere to go.
+    pub covered_total_ns: u64,
     pub last_seen_ns: u64,
     pub gap_threshold_ns: u64,
     /// The sleep period its sleeper currently uses.
@@ -56,6 +59,7 @@ pub(crate) struct Slot {
     pub last_inactive_ns: AtomicU64,
     pub deschedules: AtomicU64,
     pub inactive_total_ns: AtomicU64,
+    pub covered_total_ns: AtomicU64,
     pub gap_threshold_ns: AtomicU64,
     pub hiccups: AtomicU64,
     /// In the guest's idle loop (kernel source only): halted, not descheduled, and free
@@ -190,6 +194,7 @@ impl VcpuBoard {
             inactive_for_ns: if active { 0 } else { overdue },
             deschedules: s.deschedules.load(Relaxed),
             inactive_total_ns: s.inactive_total_ns.load(Relaxed),
+            covered_total_ns: s.covered_total_ns.load(Relaxed),
             last_seen_ns: last_seen,
             gap_threshold_ns: threshold,
             period_ns: period,

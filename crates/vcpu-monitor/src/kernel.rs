@@ -171,6 +171,7 @@ struct TickState {
     inactive_ns: u64,
     tick_ns: u64,
     idle: bool,
+    covered_ns: u64,
 }
 
 fn read_state(p: *const types::vcpu_tick) -> TickState {
@@ -186,6 +187,7 @@ fn read_state(p: *const types::vcpu_tick) -> TickState {
             inactive_ns: std::ptr::addr_of!((*p).inactive_ns).read_volatile(),
             tick_ns: std::ptr::addr_of!((*p).tick_ns).read_volatile(),
             idle: std::ptr::addr_of!((*p).idle).read_volatile() != 0,
+            covered_ns: std::ptr::addr_of!((*p).covered_ns).read_volatile(),
         }
     }
 }
@@ -236,15 +238,18 @@ fn open_attach<'o>(
     storage: &'o mut MaybeUninit<libbpf_rs::OpenObject>,
     attach: TimerAttach,
     threshold_ns: u64,
+    nr_cpus: u32,
 ) -> Result<(crate::bpf_skel::VcputickSkel<'o>, Vec<Link>)> {
     let mut open = VcputickSkelBuilder::default()
         .open(storage)
         .context("opening the timer BPF object")?;
-    open.maps
+    let rodata = open
+        .maps
         .rodata_data
         .as_deref_mut()
-        .context("the timer BPF object has no .rodata")?
-        .gap_threshold_ns = threshold_ns;
+        .context("the timer BPF object has no .rodata")?;
+    rodata.gap_threshold_ns = threshold_ns;
+    rodata.nr_cpus = nr_cpus;
     let prefix = match attach {
         TimerAttach::TpBtf => "btf_",
         TimerAttach::RawTp => "raw_",
@@ -278,14 +283,20 @@ fn event_thread(
         .min_gap_threshold
         .max(MIN_KERNEL_GAP_THRESHOLD)
         .as_nanos() as u64;
+    // A deschedule is compared with every monitored vCPU (ids below this).
+    let nr_cpus = board
+        .cpus()
+        .filter(|&c| c < MAX_CPUS)
+        .max()
+        .map_or(0, |c| c as u32 + 1);
     // One backing object per attempt: a failed attempt's skeleton still borrows its own.
     let (mut btf_storage, mut raw_storage) = (MaybeUninit::uninit(), MaybeUninit::uninit());
     let mut errors = Vec::new();
-    let loaded = match open_attach(&mut btf_storage, TimerAttach::TpBtf, threshold_ns) {
+    let loaded = match open_attach(&mut btf_storage, TimerAttach::TpBtf, threshold_ns, nr_cpus) {
         Ok(x) => Some((x, TimerAttach::TpBtf)),
         Err(e) => {
             errors.push(format!("tp_btf: {e:#}"));
-            match open_attach(&mut raw_storage, TimerAttach::RawTp, threshold_ns) {
+            match open_attach(&mut raw_storage, TimerAttach::RawTp, threshold_ns, nr_cpus) {
                 Ok(x) => Some((x, TimerAttach::RawTp)),
                 Err(e) => {
                     errors.push(format!("raw_tp: {e:#}"));
@@ -527,6 +538,7 @@ impl BoardView<'_> {
                 .store(if slicing { st.slice_start } else { now }, Relaxed);
             slot.deschedules.store(st.gaps, Relaxed);
             slot.inactive_total_ns.store(st.inactive_ns, Relaxed);
+            slot.covered_total_ns.store(st.covered_ns, Relaxed);
             slot.last_inactive_ns.store(st.last_gap_ns, Relaxed);
         }
     }

@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab package package-check clean
+.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -44,6 +44,22 @@ bench-lab: lab-setup build
 	cp target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png benches/results/
 
 bench: bench-micro bench-contention
+
+# Every benchmark run once in seconds, not a measurement: so that none can rot unseen (a
+# benchmark that no longer starts fails CI). Criterion's test mode runs each micro
+# benchmark once; the contention, BPF-overhead and lab benchmarks run one tiny round and
+# write to target/bench-smoke, never over a real result. Root (CI is).
+bench-smoke: lab-setup
+	$(CARGO) build --workspace --bins
+	$(CARGO) test -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse
+	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-smoke VMIGRATER_BENCH_ROUNDS=1 VMIGRATER_BENCH_READS=200 \
+		$(CARGO) bench -p vmigrater-testbed --bench bpf_overhead
+	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-smoke VMIGRATER_BENCH_ROUNDS=1 VMIGRATER_BENCH_SECS=1 \
+		VMIGRATER_BENCH_WARMUP_MS=200 VMIGRATER_BENCH_IDLE_SECS=1 \
+		$(CARGO) bench -p vmigrater-testbed --bench contention
+	$(CARGO) build --release --workspace --bins
+	./target/release/vmigrater-lab bench --bin-dir target/release --secs 2 --reps 1 --only sweep1 \
+		--modes vanilla,vmigrater --out target/bench-smoke/lab.json
 
 # .deb and .rpm of both programs into target/package/ (installs cargo-deb, cargo-generate-rpm).
 package: setup

@@ -8,7 +8,6 @@ use anyhow::Result;
 use serde_json::json;
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::PathBuf;
 use std::time::Instant;
 use task_detector::{IoTracker, TrackerOptions};
 use vmigrater_testbed::{require_root, workload};
@@ -58,7 +57,7 @@ fn main() -> Result<()> {
     }
     let rounds = env_num("VMIGRATER_BENCH_ROUNDS", 6);
     let n = env_num("VMIGRATER_BENCH_READS", 20_000);
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    let dir = vmigrater_testbed::bench_dir();
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("contention-data.bin");
     workload::prepare_file(&path, 1 << 30)?;

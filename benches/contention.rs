@@ -26,7 +26,7 @@
 
 use anyhow::{Context, Result};
 use serde_json::{json, Map, Value};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use steal_emulator::{monotonic_ns, Emulator, Pattern, StealRecord};
@@ -684,7 +684,7 @@ fn main() -> Result<()> {
         ncpus() >= 2,
         "the contention benchmark needs 2 CPUs (anti-phase steal on CPU 0 and 1)"
     );
-    let out_dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench");
+    let out_dir = vmigrater_testbed::bench_dir();
     std::fs::create_dir_all(&out_dir)?;
     let file = out_dir.join("contention-data.bin");
     let t = Instant::now();

@@ -476,6 +476,56 @@ fn malformed_config_is_refused_with_its_line() {
     assert!(err.contains("sleep_forever"), "{err}");
 }
 
+/// `check` gates deployment scripts and post-install steps: an invalid configuration
+/// fails it (both programs), naming the file, line and key; a valid one passes.
+#[test]
+fn check_fails_on_an_invalid_config() {
+    let dir = tempfile::tempdir().unwrap();
+    for (bin, bad) in [
+        ("vmigrater", "[detector]\nidle_poll_ms = 0\n"),
+        ("vmigrater-hv-agent", "period_ms = 100\nno_such_key = 1\n"),
+    ] {
+        let path = dir.path().join(format!("{bin}.toml"));
+        std::fs::write(&path, bad).unwrap();
+        let out = Command::new(workspace_bin(bin))
+            .arg("--config")
+            .arg(&path)
+            .arg("check")
+            .output()
+            .expect("run check");
+        let (text, err) = (
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        );
+        assert!(!out.status.success(), "{bin} check passed:\n{text}{err}");
+        assert!(text.contains("ERROR"), "{bin}: {text}");
+        assert!(
+            text.contains(&format!("{}:", path.display())),
+            "{bin} names no place: {text}"
+        );
+        assert!(err.contains("check failed"), "{bin}: {err}");
+        // The same file, fixed, passes (not root: what needs root is reported unverified).
+        let good = if bin == "vmigrater" {
+            "[detector]\nidle_poll_ms = 500\n"
+        } else {
+            "period_ms = 100\n"
+        };
+        std::fs::write(&path, good).unwrap();
+        let out = Command::new(workspace_bin(bin))
+            .arg("--config")
+            .arg(&path)
+            .arg("check")
+            .output()
+            .expect("run check");
+        assert!(
+            out.status.success() || !nix::unistd::geteuid().is_root(),
+            "{bin} check failed on a valid config:\n{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
 /// A pty stands in for the virtio port: the daemon opens the slave like
 /// /dev/virtio-ports/org.vmigrater.hint.0, the test plays the host on the master.
 #[test]

@@ -186,6 +186,205 @@ fn nice_is_back_after_sigterm() {
     );
 }
 
+/// A guest that stops reading its replies must not stall the period loop (every VM's
+/// credits) or shutdown: its socket fills, it is disconnected, it may reconnect.
+#[test]
+fn a_guest_that_stops_reading_stalls_nothing() {
+    if !require_root("a_guest_that_stops_reading_stalls_nothing") {
+        return;
+    }
+    let hogs = Hogs::start(&[0, 0]);
+    let (a, b) = (hogs.tids[0], hogs.tids[1]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("mute.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[[vm]]\nname = \"mute\"\nhint_socket = {:?}\nvcpu_threads = [{a}]\n\n[[vm]]\nname = \"other\"\nvcpu_threads = [{b}]\n",
+            sock.display().to_string()
+        ),
+    );
+    let mut g = guest(&listener, 1);
+    g.write_all(report(1, &[(0, "200", "500")]).as_bytes())
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    // Then only lines the agent answers with an error, never reading one: its replies
+    // fill the socket buffer within a few thousand lines.
+    g.set_write_timeout(Some(Duration::from_millis(500)))
+        .unwrap();
+    let junk = "x\n".repeat(4096);
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(5) && g.write_all(junk.as_bytes()).is_ok() {}
+    let periods = |s: &serde_json::Value| s["periods"].as_u64().unwrap();
+    let s0 = agent.status().expect("agent status");
+    std::thread::sleep(Duration::from_millis(500));
+    let s1 = agent.status().expect("agent status");
+    assert!(
+        periods(&s1) >= periods(&s0) + 5,
+        "the period loop stalled: {} then {} periods in 500 ms",
+        periods(&s0),
+        periods(&s1)
+    );
+    assert!(
+        s1["vms"][0]["disconnects"].as_u64() >= Some(1),
+        "the mute guest was never disconnected: {s1:#}"
+    );
+    // It may come back: the agent reconnects and greets it again.
+    listener.set_nonblocking(true).unwrap();
+    let t1 = Instant::now();
+    let back = loop {
+        match listener.accept() {
+            Ok((s, _)) => break Some(s),
+            Err(_) if t1.elapsed() < Duration::from_secs(5) => {
+                std::thread::sleep(Duration::from_millis(20))
+            }
+            Err(_) => break None,
+        }
+    };
+    assert!(back.is_some(), "the agent did not reconnect");
+    drop(g);
+    let t2 = Instant::now();
+    let log = agent.terminate();
+    let took = t2.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "SIGTERM took {took:?}:\n{log}"
+    );
+    assert!(log.contains("does not read its replies"), "{log}");
+    assert_eq!((nice_of(a), nice_of(b)), (0, 0), "nice not restored");
+}
+
+/// A guest cannot grow the agent's state and metric series: a VM has the vCPUs the host
+/// knows of, and where the host knows none, the ones the connected guest announced.
+#[test]
+fn guest_vcpus_are_bounded_by_what_the_host_knows() {
+    if !require_root("guest_vcpus_are_bounded_by_what_the_host_knows") {
+        return;
+    }
+    let hogs = Hogs::start(&[0, 0]);
+    let dir = tempfile::tempdir().unwrap();
+    let (known, unknown) = (
+        dir.path().join("known.sock"),
+        dir.path().join("unknown.sock"),
+    );
+    let (lk, lu) = (
+        UnixListener::bind(&known).unwrap(),
+        UnixListener::bind(&unknown).unwrap(),
+    );
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[[vm]]\nname = \"known\"\nhint_socket = {:?}\nvcpu_threads = [{}, {}]\n\n[[vm]]\nname = \"unknown\"\nhint_socket = {:?}\npid_file = {:?}\n",
+            known.display().to_string(),
+            hogs.tids[0],
+            hogs.tids[1],
+            unknown.display().to_string(),
+            dir.path().join("no-such.pid").display().to_string(),
+        ),
+    );
+    let many: Vec<(u32, &str, &str)> = (0..1024).map(|c| (c, "10", "500")).collect();
+    // Well-behaved guests read the agent's replies (a guest that does not is disconnected).
+    let drain = |g: &UnixStream| {
+        let mut r = g.try_clone().unwrap();
+        std::thread::spawn(move || std::io::copy(&mut r, &mut std::io::sink()));
+    };
+    let (mut gk, mut gu) = (guest(&lk, 1024), guest(&lu, 1024));
+    drain(&gk);
+    drain(&gu);
+    let vcpus = |vm: usize| -> usize {
+        let s = agent.status().expect("agent status");
+        s["vms"][vm]["vcpus"].as_array().map_or(0, |v| v.len())
+    };
+    let flood = |g: &mut UnixStream, seq: u64, v: &[(u32, &str, &str)]| {
+        g.write_all(report(seq, v).as_bytes()).unwrap();
+    };
+    // A line holds at most 64 KiB: 1,024 vCPUs take four reports.
+    let mut seq = 0;
+    for _ in 0..6 {
+        for chunk in many.chunks(256) {
+            seq += 1;
+            flood(&mut gk, seq, chunk);
+            flood(&mut gu, seq, chunk);
+        }
+        std::thread::sleep(Duration::from_millis(60));
+    }
+    assert_eq!(vcpus(0), 2, "the host knows 2 vCPU threads");
+    assert_eq!(vcpus(1), 1024, "threads unknown: the guest's hello says");
+    // The guest reconnects with 2 vCPUs: its 1,022 others go.
+    // (Shut down, not dropped: the drain thread holds a clone of the socket.)
+    gu.shutdown(std::net::Shutdown::Both).unwrap();
+    let mut gu = guest(&lu, 2);
+    drain(&gu);
+    for seq in 1..=6 {
+        flood(&mut gu, seq, &many[..2]);
+        std::thread::sleep(Duration::from_millis(60));
+    }
+    assert_eq!(vcpus(1), 2, "stale vCPUs of the old session stayed");
+    let scrape =
+        hv_agent::metrics::encode(&serde_json::from_value(agent.status().unwrap()).unwrap());
+    let series = scrape
+        .lines()
+        .filter(|l| l.starts_with("vmigrater_hv_vcpu_iv_credit"))
+        .count();
+    assert_eq!(series, 4, "one IVCredit series per vCPU:\n{scrape}");
+    for g in [gk, gu] {
+        g.shutdown(std::net::Shutdown::Both).unwrap();
+    }
+    agent.terminate();
+}
+
+/// SIGTERM ends the agent within a second however long its period is and whatever its
+/// guests do: one never reachable (back-off naps of seconds), one connected and silent
+/// (a blocking read).
+#[test]
+fn sigterm_is_prompt_whatever_the_period_and_the_guests() {
+    if !require_root("sigterm_is_prompt_whatever_the_period_and_the_guests") {
+        return;
+    }
+    let hogs = Hogs::start(&[0, 0]);
+    let dir = tempfile::tempdir().unwrap();
+    let silent = dir.path().join("silent.sock");
+    let listener = UnixListener::bind(&silent).unwrap();
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "period_ms = 60000\nstate_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n\n[[vm]]\nname = \"away\"\nhint_socket = {:?}\nvcpu_threads = [{}]\n\n[[vm]]\nname = \"silent\"\nhint_socket = {:?}\nvcpu_threads = [{}]\n",
+            dir.path().display().to_string(),
+            dir.path().join("nobody.sock").display().to_string(),
+            hogs.tids[0],
+            silent.display().to_string(),
+            hogs.tids[1],
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("agent.log");
+    let agent = Agent {
+        child: Some(
+            Command::new(workspace_bin("vmigrater-hv-agent"))
+                .arg("--config")
+                .arg(&config)
+                .args(["--log", "debug", "run"])
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .unwrap(),
+        ),
+        config,
+        log,
+    };
+    let (_quiet, _) = listener.accept().unwrap();
+    // Long enough for the unreachable guest's back-off to pass a second.
+    std::thread::sleep(Duration::from_millis(3500));
+    let t0 = Instant::now();
+    let log = agent.terminate();
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_secs(1),
+        "SIGTERM took {took:?}:\n{log}"
+    );
+}
+
 #[test]
 fn a_lying_guest_gains_no_cpu_with_cgroup_weights() {
     if !require_root("a_lying_guest_gains_no_cpu_with_cgroup_weights") {

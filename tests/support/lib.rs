@@ -43,6 +43,16 @@ pub fn workspace_bin(name: &str) -> PathBuf {
     path
 }
 
+/// Where the benchmarks keep their data file and write their results: `target/bench`,
+/// or `$VMIGRATER_BENCH_DIR` (the CI smoke runs write elsewhere, so that they never
+/// replace a real measurement).
+pub fn bench_dir() -> PathBuf {
+    std::env::var_os("VMIGRATER_BENCH_DIR").map_or_else(
+        || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/bench"),
+        PathBuf::from,
+    )
+}
+
 /// The calling thread's kernel thread id.
 pub fn gettid() -> u32 {
     nix::unistd::gettid().as_raw() as u32

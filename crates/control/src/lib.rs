@@ -120,6 +120,104 @@ pub fn parse_toml<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T> {
     })
 }
 
+/// The stop signal of a daemon's threads. Every sleep of a long-lived thread is a `nap`
+/// on it, so that shutdown takes the same time whatever the configured periods and
+/// back-offs are: `set` wakes every napper at once.
+#[derive(Debug, Default)]
+pub struct Stop {
+    set: std::sync::atomic::AtomicBool,
+    lock: std::sync::Mutex<()>,
+    cv: std::sync::Condvar,
+}
+
+impl Stop {
+    pub fn set(&self) {
+        self.set.store(true, std::sync::atomic::Ordering::SeqCst);
+        // Taking the lock orders this store before any napper's check-then-wait.
+        drop(self.lock.lock().unwrap_or_else(|e| e.into_inner()));
+        self.cv.notify_all();
+    }
+
+    pub fn is_set(&self) -> bool {
+        self.set.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Sleeps up to `d`; returns whether the stop is set (at once if it already is).
+    pub fn nap(&self, d: Duration) -> bool {
+        let guard = self.lock.lock().unwrap_or_else(|e| e.into_inner());
+        let _ = self.cv.wait_timeout_while(guard, d, |_| !self.is_set());
+        self.is_set()
+    }
+}
+
+/// A configuration value outside what a program accepts: the dotted key (`section.key`)
+/// and what is wrong with it. `Config::parse` turns it into `origin:line: message`.
+#[derive(Debug)]
+pub struct Invalid {
+    pub key: String,
+    pub message: String,
+}
+
+impl Invalid {
+    pub fn new(key: &str, message: impl std::fmt::Display) -> Invalid {
+        Invalid {
+            key: key.into(),
+            message: message.to_string(),
+        }
+    }
+
+    /// The error for the user: the file, the line that sets the key (when the text sets
+    /// it; a default or a command-line flag has none) and the message.
+    pub fn located(&self, text: &str, origin: &str) -> anyhow::Error {
+        match key_line(text, &self.key) {
+            Some(line) => anyhow::anyhow!("{origin}:{line}: {}", self.message),
+            None => anyhow::anyhow!("{origin}: {}", self.message),
+        }
+    }
+}
+
+/// Checks that `key`'s `value` lies in `lo..=hi`; NaN never does.
+pub fn in_range<T: PartialOrd + std::fmt::Display>(
+    key: &str,
+    value: T,
+    lo: T,
+    hi: T,
+) -> std::result::Result<(), Invalid> {
+    if value >= lo && value <= hi {
+        Ok(())
+    } else {
+        Err(Invalid::new(
+            key,
+            format!("{key} = {value} is outside {lo}..={hi}"),
+        ))
+    }
+}
+
+/// The 1-based line of TOML `text` that sets the dotted `key` (`period_ms`,
+/// `monitor.period_us`), or the header of the table `key` names (`[[vm]]`).
+pub fn key_line(text: &str, key: &str) -> Option<usize> {
+    let (table, name) = key.rsplit_once('.').unwrap_or(("", key));
+    let mut current = String::new();
+    for (i, line) in text.lines().enumerate() {
+        let l = line.trim();
+        if let Some(h) = l.strip_prefix('[') {
+            current = h.trim_matches(|c| c == '[' || c == ']').trim().to_string();
+            if current == key {
+                return Some(i + 1);
+            }
+            continue;
+        }
+        let Some((k, _)) = l.split_once('=') else {
+            continue;
+        };
+        let k = k.trim().trim_matches('"');
+        if current == table && k == name {
+            return Some(i + 1);
+        }
+    }
+    None
+}
+
 /// Resolves at SIGINT or SIGTERM, with the signal's name.
 pub async fn terminated() -> &'static str {
     let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -152,6 +250,50 @@ mod tests {
     use super::*;
     use std::io::Write as _;
     use std::sync::atomic::{AtomicBool, Ordering};
+
+    #[test]
+    fn a_stop_wakes_a_long_nap_at_once() {
+        let stop = Arc::new(Stop::default());
+        assert!(!stop.nap(Duration::from_millis(1)));
+        let napper = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                assert!(stop.nap(Duration::from_secs(600)));
+                t0.elapsed()
+            })
+        };
+        std::thread::sleep(Duration::from_millis(50));
+        stop.set();
+        let slept = napper.join().unwrap();
+        assert!(
+            slept < Duration::from_secs(5),
+            "napped {slept:?} after the stop"
+        );
+        assert!(
+            stop.nap(Duration::from_secs(600)),
+            "a set stop never sleeps"
+        );
+    }
+
+    #[test]
+    fn a_key_is_found_on_its_line_in_its_table() {
+        let text = "period_ms = 5\n# c\n[monitor]\nperiod_us=1\n\n[[vm]]\nname = \"a\"\n";
+        assert_eq!(key_line(text, "period_ms"), Some(1));
+        assert_eq!(key_line(text, "monitor.period_us"), Some(4));
+        assert_eq!(key_line(text, "period_us"), None, "top-level only");
+        assert_eq!(key_line(text, "vm"), Some(6));
+        assert_eq!(key_line(text, "vm.name"), Some(7));
+        assert_eq!(key_line(text, "monitor.idle_period_us"), None);
+        let e = in_range("monitor.period_us", 1u64, 50, 100_000).unwrap_err();
+        assert_eq!(
+            e.located(text, "f.toml").to_string(),
+            "f.toml:4: monitor.period_us = 1 is outside 50..=100000"
+        );
+        assert!(in_range("x", f64::NAN, 0.0, 1.0).is_err());
+        assert!(in_range("x", f64::INFINITY, 0.0, 1.0).is_err());
+        assert!(in_range("x", 1.0, 0.0, 1.0).is_ok());
+    }
 
     #[test]
     fn serves_status_and_metrics_until_shutdown() {

@@ -9,7 +9,7 @@ use anyhow::Result;
 use proto::{Applied, Message, VcpuWeight};
 use sched_core::CreditParams;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -49,7 +49,7 @@ struct Vm {
     tids: Vec<u32>,
     resolved_at: Option<Instant>,
     guest: Arc<GuestState>,
-    stop: Arc<AtomicBool>,
+    stop: Arc<control::Stop>,
     thread: Option<JoinHandle<()>>,
     tracks: Vec<Track>,
 }
@@ -57,7 +57,7 @@ struct Vm {
 impl Vm {
     fn new(cfg: VmConfig, origin: &'static str, min_interval: Duration) -> Result<Vm> {
         let guest = Arc::new(GuestState::default());
-        let stop = Arc::new(AtomicBool::new(false));
+        let stop = Arc::new(control::Stop::default());
         let thread = match cfg.hint_socket.clone() {
             Some(sock) => {
                 let (name, state, stop) = (cfg.name.clone(), guest.clone(), stop.clone());
@@ -81,8 +81,17 @@ impl Vm {
         })
     }
 
+    /// Tells the guest thread to stop and wakes it: from a back-off nap, and from a read
+    /// (the socket is shut down), so stopping takes no period or timeout.
+    fn signal_stop(&self) {
+        self.stop.set();
+        if let Some(w) = self.guest.writer.lock().expect("guest writer").as_ref() {
+            let _ = w.shutdown(std::net::Shutdown::Both);
+        }
+    }
+
     fn shut(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
+        self.signal_stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -234,13 +243,19 @@ impl Agent {
         let mut figures = Vec::new();
         for (i, vm) in self.vms.iter_mut().enumerate() {
             let reports = vm.guest.fresh(period * 3);
-            let n = vm
-                .tids
-                .len()
-                .max(reports.keys().next_back().map_or(0, |&k| k as usize + 1));
-            vm.tracks
-                .resize_with(n.max(vm.tracks.len()), Track::default);
-            for (cpu, track) in vm.tracks.iter_mut().enumerate().take(n) {
+            // A VM has the vCPUs the host knows of: its vCPU threads (a guest cannot invent
+            // more, nor the series and state that would come with them). Only where the
+            // threads are unknown (a Xen domain, a VM not resolved yet) does the connected
+            // guest's hello say (at most proto::MAX_VCPUS, reports beyond it are rejected),
+            // so a guest that reconnects with fewer, or leaves, leaves no vCPU behind.
+            let n = if vm.tids.is_empty() {
+                vm.guest.vcpus.load(Ordering::Relaxed) as usize
+            } else {
+                vm.tids.len()
+            };
+            vm.tracks.truncate(n);
+            vm.tracks.resize_with(n, Track::default);
+            for (cpu, track) in vm.tracks.iter_mut().enumerate() {
                 track.tid = vm.tids.get(cpu).copied();
                 let sample = track.tid.and_then(observe::sample);
                 let (run, wait, wakeups) = match (&track.prev, &sample) {
@@ -326,12 +341,15 @@ impl Agent {
             self.place();
         }
         for (i, vcpus) in applied {
-            let g = &self.vms[i].guest;
+            let (g, vm) = (&self.vms[i].guest, &self.vms[i].cfg.name);
             if g.connected.load(Ordering::Relaxed) && g.reports.load(Ordering::Relaxed) > 0 {
-                g.reply(&Message::Applied(Applied {
-                    seq: g.last_seq.load(Ordering::Relaxed),
-                    vcpus,
-                }));
+                g.reply(
+                    vm,
+                    &Message::Applied(Applied {
+                        seq: g.last_seq.load(Ordering::Relaxed),
+                        vcpus,
+                    }),
+                );
             }
         }
         self.publish();
@@ -421,6 +439,7 @@ impl Agent {
                     connected: vm.guest.connected.load(Ordering::Relaxed),
                     reports: vm.guest.reports.load(Ordering::Relaxed),
                     rejected: vm.guest.rejected.load(Ordering::Relaxed),
+                    disconnects: vm.guest.disconnects.load(Ordering::Relaxed),
                     vcpus: vm.tracks.iter().map(|t| t.status.clone()).collect(),
                 })
                 .collect(),
@@ -429,7 +448,7 @@ impl Agent {
     }
 
     /// Runs periods until `stop`, then restores every change.
-    pub fn run(mut self, stop: &AtomicBool) {
+    pub fn run(mut self, stop: &control::Stop) {
         info!(
             backend = self.backend.name(),
             weight = %self.cfg.weight,
@@ -440,11 +459,10 @@ impl Agent {
         self.publish();
         let period = Duration::from_millis(self.cfg.period_ms);
         let mut next = Instant::now() + period;
-        while !stop.load(Ordering::Relaxed) {
-            // Short sleeps so a stop is seen within 50 ms even with long periods.
+        while !stop.is_set() {
             let now = Instant::now();
             if now < next {
-                std::thread::sleep((next - now).min(Duration::from_millis(50)));
+                stop.nap(next - now);
                 continue;
             }
             next += period;
@@ -459,6 +477,10 @@ impl Agent {
             backend = self.backend.name(),
             "restored every scheduling change"
         );
+        // All guest threads told first: they stop together, not one after another.
+        for vm in &self.vms {
+            vm.signal_stop();
+        }
         for vm in &mut self.vms {
             vm.shut();
         }

@@ -1,7 +1,8 @@
 //! Agent configuration (`/etc/vmigrater/hv-agent.toml`): every key has a default; unknown
 //! keys are errors naming the line. Owns parsing and validation only.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use control::{in_range, Invalid};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -119,8 +120,7 @@ pub struct VmConfig {
 impl Config {
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
         let cfg: Config = control::parse_toml(text, origin)?;
-        cfg.validate()
-            .with_context(|| format!("{origin}: invalid configuration"))?;
+        cfg.validate().map_err(|e| e.located(text, origin))?;
         Ok(cfg)
     }
 
@@ -134,48 +134,72 @@ impl Config {
         }
     }
 
-    fn validate(&self) -> Result<()> {
-        if !(10..=60_000).contains(&self.period_ms) {
-            bail!("period_ms = {} is outside 10..=60000", self.period_ms);
-        }
+    /// Every key's range, documented in the README's configuration table.
+    fn validate(&self) -> std::result::Result<(), Invalid> {
+        in_range("period_ms", self.period_ms, 10, 60_000)?;
         if !["kvm-qemu", "xen", "dry-run"].contains(&self.backend.as_str()) {
-            bail!(
-                "backend = {:?}: expected \"kvm-qemu\", \"xen\" or \"dry-run\"",
-                self.backend
-            );
+            return Err(Invalid::new(
+                "backend",
+                format!(
+                    "backend = {:?}: expected \"kvm-qemu\", \"xen\" or \"dry-run\"",
+                    self.backend
+                ),
+            ));
         }
         if !["nice", "cgroup"].contains(&self.weight.as_str()) {
-            bail!(
-                "weight = {:?}: expected \"nice\" or \"cgroup\"",
-                self.weight
-            );
+            return Err(Invalid::new(
+                "weight",
+                format!(
+                    "weight = {:?}: expected \"nice\" or \"cgroup\"",
+                    self.weight
+                ),
+            ));
         }
-        if !(0..=19).contains(&self.max_nice_delta) {
-            bail!("max_nice_delta = {} is outside 0..=19", self.max_nice_delta);
+        in_range(
+            "min_report_interval_ms",
+            self.min_report_interval_ms,
+            0,
+            60_000,
+        )?;
+        in_range("max_nice_delta", self.max_nice_delta, 0, 19)?;
+        // The kernel takes EEVDF slices of 0.1..100 ms; 0 leaves slices alone.
+        if self.io_slice_us != 0 {
+            in_range("io_slice_us", self.io_slice_us, 100, 100_000).map_err(|e| {
+                Invalid::new(&e.key, format!("{}, or 0 to leave slices alone", e.message))
+            })?;
         }
         let mut names = std::collections::HashSet::new();
         for vm in &self.vms {
             if !names.insert(&vm.name) {
-                bail!("vm {:?} is configured twice", vm.name);
+                return Err(Invalid::new(
+                    "vm",
+                    format!("vm {:?} is configured twice", vm.name),
+                ));
             }
             if vm.qmp_socket.is_none()
                 && vm.pid_file.is_none()
                 && vm.vcpu_threads.is_empty()
                 && vm.domain.is_none()
             {
-                bail!(
-                    "vm {:?}: give qmp_socket, pid_file, vcpu_threads or domain",
-                    vm.name
-                );
+                return Err(Invalid::new(
+                    "vm",
+                    format!(
+                        "vm {:?}: give qmp_socket, pid_file, vcpu_threads or domain",
+                        vm.name
+                    ),
+                ));
             }
             // SAFETY: sysconf has no memory arguments.
             let max = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;
             if let Some(c) = vm.host_cpus.iter().find(|&&c| c >= max) {
-                bail!(
-                    "vm {:?}: host_cpus has CPU {c}, but this host has CPUs 0..{}",
-                    vm.name,
-                    max - 1
-                );
+                return Err(Invalid::new(
+                    "vm.host_cpus",
+                    format!(
+                        "vm {:?}: host_cpus has CPU {c}, but this host has CPUs 0..{}",
+                        vm.name,
+                        max - 1
+                    ),
+                ));
             }
         }
         Ok(())
@@ -195,6 +219,53 @@ mod tests {
         .unwrap();
         assert_eq!(c.period_ms, 100);
         assert_eq!(c.vms[0].vcpu_threads, vec![1, 2]);
+    }
+
+    /// Every numeric key at both ends of its range and beyond: accepted inside, refused
+    /// outside with the file, the line and the key.
+    #[test]
+    fn every_key_is_bounded_at_both_ends() {
+        let cases: &[(&str, &str, &str, &[&str])] = &[
+            (
+                "period_ms",
+                "10",
+                "60000",
+                &["9", "60001", "9223372036854775807"],
+            ),
+            (
+                "min_report_interval_ms",
+                "0",
+                "60000",
+                &["60001", "9223372036854775807"],
+            ),
+            ("max_nice_delta", "0", "19", &["-1", "20"]),
+            (
+                "io_slice_us",
+                "100",
+                "100000",
+                &["99", "100001", "9223372036854775807"],
+            ),
+        ];
+        for (key, lo, hi, refused) in cases {
+            let text = |v: &str| format!("# c\n{key} = {v}\n");
+            for v in [lo, hi] {
+                if let Err(e) = Config::parse(&text(v), "a.toml") {
+                    panic!("{key} = {v} refused: {e:#}");
+                }
+            }
+            for v in *refused {
+                let e = match Config::parse(&text(v), "a.toml") {
+                    Ok(_) => panic!("{key} = {v} accepted"),
+                    Err(e) => format!("{e:#}"),
+                };
+                assert!(e.starts_with("a.toml:2: "), "{e}");
+                assert!(e.contains(key), "{e}");
+            }
+        }
+        assert!(
+            Config::parse("io_slice_us = 0\n", "a").is_ok(),
+            "0 leaves slices alone"
+        );
     }
 
     #[test]

@@ -4,12 +4,15 @@
 //! `error` and counts them. Guest input is untrusted: framing caps, validation and the
 //! session rules (proto) run before anything is kept. Reconnects with back-off.
 
+use nix::sys::socket::MsgFlags;
 use proto::{Accepted, GuestSession, LineReader, Message, VcpuReport, Welcome, PROTOCOL_VERSION};
 use std::collections::BTreeMap;
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
+use std::net::Shutdown;
+use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
@@ -26,6 +29,10 @@ pub struct GuestState {
     pub latest: Mutex<BTreeMap<u32, (Instant, VcpuReport)>>,
     /// Writer for replies (`applied`), when connected.
     pub writer: Mutex<Option<UnixStream>>,
+    /// Connections dropped because the guest stopped reading its replies.
+    pub disconnects: AtomicU64,
+    /// vCPUs the connected guest announced in its hello (0 while not connected).
+    pub vcpus: AtomicU32,
 }
 
 impl GuestState {
@@ -41,10 +48,32 @@ impl GuestState {
             .collect()
     }
 
-    /// Best effort, never blocking the period loop for long.
-    pub fn reply(&self, msg: &Message) {
-        if let Some(w) = self.writer.lock().expect("guest writer").as_mut() {
-            let _ = w.write_all(msg.to_line().as_bytes());
+    /// Never blocks: the period loop serves every VM on the host, and shutdown waits for
+    /// it. A guest that stops reading fills its socket buffer; the next reply that does
+    /// not fit whole (a partial line would break the framing) disconnects it, and the
+    /// reader thread reconnects with a fresh session.
+    pub fn reply(&self, vm: &str, msg: &Message) {
+        let mut writer = self.writer.lock().expect("guest writer");
+        let Some(w) = writer.as_ref() else {
+            return;
+        };
+        let line = msg.to_line();
+        let flags = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL;
+        match nix::sys::socket::send(w.as_raw_fd(), line.as_bytes(), flags) {
+            Ok(n) if n == line.len() => {}
+            outcome => {
+                self.disconnects.fetch_add(1, Ordering::Relaxed);
+                warn!(
+                    vm,
+                    "the guest does not read its replies ({}): disconnecting it",
+                    match outcome {
+                        Ok(n) => format!("{n} of {} bytes fit", line.len()),
+                        Err(e) => e.to_string(),
+                    }
+                );
+                let _ = w.shutdown(Shutdown::Both);
+                *writer = None;
+            }
         }
     }
 }
@@ -58,12 +87,12 @@ pub fn run(
     socket: PathBuf,
     min_interval: Duration,
     state: Arc<GuestState>,
-    stop: Arc<AtomicBool>,
+    stop: Arc<control::Stop>,
 ) {
     let epoch = Instant::now();
     let mut backoff = Duration::from_millis(100);
     let mut said = false;
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.is_set() {
         let stream = match UnixStream::connect(&socket) {
             Ok(s) => s,
             Err(e) => {
@@ -71,7 +100,7 @@ pub fn run(
                     info!(vm, socket = %socket.display(), "guest channel not reachable ({e}); retrying");
                     said = true;
                 }
-                std::thread::sleep(backoff);
+                stop.nap(backoff);
                 backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
             }
@@ -84,6 +113,7 @@ pub fn run(
         state.connected.store(true, Ordering::Relaxed);
         serve(&vm, stream, min_interval, epoch, &state, &stop);
         state.connected.store(false, Ordering::Relaxed);
+        state.vcpus.store(0, Ordering::Relaxed);
         *state.writer.lock().expect("guest writer") = None;
     }
 }
@@ -94,12 +124,12 @@ fn serve(
     min_interval: Duration,
     epoch: Instant,
     state: &GuestState,
-    stop: &AtomicBool,
+    stop: &control::Stop,
 ) {
     let mut reader = LineReader::new();
     let mut session = GuestSession::new(min_interval.as_nanos() as u64);
     let mut buf = [0u8; 8192];
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.is_set() {
         let n = match stream.read(&mut buf) {
             Ok(0) => {
                 info!(vm, "guest channel closed");
@@ -117,10 +147,14 @@ fn serve(
                 Ok(Accepted::Hello(h)) => {
                     info!(vm, agent = %h.agent, vcpus = h.vcpus, "guest said hello");
                     state.latest.lock().expect("guest state").clear();
-                    state.reply(&Message::Welcome(Welcome {
-                        version: PROTOCOL_VERSION,
-                        host_slice_us: None,
-                    }));
+                    state.vcpus.store(h.vcpus, Ordering::Relaxed);
+                    state.reply(
+                        vm,
+                        &Message::Welcome(Welcome {
+                            version: PROTOCOL_VERSION,
+                            host_slice_us: None,
+                        }),
+                    );
                 }
                 Ok(Accepted::Report(r)) => {
                     state.reports.fetch_add(1, Ordering::Relaxed);
@@ -134,9 +168,12 @@ fn serve(
                 Err(e) => {
                     state.rejected.fetch_add(1, Ordering::Relaxed);
                     debug!(vm, "rejected a guest line: {e}");
-                    state.reply(&Message::Error {
-                        reason: e.to_string(),
-                    });
+                    state.reply(
+                        vm,
+                        &Message::Error {
+                            reason: e.to_string(),
+                        },
+                    );
                 }
             }
         }

@@ -6,7 +6,6 @@ use hv_agent::agent::Agent;
 use hv_agent::config::{Config, DEFAULT_CONFIG_PATH};
 use hv_agent::status::AgentStatus;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tracing::{info, warn};
 
@@ -122,7 +121,11 @@ fn real_main(cli: Cli) -> Result<()> {
                         }
                     }
                 }
-                Err(e) => println!("config:   ERROR {e:#}"),
+                Err(e) => {
+                    println!("config:   ERROR {e:#}");
+                    // A deployment script or a package's post-install step gates on this.
+                    anyhow::bail!("check failed: the configuration is invalid");
+                }
             }
             Ok(())
         }
@@ -141,7 +144,7 @@ fn run(cfg: Config) -> Result<()> {
         .with_context(|| format!("creating state_dir {}", cfg.state_dir.display()))?;
     let status = Arc::new(Mutex::new(AgentStatus::default()));
     let agent = Agent::new(cfg.clone(), status.clone())?;
-    let stop = Arc::new(AtomicBool::new(false));
+    let stop = Arc::new(control::Stop::default());
     let worker = {
         let stop = stop.clone();
         std::thread::Builder::new()
@@ -169,7 +172,7 @@ fn run(cfg: Config) -> Result<()> {
             }
         },
     );
-    stop.store(true, Ordering::Relaxed);
+    stop.set();
     worker
         .join()
         .map_err(|_| anyhow::anyhow!("the period loop panicked"))?;

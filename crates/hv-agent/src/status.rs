@@ -59,6 +59,9 @@ pub struct VmStatus {
     pub connected: bool,
     pub reports: u64,
     pub rejected: u64,
+    /// Connections dropped because the guest stopped reading its replies.
+    #[serde(default)]
+    pub disconnects: u64,
     pub vcpus: Vec<VcpuStatus>,
 }
 

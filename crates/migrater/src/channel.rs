@@ -11,7 +11,7 @@ use std::io::{ErrorKind, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use tracing::{debug, info, warn};
 
 /// Cumulative figures of one vCPU, sampled each period.
@@ -71,18 +71,6 @@ fn open_port(path: &Path) -> std::io::Result<File> {
         .open(path)
 }
 
-/// Sleeps up to `d`, returning early (true) when `stop` is set.
-fn nap(d: Duration, stop: &AtomicBool) -> bool {
-    let end = Instant::now() + d;
-    while Instant::now() < end {
-        if stop.load(Ordering::Relaxed) {
-            return true;
-        }
-        std::thread::sleep((end - Instant::now()).min(Duration::from_millis(50)));
-    }
-    stop.load(Ordering::Relaxed)
-}
-
 /// Writes a whole line or nothing that matters: a short or blocked write is a drop.
 fn send(port: &mut File, msg: &Message) -> std::io::Result<bool> {
     let line = msg.to_line();
@@ -100,11 +88,11 @@ pub fn run(
     period: Duration,
     sample: impl Fn() -> Vec<VcpuSample>,
     stats: &ChannelStats,
-    stop: &AtomicBool,
+    stop: &control::Stop,
 ) {
     let mut said_missing = false;
     let mut backoff = Duration::from_millis(100);
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.is_set() {
         let mut port = match open_port(path) {
             Ok(f) => f,
             Err(e) => {
@@ -112,7 +100,7 @@ pub fn run(
                     info!(path = %path.display(), "no host channel ({e}): running standalone");
                     said_missing = true;
                 }
-                if nap(backoff, stop) {
+                if stop.nap(backoff) {
                     return;
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -128,7 +116,7 @@ pub fn run(
         });
         if let Err(e) = send(&mut port, &hello) {
             debug!("hello failed: {e}");
-            if nap(backoff, stop) {
+            if stop.nap(backoff) {
                 return;
             }
             backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -141,7 +129,7 @@ pub fn run(
             None => return,
             Some(why) => {
                 info!("host channel closed ({why}); reconnecting");
-                if nap(backoff, stop) {
+                if stop.nap(backoff) {
                     return;
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
@@ -156,14 +144,14 @@ fn session(
     period: Duration,
     sample: &impl Fn() -> Vec<VcpuSample>,
     stats: &ChannelStats,
-    stop: &AtomicBool,
+    stop: &control::Stop,
 ) -> Option<String> {
     let mut reader = LineReader::new();
     let mut prev = sample();
     let mut seq = 0u64;
     let mut buf = [0u8; 4096];
     loop {
-        if nap(period, stop) {
+        if stop.nap(period) {
             return None;
         }
         let now = sample();

@@ -28,6 +28,9 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
             "no (run and check need root: BPF, SCHED_FIFO, sched_setaffinity)"
         }
     );
+    // What would stop `run` from working: `check` fails with them, so that it can gate a
+    // deployment script or a package's post-install step.
+    let mut problems: Vec<&str> = Vec::new();
     let cfg = match cfg {
         Ok(cfg) => {
             let state = if config_path.exists() {
@@ -40,6 +43,7 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
         }
         Err(e) => {
             println!("config:        ERROR {e:#}");
+            problems.push("the configuration is invalid");
             Config::default()
         }
     };
@@ -48,7 +52,10 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
             println!("vCPUs:         {:?}", m.cpus);
             println!("vCPU monitor:  {}", monitor_source(&cfg, m, root));
         }
-        Err(e) => println!("vCPUs:         ERROR {e:#}"),
+        Err(e) => {
+            println!("vCPUs:         ERROR {e:#}");
+            problems.push("the vCPUs to monitor are invalid");
+        }
     }
     let probe = task_detector::probe();
     println!(
@@ -82,7 +89,10 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
                 tracker.mode(),
                 t0.elapsed().as_secs_f64() * 1e3
             ),
-            Err(e) => println!("attach mode:   FAILED: {e:#}"),
+            Err(e) => {
+                println!("attach mode:   FAILED: {e:#}");
+                problems.push("the block tracepoint programs do not load");
+            }
         }
     } else {
         println!("attach mode:   {best} (not verified: loading BPF needs root)");
@@ -95,7 +105,11 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
             "no virtio port (runs standalone)"
         }
     );
-    Ok(())
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!("check failed: {}", problems.join("; ")))
+    }
 }
 
 struct NoHook;

@@ -3,7 +3,8 @@
 //! never touch the system. Unknown keys are errors that name the line, so a typo is never
 //! silently ignored.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
+use control::{in_range, Invalid};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -244,8 +245,7 @@ impl Config {
     /// Parses TOML text; `origin` names the file in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
         let cfg: Config = control::parse_toml(text, origin)?;
-        cfg.validate()
-            .with_context(|| format!("{origin}: invalid configuration"))?;
+        cfg.validate().map_err(|e| e.located(text, origin))?;
         Ok(cfg)
     }
 
@@ -261,88 +261,113 @@ impl Config {
         }
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Every key's range, documented in the README's configuration table.
+    fn validate(&self) -> std::result::Result<(), Invalid> {
         let m = &self.monitor;
-        if m.period_us < 50 || m.period_us > 100_000 {
-            bail!("monitor.period_us = {} is outside 50..=100000", m.period_us);
-        }
-        if m.probe_period_us < m.period_us || m.idle_period_us < m.period_us {
-            bail!("monitor.probe_period_us and monitor.idle_period_us must be ≥ monitor.period_us");
-        }
+        in_range("monitor.period_us", m.period_us, 50, 100_000)?;
+        in_range(
+            "monitor.probe_period_us",
+            m.probe_period_us,
+            m.period_us,
+            1_000_000,
+        )?;
+        in_range(
+            "monitor.idle_period_us",
+            m.idle_period_us,
+            m.period_us,
+            10_000_000,
+        )?;
+        in_range(
+            "monitor.min_gap_threshold_us",
+            m.min_gap_threshold_us,
+            10,
+            100_000,
+        )?;
+        in_range(
+            "monitor.default_slice_us",
+            m.default_slice_us,
+            100,
+            1_000_000,
+        )?;
+        in_range("monitor.rt_priority", m.rt_priority, 0, 99)?;
         for sch in &m.oracle_schedule {
-            sch.parse::<vcpu_monitor::StealSchedule>()
-                .context("monitor.oracle_schedule")?;
+            if let Err(e) = sch.parse::<vcpu_monitor::StealSchedule>() {
+                return Err(Invalid::new(
+                    "monitor.oracle_schedule",
+                    format!("monitor.oracle_schedule: {e:#}"),
+                ));
+            }
         }
         if m.source == MonitorSource::Oracle
             && (m.oracle_schedule.is_empty() || m.oracle_epoch_ns == 0)
         {
-            bail!("monitor.source = \"oracle\" needs monitor.oracle_schedule and monitor.oracle_epoch_ns (nested-VM lab only)");
-        }
-        if m.default_slice_us == 0 {
-            bail!("monitor.default_slice_us must be > 0");
-        }
-        if !(0..=99).contains(&m.rt_priority) {
-            bail!("monitor.rt_priority = {} is outside 0..=99", m.rt_priority);
-        }
-        if !["auto", "tp_btf", "raw_tp", "tracepoint"].contains(&self.detector.attach_mode.as_str())
-        {
-            bail!(
-                "detector.attach_mode = {:?}: expected \"auto\", \"tp_btf\", \"raw_tp\" or \"tracepoint\"",
-                self.detector.attach_mode
-            );
-        }
-        if self.detector.window_ms == 0 || self.detector.window_ms > 1_000 {
-            bail!(
-                "detector.window_ms = {} is outside 1..=1000",
-                self.detector.window_ms
-            );
+            return Err(Invalid::new(
+                "monitor.source",
+                "monitor.source = \"oracle\" needs monitor.oracle_schedule and monitor.oracle_epoch_ns (nested-VM lab only)",
+            ));
         }
         let d = &self.detector;
-        if !(1..=60_000).contains(&d.idle_poll_ms) {
-            bail!(
-                "detector.idle_poll_ms = {} is outside 1..=60000",
-                d.idle_poll_ms
-            );
+        if !["auto", "tp_btf", "raw_tp", "tracepoint"].contains(&d.attach_mode.as_str()) {
+            return Err(Invalid::new(
+                "detector.attach_mode",
+                format!(
+                    "detector.attach_mode = {:?}: expected \"auto\", \"tp_btf\", \"raw_tp\" or \"tracepoint\"",
+                    d.attach_mode
+                ),
+            ));
         }
+        in_range("detector.window_ms", d.window_ms, 1, 1_000)?;
+        in_range("detector.idle_poll_ms", d.idle_poll_ms, 1, 60_000)?;
+        // 0 tracks every request; sample_ms is unused then.
         if d.sample_every_ms != 0 {
-            if !(d.window_ms..=60_000).contains(&d.sample_ms) {
-                bail!(
-                    "detector.sample_ms = {} is outside detector.window_ms..=60000 ({}..=60000)",
-                    d.sample_ms,
-                    d.window_ms
-                );
-            }
-            if !(d.sample_ms..=600_000).contains(&d.sample_every_ms) {
-                bail!(
-                    "detector.sample_every_ms = {} is outside detector.sample_ms..=600000 \
-                     ({}..=600000), or 0 to track every request",
-                    d.sample_every_ms,
-                    d.sample_ms
-                );
-            }
+            in_range("detector.sample_ms", d.sample_ms, d.window_ms, 60_000).map_err(|e| {
+                Invalid::new(
+                    &e.key,
+                    format!("{} (detector.window_ms..=60000)", e.message),
+                )
+            })?;
+            in_range(
+                "detector.sample_every_ms",
+                d.sample_every_ms,
+                d.sample_ms,
+                600_000,
+            )
+            .map_err(|e| {
+                Invalid::new(
+                    &e.key,
+                    format!(
+                        "{} (detector.sample_ms..=600000), or 0 to track every request",
+                        e.message
+                    ),
+                )
+            })?;
         }
-        if !(10..=60_000).contains(&self.channel.period_ms) {
-            bail!(
-                "channel.period_ms = {} is outside 10..=60000",
-                self.channel.period_ms
-            );
-        }
-        if !(100..=60_000).contains(&self.migration.guard_epoch_ms) {
-            bail!(
-                "migration.guard_epoch_ms = {} is outside 100..=60000",
-                self.migration.guard_epoch_ms
-            );
-        }
-        if self.migration.max_load_per_vcpu <= 0.0 {
-            bail!("migration.max_load_per_vcpu must be > 0");
-        }
+        let mg = &self.migration;
+        in_range(
+            "migration.push_threshold_us",
+            mg.push_threshold_us,
+            0,
+            100_000,
+        )?;
+        in_range(
+            "migration.max_load_per_vcpu",
+            mg.max_load_per_vcpu,
+            0.01,
+            64.0,
+        )?;
+        in_range("migration.guard_epoch_ms", mg.guard_epoch_ms, 100, 60_000)?;
+        in_range("channel.period_ms", self.channel.period_ms, 10, 60_000)?;
         for (i, rule) in self.priorities.iter().enumerate() {
             if rule.comm.is_none() && rule.pid.is_none() && rule.cgroup.is_none() {
-                bail!(
-                    "priority rule #{} matches nothing: give comm, pid or cgroup",
-                    i + 1
-                );
+                return Err(Invalid::new(
+                    "priority",
+                    format!(
+                        "priority rule #{} matches nothing: give comm, pid or cgroup",
+                        i + 1
+                    ),
+                ));
             }
+            in_range("priority.priority", rule.priority, -1_000, 1_000)?;
         }
         Ok(())
     }
@@ -396,6 +421,143 @@ mod tests {
             Config::parse("[monitor]\nperiod_us = 1\n", "c").unwrap_err()
         );
         assert!(err.contains("monitor.period_us"), "{err}");
+    }
+
+    /// Every numeric key at both ends of its range and beyond: accepted inside, refused
+    /// outside with the file, the line and the key.
+    #[test]
+    fn every_key_is_bounded_at_both_ends() {
+        // (table, lines before the key, key, lowest, highest, refused values)
+        let cases: &[(&str, &str, &str, &str, &str, &[&str])] = &[
+            (
+                "monitor",
+                "probe_period_us = 100000\nidle_period_us = 100000\n",
+                "period_us",
+                "50",
+                "100000",
+                &["49", "100001"],
+            ),
+            (
+                "monitor",
+                "",
+                "probe_period_us",
+                "300",
+                "1000000",
+                &["299", "1000001"],
+            ),
+            (
+                "monitor",
+                "",
+                "idle_period_us",
+                "300",
+                "10000000",
+                &["299", "9223372036854775807"],
+            ),
+            (
+                "monitor",
+                "",
+                "min_gap_threshold_us",
+                "10",
+                "100000",
+                &["9", "100001"],
+            ),
+            (
+                "monitor",
+                "",
+                "default_slice_us",
+                "100",
+                "1000000",
+                &["0", "1000001"],
+            ),
+            ("monitor", "", "rt_priority", "0", "99", &["-1", "100"]),
+            (
+                "detector",
+                "sample_every_ms = 0\n",
+                "window_ms",
+                "1",
+                "1000",
+                &["0", "1001"],
+            ),
+            (
+                "detector",
+                "",
+                "idle_poll_ms",
+                "1",
+                "60000",
+                &["0", "60001"],
+            ),
+            (
+                "detector",
+                "sample_every_ms = 60000\n",
+                "sample_ms",
+                "5",
+                "60000",
+                &["4", "60001"],
+            ),
+            (
+                "detector",
+                "",
+                "sample_every_ms",
+                "250",
+                "600000",
+                &["249", "600001"],
+            ),
+            (
+                "migration",
+                "",
+                "push_threshold_us",
+                "0",
+                "100000",
+                &["100001", "9223372036854775807"],
+            ),
+            (
+                "migration",
+                "",
+                "max_load_per_vcpu",
+                "0.01",
+                "64.0",
+                &["0.0", "64.5", "nan", "inf", "-inf"],
+            ),
+            (
+                "migration",
+                "",
+                "guard_epoch_ms",
+                "100",
+                "60000",
+                &["99", "60001"],
+            ),
+            ("channel", "", "period_ms", "10", "60000", &["9", "60001"]),
+            (
+                "priority",
+                "comm = \"fio\"\n",
+                "priority",
+                "-1000",
+                "1000",
+                &["-1001", "1001"],
+            ),
+        ];
+        for (table, before, key, lo, hi, refused) in cases {
+            let header = if *table == "priority" {
+                "[[priority]]".to_string()
+            } else {
+                format!("[{table}]")
+            };
+            let text = |v: &str| format!("# c\n{header}\n{before}{key} = {v}\n");
+            for v in [lo, hi] {
+                if let Err(e) = Config::parse(&text(v), "c.toml") {
+                    panic!("{table}.{key} = {v} refused: {e:#}");
+                }
+            }
+            let line = 3 + before.matches('\n').count();
+            for v in *refused {
+                let e = match Config::parse(&text(v), "c.toml") {
+                    Ok(_) => panic!("{table}.{key} = {v} accepted"),
+                    Err(e) => format!("{e:#}"),
+                };
+                assert!(e.starts_with(&format!("c.toml:{line}: ")), "{e}");
+                assert!(e.contains(&format!("{table}.{key}")), "{e}");
+            }
+        }
     }
 
     #[test]

@@ -8,8 +8,8 @@ use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use task_detector::{
     AttachMode, ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions,
@@ -311,18 +311,18 @@ pub fn run(cfg: Config) -> Result<()> {
     shared.metrics.set_monitor_source(monitor_source);
     info!(cpus = ?cpus, source = monitor_source, period_us = cfg.monitor.period_us, "vCPU monitor started");
 
-    let stop = Arc::new(AtomicBool::new(false));
+    // Every sleep of the detector and channel threads is a nap on this: shutdown wakes
+    // them at once, whatever the configured periods.
+    let stop = Arc::new(control::Stop::default());
     let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
     let detector = Detector::new(tracker, classifier_config(&cfg));
-    let alarm = Arc::new(Alarm::default());
     let detect_thread = {
-        let (shared, board, stop, cpu_io, cfg, alarm) = (
+        let (shared, board, stop, cpu_io, cfg) = (
             shared.clone(),
             board.clone(),
             stop.clone(),
             cpu_io.clone(),
             cfg.clone(),
-            alarm.clone(),
         );
         std::thread::Builder::new()
             .name("vmigrater-detect".into())
@@ -332,7 +332,6 @@ pub fn run(cfg: Config) -> Result<()> {
                     board: &board,
                     cpu_io: &cpu_io,
                     stop: &stop,
-                    alarm: &alarm,
                     // Only the kernel source sees deschedules while idle; sleepers at
                     // their idle period catch a fraction of them, so there the guard
                     // judges by I/O alone.
@@ -374,8 +373,7 @@ pub fn run(cfg: Config) -> Result<()> {
     let served = control_plane(&cfg, running);
 
     // Shutdown: stop deciding first, then hand every task back.
-    stop.store(true, Ordering::Relaxed);
-    alarm.ring();
+    stop.set();
     monitor.stop();
     if detect_thread.join().is_err() {
         warn!("detector thread panicked");
@@ -431,8 +429,7 @@ struct DetectEnv<'a> {
     shared: &'a Shared,
     board: &'a VcpuBoard,
     cpu_io: &'a ArcSwap<Vec<CpuIoSample>>,
-    stop: &'a AtomicBool,
-    alarm: &'a Alarm,
+    stop: &'a control::Stop,
     /// Whether the monitor's inactive times tell how contended the vCPUs are.
     measures_contention: bool,
 }
@@ -443,7 +440,6 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
         board,
         cpu_io,
         stop,
-        alarm,
         measures_contention,
     } = *env;
     let own_pid = std::process::id();
@@ -479,7 +475,7 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
             ..GuardConfig::default()
         })
     });
-    while !stop.load(Ordering::Relaxed) {
+    while !stop.is_set() {
         // The nap of this round is bounded by the sample's end or the next sample.
         let mut nap_limit = Duration::MAX;
         if let Some(s) = schedule {
@@ -527,7 +523,7 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
                 Err(e) => {
                     shared.metrics.detector_errors.inc();
                     warn!("polling the BPF maps failed: {e:#}");
-                    alarm.sleep(idle);
+                    stop.nap(idle);
                     continue;
                 }
             };
@@ -696,26 +692,6 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
         } else {
             idle
         };
-        alarm.sleep(nap.min(nap_limit));
-    }
-}
-
-/// A sleep that shutdown cuts short: a long pause between samples must never hold up
-/// SIGTERM, and waking in short slices instead would cost the wake-ups sampling saves.
-#[derive(Default)]
-struct Alarm {
-    rung: Mutex<bool>,
-    cv: Condvar,
-}
-
-impl Alarm {
-    fn sleep(&self, nap: Duration) {
-        let rung = self.rung.lock().unwrap_or_else(|e| e.into_inner());
-        let _ = self.cv.wait_timeout_while(rung, nap, |rung| !*rung);
-    }
-
-    fn ring(&self) {
-        *self.rung.lock().unwrap_or_else(|e| e.into_inner()) = true;
-        self.cv.notify_all();
+        stop.nap(nap.min(nap_limit));
     }
 }

@@ -428,7 +428,8 @@ mod tests {
     #[test]
     fn every_key_is_bounded_at_both_ends() {
         // (table, lines before the key, key, lowest, highest, refused values)
-        let cases: &[(&str, &str, &str, &str, &str, &[&str])] = &[
+        type Case<'a> = (&'a str, &'a str, &'a str, &'a str, &'a str, &'a [&'a str]);
+        let cases: &[Case] = &[
             (
                 "monitor",
                 "probe_period_us = 100000\nidle_period_us = 100000\n",

@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-smoke fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -60,6 +60,16 @@ bench-smoke: lab-setup
 	$(CARGO) build --release --workspace --bins
 	./target/release/vmigrater-lab bench --bin-dir target/release --secs 2 --reps 1 --only sweep1 \
 		--modes vanilla,vmigrater --out target/bench-smoke/lab.json
+
+# Coverage-guided fuzzing of the guest channel's framing and messages, the session rules
+# and both configuration loaders (fuzz/; installs cargo-fuzz). FUZZ_SECS per target.
+FUZZ_SECS ?= 600
+fuzz: setup
+	scripts/fuzz.sh $(FUZZ_SECS)
+
+# CI's short pass: 60 s per target from the committed corpus.
+fuzz-smoke: setup
+	scripts/fuzz.sh 60
 
 # .deb and .rpm of both programs into target/package/ (installs cargo-deb, cargo-generate-rpm).
 package: setup

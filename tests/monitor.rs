@@ -468,9 +468,22 @@ fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
         .map(|g| g.end_ns - g.start_ns)
         .max()
         .unwrap_or(0);
+    // This machine is itself a KVM guest: when its host steals (seen at 40–66% of both
+    // CPUs for minutes), sleepers wake late for real. Gaps are then allowed as long as
+    // their total stays within what the host stole (/proc/stat, 10 ms ticks).
+    let gap_ns: u64 = active
+        .gaps
+        .iter()
+        .flat_map(|g| g.lock().unwrap().clone())
+        .map(|g| g.end_ns - g.start_ns)
+        .sum();
+    let stolen_ns = host_steal * 10 * MS;
     assert!(
-        ga as u64 * 100 <= ta.max(100 * n),
-        "{ga} gaps in {ta} ticks with no steal"
+        ga as u64 * 100 <= ta.max(100 * n)
+            || (host_steal > 0 && gap_ns <= stolen_ns + stolen_ns / 4 + 40 * MS),
+        "{ga} gaps ({} ms) in {ta} ticks, host steal {} ms",
+        gap_ns / MS,
+        stolen_ns / MS
     );
     assert!(
         longest < 10 * MS || host_steal > 0,

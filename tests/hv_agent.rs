@@ -334,6 +334,53 @@ fn guest_vcpus_are_bounded_by_what_the_host_knows() {
     agent.terminate();
 }
 
+/// A log level that turns `info` off must not change what the agent does (the guest
+/// daemon once exited 0 at start under `--log warn`: a side effect inside a log macro).
+#[test]
+fn agent_runs_until_sigterm_at_every_log_level() {
+    for level in ["off", "error", "warn", "info", "debug", "trace"] {
+        let dir = tempfile::tempdir().unwrap();
+        let config = dir.path().join("agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "backend = \"dry-run\"\nstate_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
+                dir.path().display().to_string()
+            ),
+        )
+        .unwrap();
+        let log = dir.path().join("agent.log");
+        let mut child = Command::new(workspace_bin("vmigrater-hv-agent"))
+            .arg("--config")
+            .arg(&config)
+            .args(["--log", level, "run"])
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .unwrap();
+        let sock = hv_agent::status::socket_path(dir.path());
+        let t0 = Instant::now();
+        while !sock.exists() && t0.elapsed() < Duration::from_secs(20) {
+            if let Ok(Some(status)) = child.try_wait() {
+                panic!(
+                    "--log {level}: the agent exited with {status} before serving:\n{}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        assert!(sock.exists(), "--log {level}: no status socket after 20 s");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "--log {level}: the agent exited by itself:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM).unwrap();
+        let status = child.wait().unwrap();
+        assert!(status.success(), "--log {level}: exited with {status}");
+    }
+}
+
 /// SIGTERM ends the agent within a second however long its period is and whatever its
 /// guests do: one never reachable (back-off naps of seconds), one connected and silent
 /// (a blocking read).

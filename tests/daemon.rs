@@ -476,6 +476,97 @@ fn malformed_config_is_refused_with_its_line() {
     assert!(err.contains("sleep_forever"), "{err}");
 }
 
+/// A seccomp filter that makes the kernel refuse bpf(2) with EPERM, as a locked-down host
+/// (or a container without CAP_BPF) would, installed in the child before exec.
+#[cfg(target_arch = "x86_64")]
+fn refuse_bpf(cmd: &mut Command) {
+    use std::os::unix::process::CommandExt;
+    const LD_W_ABS: u16 = 0x20;
+    const JEQ_K: u16 = 0x15;
+    const RET_K: u16 = 0x06;
+    const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+    const RET_ALLOW: u32 = 0x7fff_0000;
+    const RET_ERRNO: u32 = 0x0005_0000;
+    let op = |code, jt, jf, k| libc::sock_filter { code, jt, jf, k };
+    let filter = [
+        op(LD_W_ABS, 0, 0, 4), // seccomp_data.arch
+        op(JEQ_K, 0, 3, AUDIT_ARCH_X86_64),
+        op(LD_W_ABS, 0, 0, 0), // seccomp_data.nr
+        op(JEQ_K, 0, 1, libc::SYS_bpf as u32),
+        op(RET_K, 0, 0, RET_ERRNO | libc::EPERM as u32),
+        op(RET_K, 0, 0, RET_ALLOW),
+    ];
+    // SAFETY: between fork and exec only async-signal-safe prctl calls on this process,
+    // with a filter array that outlives them (it is copied into the closure).
+    unsafe {
+        cmd.pre_exec(move || {
+            let prog = libc::sock_fprog {
+                len: filter.len() as u16,
+                filter: filter.as_ptr() as *mut libc::sock_filter,
+            };
+            if libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0
+                || libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER,
+                    &prog as *const libc::sock_fprog,
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// BPF refused by the kernel: the daemon says so once and keeps running degraded (vCPU
+/// monitor from its sleepers, status and metrics served), instead of exiting into a
+/// systemd restart loop; SIGTERM still ends it cleanly.
+#[test]
+fn bpf_refused_runs_degraded_and_keeps_serving() {
+    if !require_root("bpf_refused_runs_degraded_and_keeps_serving") {
+        return;
+    }
+    if !cfg!(target_arch = "x86_64") {
+        eprintln!("******** SKIPPED bpf_refused_runs_degraded_and_keeps_serving: x86_64 seccomp filter only ********");
+        return;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let state_dir = tempfile::tempdir().expect("tempdir");
+        let config = state_dir.path().join("vmigrater.toml");
+        std::fs::write(&config, "").expect("write config");
+        let mut cmd = Command::new(workspace_bin("vmigrater"));
+        cmd.arg("--config")
+            .arg(&config)
+            .args(["run", "--no-metrics", "--state-dir"])
+            .arg(state_dir.path())
+            .env("VMIGRATER_LOG", "info")
+            .stderr(Stdio::piped());
+        refuse_bpf(&mut cmd);
+        let mut daemon = Daemon {
+            child: Some(cmd.spawn().expect("spawn vmigrater")),
+            state_dir,
+        };
+        let s = daemon.wait_for(Duration::from_secs(20), "status socket", |_| true);
+        assert_eq!(s["attach_mode"], "none", "{s:#}");
+        assert_eq!(s["monitor_source"], "sleepers", "{s:#}");
+        std::thread::sleep(Duration::from_secs(1));
+        let s = daemon.wait_for(Duration::from_secs(5), "status, still running", |_| true);
+        assert!(s["uptime_s"].as_f64() >= Some(1.0), "{s:#}");
+        let log = daemon.terminate();
+        assert_eq!(
+            log.matches("degraded: the block I/O BPF programs do not load")
+                .count(),
+            1,
+            "{log}"
+        );
+        assert!(
+            log.contains("Operation not permitted") || log.contains("EPERM"),
+            "{log}"
+        );
+    }
+}
+
 /// `check` gates deployment scripts and post-install steps: an invalid configuration
 /// fails it (both programs), naming the file, line and key; a valid one passes.
 #[test]

@@ -257,10 +257,25 @@ pub fn run(cfg: Config) -> Result<()> {
     recover_journal(&state_dir)?;
 
     let force_mode = parse_attach_mode(&cfg.detector.attach_mode);
-    let tracker = IoTracker::open(&TrackerOptions { force_mode })
-        .context("loading the block I/O BPF programs (run `vmigrater check` for details)")?;
-    let attach_mode = tracker.mode().to_string();
-    info!(attach_mode, "block I/O tracking attached");
+    // Without the block programs nothing can be found or moved, but the vCPU monitor,
+    // status, metrics and channel still tell the operator what they see: a degraded run,
+    // said once, rather than a restart loop under systemd.
+    let tracker = match IoTracker::open(&TrackerOptions { force_mode }) {
+        Ok(t) => {
+            info!(attach_mode = %t.mode(), "block I/O tracking attached");
+            Some(t)
+        }
+        Err(e) => {
+            warn!(
+                "degraded: the block I/O BPF programs do not load, so no task is found or moved; \
+                 vCPU monitoring, status and metrics go on ({e:#}; `vmigrater check` says more)"
+            );
+            None
+        }
+    };
+    let attach_mode = tracker
+        .as_ref()
+        .map_or_else(|| "none".to_string(), |t| t.mode().to_string());
 
     let mon_cfg = monitor_config(&cfg)?;
     let cpus = mon_cfg.cpus.clone();
@@ -315,14 +330,16 @@ pub fn run(cfg: Config) -> Result<()> {
     // them at once, whatever the configured periods.
     let stop = Arc::new(control::Stop::default());
     let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
-    let detector = Detector::new(tracker, classifier_config(&cfg));
-    let detect_thread = {
-        let (shared, board, stop, cpu_io, cfg) = (
+    let detector = tracker.map(|t| Detector::new(t, classifier_config(&cfg)));
+    let channel_stats = Arc::new(ChannelStats::default());
+    let detect_thread = detector.map(|detector| {
+        let (shared, board, stop, cpu_io, cfg, channel) = (
             shared.clone(),
             board.clone(),
             stop.clone(),
             cpu_io.clone(),
             cfg.clone(),
+            channel_stats.clone(),
         );
         std::thread::Builder::new()
             .name("vmigrater-detect".into())
@@ -332,14 +349,16 @@ pub fn run(cfg: Config) -> Result<()> {
                     board: &board,
                     cpu_io: &cpu_io,
                     stop: &stop,
+                    channel: &channel,
                     // Only the kernel source sees deschedules while idle; sleepers at
                     // their idle period catch a fraction of them, so there the guard
                     // judges by I/O alone.
                     measures_contention: monitor_kind == vcpu_monitor::Source::Kernel,
                 };
                 detect_loop(detector, &cfg, &env)
-            })?
-    };
+            })
+    });
+    let detect_thread = detect_thread.transpose()?;
 
     let running = Arc::new(Running {
         shared: shared.clone(),
@@ -349,7 +368,7 @@ pub fn run(cfg: Config) -> Result<()> {
         monitor_source,
         dry_run: cfg.dry_run,
         started: Instant::now(),
-        channel: Arc::new(ChannelStats::default()),
+        channel: channel_stats,
     });
     let channel_thread = if cfg.channel.enabled {
         let (running, stop, path) = (running.clone(), stop.clone(), cfg.channel.path.clone());
@@ -375,7 +394,7 @@ pub fn run(cfg: Config) -> Result<()> {
     // Shutdown: stop deciding first, then hand every task back.
     stop.set();
     monitor.stop();
-    if detect_thread.join().is_err() {
+    if detect_thread.is_some_and(|t| t.join().is_err()) {
         warn!("detector thread panicked");
     }
     if channel_thread.is_some_and(|t| t.join().is_err()) {
@@ -430,9 +449,14 @@ struct DetectEnv<'a> {
     board: &'a VcpuBoard,
     cpu_io: &'a ArcSwap<Vec<CpuIoSample>>,
     stop: &'a control::Stop,
+    /// Whether a host agent answers (it wants per-vCPU I/O figures).
+    channel: &'a ChannelStats,
     /// Whether the monitor's inactive times tell how contended the vCPUs are.
     measures_contention: bool,
 }
+
+/// How often the contention gate judges the vCPUs' out time.
+const CONTENTION_WINDOW: Duration = Duration::from_secs(2);
 
 fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
     let DetectEnv {
@@ -440,6 +464,7 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
         board,
         cpu_io,
         stop,
+        channel,
         measures_contention,
     } = *env;
     let own_pid = std::process::id();
@@ -464,11 +489,12 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
     // too, to show what would happen), no probe and no move there.
     let gate_on_contention = cfg.migration.guard && measures_contention;
     let mut contention = Contention::new(
-        2_000_000_000,
+        CONTENTION_WINDOW.as_nanos() as u64,
         Contention::DEFAULT_MIN_FRACTION,
         Contention::DEFAULT_MIN_COVERED,
     );
     let mut contended = false;
+    let mut wanted_tracking = true;
     let mut guard = (cfg.migration.guard && !cfg.dry_run).then(|| {
         MoveGuard::new(GuardConfig {
             epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
@@ -476,8 +502,57 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
         })
     });
     while !stop.is_set() {
+        let was_contended = contended;
+        let now = monotonic_ns();
+        contended = !gate_on_contention || {
+            let out: Vec<VcpuOut> = board
+                .snapshot(now)
+                .iter()
+                .map(|v| VcpuOut {
+                    inactive_ns: v.inactive_total_ns,
+                    covered_ns: v.covered_total_ns,
+                })
+                .collect();
+            contention.observe(now, &out)
+        };
+        if contended != was_contended && gate_on_contention {
+            info!(
+                most_out = format!("{:.0}%", contention.last_fraction * 100.0),
+                others_running = format!("{:.0}%", contention.last_covered * 100.0),
+                "{}",
+                if contended {
+                    "vCPUs are descheduled while others run: moves may pay, the guard will probe"
+                } else if contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION {
+                    "vCPUs are descheduled all at once: nowhere to move to, no moves"
+                } else {
+                    "vCPUs run nearly all the time: nothing to gain, no moves"
+                }
+            );
+        }
+        // Finding I/O-bound tasks serves moves and the host agent's figures only: with
+        // the gate on, nothing to gain and no agent answering, the block programs stay
+        // paused (no sample), and the first contended window resumes them at once.
+        let wants_tracking =
+            !gate_on_contention || contended || channel.replies.load(Ordering::Relaxed) > 0;
         // The nap of this round is bounded by the sample's end or the next sample.
         let mut nap_limit = Duration::MAX;
+        if wants_tracking && !wanted_tracking && !detector.tracking() {
+            if let Some(s) = schedule {
+                sample_start = Instant::now().checked_sub(s.every).unwrap_or(sample_start);
+            }
+        }
+        wanted_tracking = wants_tracking;
+        if schedule.is_none() && wants_tracking != detector.tracking() {
+            let switched = if wants_tracking {
+                detector.resume()
+            } else {
+                detector.pause()
+            };
+            if let Err(e) = switched {
+                shared.metrics.detector_errors.inc();
+                warn!("switching block tracking failed: {e:#}");
+            }
+        }
         if let Some(s) = schedule {
             match s.step(detector.tracking(), sample_start.elapsed()) {
                 sampling::Step::Track(left) => nap_limit = left,
@@ -492,6 +567,11 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
                     }
                 },
                 sampling::Step::Wait(left) => nap_limit = left,
+                sampling::Step::Resume if !wants_tracking => {
+                    // Nothing to gain: skip this sample.
+                    sample_start = Instant::now();
+                    nap_limit = s.every;
+                }
                 sampling::Step::Resume => {
                     sample_start = Instant::now();
                     match detector.resume() {
@@ -504,6 +584,10 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
                     }
                 }
             }
+        }
+        if !wants_tracking {
+            // Paused for want of contention: look again a window later.
+            nap_limit = nap_limit.min(CONTENTION_WINDOW);
         }
         shared
             .metrics
@@ -552,32 +636,6 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
             .collect();
         let candidates = eligible.len();
         let now = monotonic_ns();
-        let was_contended = contended;
-        contended = !gate_on_contention || {
-            let out: Vec<VcpuOut> = board
-                .snapshot(now)
-                .iter()
-                .map(|v| VcpuOut {
-                    inactive_ns: v.inactive_total_ns,
-                    covered_ns: v.covered_total_ns,
-                })
-                .collect();
-            contention.observe(now, &out)
-        };
-        if contended != was_contended && gate_on_contention {
-            info!(
-                most_out = format!("{:.0}%", contention.last_fraction * 100.0),
-                others_running = format!("{:.0}%", contention.last_covered * 100.0),
-                "{}",
-                if contended {
-                    "vCPUs are descheduled while others run: moves may pay, the guard will probe"
-                } else if contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION {
-                    "vCPUs are descheduled all at once: nowhere to move to, no moves"
-                } else {
-                    "vCPUs run nearly all the time: nothing to gain, no moves"
-                }
-            );
-        }
         let moves_allowed = match guard.as_mut() {
             Some(g) => {
                 if let Some(v) = g.observe(now, progress, candidates > 0 && contended) {

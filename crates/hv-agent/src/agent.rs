@@ -247,11 +247,13 @@ impl Agent {
             // more, nor the series and state that would come with them). Only where the
             // threads are unknown (a Xen domain, a VM not resolved yet) does the connected
             // guest's hello say (at most proto::MAX_VCPUS, reports beyond it are rejected),
-            // so a guest that reconnects with fewer, or leaves, leaves no vCPU behind.
-            let n = if vm.tids.is_empty() {
-                vm.guest.vcpus.load(Ordering::Relaxed) as usize
-            } else {
-                vm.tids.len()
+            // so a guest that reconnects with fewer leaves no vCPU behind. A guest that
+            // leaves keeps its vCPUs, now without reports: the credit core turns them
+            // neutral, so no weight it earned stays applied (Xen weighs whole domains).
+            let n = match (vm.tids.len(), vm.guest.vcpus.load(Ordering::Relaxed)) {
+                (0, 0) => vm.tracks.len(),
+                (0, hello) => hello as usize,
+                (threads, _) => threads,
             };
             vm.tracks.truncate(n);
             vm.tracks.resize_with(n, Track::default);

@@ -68,9 +68,12 @@ fn check_leaks_are_rare_and_repaired(label: &str, tracker: &mut IoTracker, s: &T
             tracker.open_requests().map(|o| o.len())
         );
     }
+    // Runs the kernel itself skipped (a program already running on that CPU) are request
+    // ends nobody could see; the kernel counts them, so they are allowed on top.
+    let missed = tracker.missed_runs();
     assert!(
-        leaked <= allowed_leaks(s.ios),
-        "{label}: {leaked} of {} requests still in flight",
+        leaked <= allowed_leaks(s.ios) + missed,
+        "{label}: {leaked} of {} requests still in flight ({missed} runs missed by the kernel)",
         s.ios
     );
     if leaked == 0 {

@@ -48,16 +48,16 @@ bench: bench-micro bench-contention
 # Every benchmark run once in seconds, not a measurement: so that none can rot unseen (a
 # benchmark that no longer starts fails CI). Criterion's test mode runs each micro
 # benchmark once; the contention, BPF-overhead and lab benchmarks run one tiny round and
-# write to target/bench-smoke, never over a real result. Root (CI is).
+# write to target/bench-smoke, never over a real result. Root (CI is). `cargo bench` runs
+# release builds, which start the release binaries: built first.
 bench-smoke: lab-setup
-	$(CARGO) build --workspace --bins
+	$(CARGO) build --release --workspace --bins
 	$(CARGO) test -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse
 	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-smoke VMIGRATER_BENCH_ROUNDS=1 VMIGRATER_BENCH_READS=200 \
 		$(CARGO) bench -p vmigrater-testbed --bench bpf_overhead
 	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-smoke VMIGRATER_BENCH_ROUNDS=1 VMIGRATER_BENCH_SECS=1 \
 		VMIGRATER_BENCH_WARMUP_MS=200 VMIGRATER_BENCH_IDLE_SECS=1 \
 		$(CARGO) bench -p vmigrater-testbed --bench contention
-	$(CARGO) build --release --workspace --bins
 	./target/release/vmigrater-lab bench --bin-dir target/release --secs 2 --reps 1 --only sweep1 \
 		--modes vanilla,vmigrater --out target/bench-smoke/lab.json
 

@@ -577,13 +577,16 @@ fn check_fails_on_an_invalid_config() {
         ("vmigrater-hv-agent", "period_ms = 100\nno_such_key = 1\n"),
     ] {
         let path = dir.path().join(format!("{bin}.toml"));
+        let check = || {
+            Command::new(workspace_bin(bin))
+                .arg("--config")
+                .arg(&path)
+                .arg("check")
+                .output()
+                .expect("run check")
+        };
         std::fs::write(&path, bad).unwrap();
-        let out = Command::new(workspace_bin(bin))
-            .arg("--config")
-            .arg(&path)
-            .arg("check")
-            .output()
-            .expect("run check");
+        let out = check();
         let (text, err) = (
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr),
@@ -602,12 +605,7 @@ fn check_fails_on_an_invalid_config() {
             "period_ms = 100\n"
         };
         std::fs::write(&path, good).unwrap();
-        let out = Command::new(workspace_bin(bin))
-            .arg("--config")
-            .arg(&path)
-            .arg("check")
-            .output()
-            .expect("run check");
+        let out = check();
         assert!(
             out.status.success() || !nix::unistd::geteuid().is_root(),
             "{bin} check failed on a valid config:\n{}{}",

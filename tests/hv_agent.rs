@@ -145,23 +145,31 @@ fn a_lying_guest_gains_no_cpu_and_nice_is_restored() {
     );
 }
 
+/// An agent with two VMs on CPU hogs sharing CPU 0: `io` with a guest channel (the
+/// listener plays its host end), `cpu` without one; the hogs' first thread runs `io`.
+fn io_and_cpu_vms(io: &str, cpu: &str) -> (Hogs, tempfile::TempDir, UnixListener, Agent) {
+    let hogs = Hogs::start(&[0, 0]);
+    let (a, b) = (hogs.tids[0], hogs.tids[1]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join(format!("{io}.sock"));
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[[vm]]\nname = {io:?}\nhint_socket = {:?}\nvcpu_threads = [{a}]\n\n[[vm]]\nname = {cpu:?}\nvcpu_threads = [{b}]\n",
+            sock.display().to_string()
+        ),
+    );
+    (hogs, dir, listener, agent)
+}
+
 #[test]
 fn nice_is_back_after_sigterm() {
     if !require_root("nice_is_back_after_sigterm") {
         return;
     }
-    let hogs = Hogs::start(&[0, 0]);
+    let (hogs, _dir, listener, agent) = io_and_cpu_vms("io", "cpu");
     let (a, b) = (hogs.tids[0], hogs.tids[1]);
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("io.sock");
-    let listener = UnixListener::bind(&sock).unwrap();
-    let agent = Agent::start(
-        dir.path(),
-        &format!(
-            "[[vm]]\nname = \"io\"\nhint_socket = {:?}\nvcpu_threads = [{a}]\n\n[[vm]]\nname = \"cpu\"\nvcpu_threads = [{b}]\n",
-            sock.display().to_string()
-        ),
-    );
     let before = hv_agent::backend::get_attr(a).unwrap();
     let mut g = guest(&listener, 1);
     let (mut changed_nice, mut got_slice) = (false, false);
@@ -193,18 +201,8 @@ fn a_guest_that_stops_reading_stalls_nothing() {
     if !require_root("a_guest_that_stops_reading_stalls_nothing") {
         return;
     }
-    let hogs = Hogs::start(&[0, 0]);
+    let (hogs, _dir, listener, agent) = io_and_cpu_vms("mute", "other");
     let (a, b) = (hogs.tids[0], hogs.tids[1]);
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("mute.sock");
-    let listener = UnixListener::bind(&sock).unwrap();
-    let agent = Agent::start(
-        dir.path(),
-        &format!(
-            "[[vm]]\nname = \"mute\"\nhint_socket = {:?}\nvcpu_threads = [{a}]\n\n[[vm]]\nname = \"other\"\nvcpu_threads = [{b}]\n",
-            sock.display().to_string()
-        ),
-    );
     let mut g = guest(&listener, 1);
     g.write_all(report(1, &[(0, "200", "500")]).as_bytes())
         .unwrap();

@@ -1,7 +1,8 @@
 //! The host channel (guest side): every period, one `report` line per the wire protocol
 //! (`proto`) on the virtio port `org.vmigrater.hint.0`, after a `hello`. Runs on its own
 //! thread with non-blocking I/O: a slow or absent host can never delay a migration — a
-//! report that cannot be written at once is dropped. Without the port the daemon runs
+//! report that cannot be written at once is dropped (one the port takes in part is
+//! finished first, never run into the next). Without the port the daemon runs
 //! exactly as before and says so once; a closed host end (EOF, EPIPE) means reconnecting
 //! with exponential back-off.
 
@@ -71,14 +72,47 @@ fn open_port(path: &Path) -> std::io::Result<File> {
         .open(path)
 }
 
-/// Writes a whole line or nothing that matters: a short or blocked write is a drop.
-fn send(port: &mut File, msg: &Message) -> std::io::Result<bool> {
-    let line = msg.to_line();
-    match port.write(line.as_bytes()) {
-        Ok(n) if n == line.len() => Ok(true),
-        Ok(_) => Ok(false),
-        Err(e) if e.kind() == ErrorKind::WouldBlock => Ok(false),
-        Err(e) => Err(e),
+/// Whole lines onto a non-blocking port. A line the port takes only in part keeps its rest
+/// here, written before anything else, so the host never sees two lines run together; a
+/// new line that finds a rest still pending is dropped instead.
+#[derive(Default)]
+struct LineWriter {
+    pending: Vec<u8>,
+}
+
+impl LineWriter {
+    /// Writes as much of `bytes` as the port takes; the untaken rest.
+    fn push(port: &mut impl Write, bytes: &[u8]) -> std::io::Result<usize> {
+        let mut done = 0;
+        while done < bytes.len() {
+            match port.write(&bytes[done..]) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == ErrorKind::WouldBlock => break,
+                Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+
+    /// Ok(true): the line is on its way whole (sent, or its rest pending); Ok(false): it
+    /// was dropped (the port is full, nothing of it went out).
+    fn send(&mut self, port: &mut impl Write, msg: &Message) -> std::io::Result<bool> {
+        if !self.pending.is_empty() {
+            let n = Self::push(port, &self.pending)?;
+            self.pending.drain(..n);
+            if !self.pending.is_empty() {
+                return Ok(false);
+            }
+        }
+        let line = msg.to_line();
+        let n = Self::push(port, line.as_bytes())?;
+        if n == 0 {
+            return Ok(false);
+        }
+        self.pending.extend_from_slice(&line.as_bytes()[n..]);
+        Ok(true)
     }
 }
 
@@ -90,8 +124,15 @@ pub fn run(
     stats: &ChannelStats,
     stop: &control::Stop,
 ) {
+    const FIRST_BACKOFF: Duration = Duration::from_millis(100);
     let mut said_missing = false;
-    let mut backoff = Duration::from_millis(100);
+    let mut said_deaf = false;
+    let mut backoff = FIRST_BACKOFF;
+    let wait = |backoff: &mut Duration| {
+        let stopped = stop.nap(*backoff);
+        *backoff = (*backoff * 2).min(Duration::from_secs(5));
+        stopped
+    };
     while !stop.is_set() {
         let mut port = match open_port(path) {
             Ok(f) => f,
@@ -100,39 +141,60 @@ pub fn run(
                     info!(path = %path.display(), "no host channel ({e}): running standalone");
                     said_missing = true;
                 }
-                if stop.nap(backoff) {
+                if wait(&mut backoff) {
                     return;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
             }
         };
-        info!(path = %path.display(), "host channel open");
         let vcpus = sample().len().max(1) as u32;
         let hello = Message::Hello(Hello {
             version: PROTOCOL_VERSION,
             agent: format!("vmigrater {}", env!("CARGO_PKG_VERSION")),
             vcpus,
         });
-        if let Err(e) = send(&mut port, &hello) {
-            debug!("hello failed: {e}");
-            if stop.nap(backoff) {
-                return;
+        // A port nobody listens to on the host takes nothing (EAGAIN): no session then,
+        // and no report may go out before a whole hello has.
+        let mut writer = LineWriter::default();
+        match writer.send(&mut port, &hello) {
+            Ok(true) => {}
+            Ok(false) => {
+                if !said_deaf {
+                    info!(path = %path.display(), "the host end of the channel takes nothing (no agent listening); retrying");
+                    said_deaf = true;
+                }
+                if wait(&mut backoff) {
+                    return;
+                }
+                continue;
             }
-            backoff = (backoff * 2).min(Duration::from_secs(5));
-            continue;
+            Err(e) => {
+                debug!("hello failed: {e}");
+                if wait(&mut backoff) {
+                    return;
+                }
+                continue;
+            }
         }
+        info!(path = %path.display(), "host channel open");
+        said_missing = false;
+        said_deaf = false;
         stats.connected.store(true, Ordering::Relaxed);
-        let reason = session(&mut port, period, &sample, stats, stop);
+        let replies0 = stats.replies.load(Ordering::Relaxed);
+        let reason = session(&mut port, &mut writer, period, &sample, stats, stop);
         stats.connected.store(false, Ordering::Relaxed);
+        // A session the host answered was a working one: the next reconnect starts from
+        // the shortest back-off again, not where an old outage left it.
+        if stats.replies.load(Ordering::Relaxed) > replies0 {
+            backoff = FIRST_BACKOFF;
+        }
         match reason {
             None => return,
             Some(why) => {
                 info!("host channel closed ({why}); reconnecting");
-                if stop.nap(backoff) {
+                if wait(&mut backoff) {
                     return;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
     }
@@ -141,6 +203,7 @@ pub fn run(
 /// Reports until the host end closes (returns the reason) or `stop` (returns None).
 fn session(
     port: &mut File,
+    writer: &mut LineWriter,
     period: Duration,
     sample: &impl Fn() -> Vec<VcpuSample>,
     stats: &ChannelStats,
@@ -158,7 +221,7 @@ fn session(
         seq += 1;
         let report = Message::Report(build_report(seq, period, &prev, &now));
         prev = now;
-        match send(port, &report) {
+        match writer.send(port, &report) {
             Ok(true) => {
                 stats.reports_sent.fetch_add(1, Ordering::Relaxed);
             }
@@ -226,5 +289,67 @@ mod tests {
         assert_eq!(r.vcpus[1].io_completions, 0);
         // And the result passes the host's validation.
         assert!(Message::parse(Message::Report(r).to_line().trim_end().as_bytes()).is_ok());
+    }
+
+    /// A port that takes `room` bytes per write call, then would block.
+    struct Port {
+        out: Vec<u8>,
+        room: usize,
+    }
+
+    impl Write for Port {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            if self.room == 0 {
+                return Err(ErrorKind::WouldBlock.into());
+            }
+            let n = b.len().min(self.room);
+            self.out.extend_from_slice(&b[..n]);
+            self.room -= n;
+            Ok(n)
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    fn report(seq: u64) -> Message {
+        Message::Report(build_report(seq, Duration::from_millis(100), &[], &[]))
+    }
+
+    #[test]
+    fn a_line_taken_in_part_is_finished_before_the_next_and_never_interleaved() {
+        let mut w = LineWriter::default();
+        let mut port = Port {
+            out: Vec::new(),
+            room: 10,
+        };
+        assert!(
+            w.send(&mut port, &report(1)).unwrap(),
+            "part of it went out"
+        );
+        // Still full: the rest stays pending and the next line is dropped whole.
+        assert!(!w.send(&mut port, &report(2)).unwrap());
+        port.room = 4096;
+        assert!(w.send(&mut port, &report(3)).unwrap());
+        let text = String::from_utf8(port.out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "{text}");
+        for (l, seq) in lines.iter().zip([1, 3]) {
+            match Message::parse(l.as_bytes()).unwrap() {
+                Message::Report(r) => assert_eq!(r.seq, seq),
+                m => panic!("{m:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_port_that_takes_nothing_sends_nothing() {
+        let mut w = LineWriter::default();
+        let mut port = Port {
+            out: Vec::new(),
+            room: 0,
+        };
+        assert!(!w.send(&mut port, &report(1)).unwrap());
+        assert!(w.pending.is_empty());
     }
 }

@@ -81,7 +81,9 @@ const MECHANISM: &str = "[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard 
 
 struct Daemon {
     child: Option<Child>,
-    state_dir: tempfile::TempDir,
+    state_dir: PathBuf,
+    /// The temporary state directory, when the test did not bring its own.
+    owned: Option<tempfile::TempDir>,
 }
 
 impl Daemon {
@@ -104,14 +106,21 @@ impl Daemon {
         config_text: &str,
         extra: &[&str],
     ) -> Daemon {
-        let config = state_dir.path().join("vmigrater.toml");
+        let mut d = Self::start_at(state_dir.path(), config_text, extra);
+        d.owned = Some(state_dir);
+        d
+    }
+
+    /// A daemon with its state in `state_dir`, which the caller keeps.
+    fn start_at(state_dir: &Path, config_text: &str, extra: &[&str]) -> Daemon {
+        let config = state_dir.join("vmigrater.toml");
         std::fs::write(&config, config_text).expect("write config");
         let child = Command::new(workspace_bin("vmigrater"))
             .arg("--config")
             .arg(&config)
             .arg("run")
             .arg("--state-dir")
-            .arg(state_dir.path())
+            .arg(state_dir)
             .args(extra)
             .env("VMIGRATER_LOG", "info")
             .stderr(Stdio::piped())
@@ -119,7 +128,8 @@ impl Daemon {
             .expect("spawn vmigrater");
         let mut d = Daemon {
             child: Some(child),
-            state_dir,
+            state_dir: state_dir.to_path_buf(),
+            owned: None,
         };
         d.wait_for(Duration::from_secs(20), "status socket", |_| true);
         d
@@ -128,7 +138,7 @@ impl Daemon {
     fn status(&self) -> Option<serde_json::Value> {
         let out = Command::new(workspace_bin("vmigrater"))
             .args(["status", "--json", "--state-dir"])
-            .arg(self.state_dir.path())
+            .arg(&self.state_dir)
             .output()
             .ok()?;
         out.status
@@ -176,12 +186,12 @@ impl Daemon {
         self.collect()
     }
 
-    fn kill9(mut self) -> tempfile::TempDir {
+    /// SIGKILL and wait; the state directory (if the daemon owned it) outlives it.
+    fn kill9(mut self) -> Option<tempfile::TempDir> {
         kill(self.pid(), Signal::SIGKILL).expect("SIGKILL");
         let mut child = self.child.take().expect("running");
         child.wait().expect("wait");
-        let dir = tempfile::tempdir().expect("tempdir");
-        std::mem::replace(&mut self.state_dir, dir)
+        self.owned.take()
     }
 
     fn collect(&mut self) -> String {
@@ -305,7 +315,7 @@ fn journal_restores_masks_after_kill_9() {
     daemon.wait_for(Duration::from_secs(10), "reader migrated", |s| {
         managed(s, reader.tid()) && s["migrations"].as_u64() > Some(0)
     });
-    let state_dir = daemon.kill9();
+    let state_dir = daemon.kill9().expect("a state dir of its own");
     // Freeze the reader so the restarted daemon has no reason to manage it again.
     kill(Pid::from_raw(reader.tid() as i32), Signal::SIGSTOP).expect("SIGSTOP");
     emu.stop();
@@ -545,7 +555,8 @@ fn bpf_refused_runs_degraded_and_keeps_serving() {
         refuse_bpf(&mut cmd);
         let mut daemon = Daemon {
             child: Some(cmd.spawn().expect("spawn vmigrater")),
-            state_dir,
+            state_dir: state_dir.path().to_path_buf(),
+            owned: Some(state_dir),
         };
         let s = daemon.wait_for(Duration::from_secs(20), "status socket", |_| true);
         assert_eq!(s["attach_mode"], "none", "{s:#}");
@@ -804,4 +815,103 @@ fn the_move_guard_keeps_moves_that_pay() {
         |s| managed(s, tid) || s["io_tasks"].as_u64() > Some(0),
     );
     daemon.terminate();
+}
+
+/// A state directory that fills up or turns read-only under a running daemon: no task is
+/// taken over while the journal cannot be written (said once, counted in status), work
+/// resumes when it can, SIGTERM still restores every mask, and a start on a read-only
+/// directory first puts back what a killed daemon left pinned, then refuses with an error
+/// that names the directory.
+#[test]
+fn a_full_or_read_only_state_dir_never_leaves_a_task_pinned() {
+    if !require_root("a_full_or_read_only_state_dir_never_leaves_a_task_pinned")
+        || online_cpus() < 2
+    {
+        return;
+    }
+    let file = data_file();
+    let state = tempfile::tempdir().unwrap();
+    let fs = vmigrater_testbed::Tmpfs::mount(state.path(), 64);
+    let state_dir = fs.path.clone();
+    let mut daemon = Daemon::start_at(&state_dir, MECHANISM, &["--no-metrics"]);
+
+    // Full before the reader exists: it is found, but never taken over or moved.
+    fs.fill();
+    let reader = Reader::start(&file);
+    let original = cpus_of(reader.tid());
+    let emu = Emulator::start(&anti_phase(), 50).expect("steal emulator");
+    let full = daemon.wait_for(Duration::from_secs(15), "a journal error", |s| {
+        s["journal_errors"].as_u64() > Some(0)
+    });
+    let t_end = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < t_end {
+        assert_eq!(cpus_of(reader.tid()), original, "moved without a journal");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let s = daemon.status().expect("status while full");
+    assert!(
+        s["tasks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|t| t["placed_on"].is_null()),
+        "{s:#}"
+    );
+    assert_eq!(s["migrations"], full["migrations"], "{s:#}");
+    // Retried about once a second, not on every tick of the monitor.
+    let errors = s["journal_errors"].as_u64().unwrap() - full["journal_errors"].as_u64().unwrap();
+    assert!(errors <= 10, "{errors} journal writes failed in ~2 s");
+
+    // Room again: the daemon takes the reader over and moves it.
+    fs.make_room();
+    daemon.wait_for(Duration::from_secs(15), "reader migrated", |s| {
+        managed(s, reader.tid()) && s["migrations"].as_u64() > Some(0)
+    });
+
+    // Read-only under the daemon: SIGTERM restores the mask all the same.
+    fs.read_only(true);
+    let log = daemon.terminate();
+    assert_eq!(cpus_of(reader.tid()), original, "not restored:\n{log}");
+    assert!(log.contains("No space left on device"), "{log}");
+    assert!(log.contains("can be written again"), "{log}");
+    // Said when it starts failing, not once per task or per window.
+    let said = log.matches("no task is taken over").count();
+    assert!((1..=2).contains(&said), "said {said} times:\n{log}");
+
+    // A daemon killed with the reader pinned, then a start on the read-only directory.
+    fs.read_only(false);
+    let mut daemon = Daemon::start_at(&state_dir, MECHANISM, &["--no-metrics"]);
+    daemon.wait_for(Duration::from_secs(15), "reader migrated again", |s| {
+        managed(s, reader.tid()) && cpus_of(reader.tid()).len() == 1
+    });
+    daemon.kill9();
+    emu.stop();
+    kill(Pid::from_raw(reader.tid() as i32), Signal::SIGSTOP).expect("SIGSTOP");
+    assert_eq!(cpus_of(reader.tid()).len(), 1, "kill -9 left it pinned");
+    fs.read_only(true);
+    let out = Command::new(workspace_bin("vmigrater"))
+        .arg("--config")
+        .arg(state_dir.join("vmigrater.toml"))
+        .arg("run")
+        .arg("--state-dir")
+        .arg(&state_dir)
+        .arg("--no-metrics")
+        .env("VMIGRATER_LOG", "info")
+        .output()
+        .expect("run vmigrater");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "started on a read-only state dir:\n{err}"
+    );
+    assert!(
+        err.contains(&format!("{} must be writable", state_dir.display())),
+        "{err}"
+    );
+    assert_eq!(
+        cpus_of(reader.tid()),
+        original,
+        "the journal was not recovered before refusing:\n{err}"
+    );
+    fs.read_only(false);
 }

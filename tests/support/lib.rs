@@ -57,3 +57,72 @@ pub fn bench_dir() -> PathBuf {
 pub fn gettid() -> u32 {
     nix::unistd::gettid().as_raw() as u32
 }
+
+/// A small tmpfs mounted over a directory, so a test can fill it up or make it read-only
+/// under a running daemon (root). Unmounted on drop.
+pub struct Tmpfs {
+    pub path: PathBuf,
+    filler: PathBuf,
+}
+
+impl Tmpfs {
+    pub fn mount(path: &std::path::Path, size_kb: u64) -> Tmpfs {
+        std::fs::create_dir_all(path).expect("mount point");
+        run_mount(&[
+            "-t",
+            "tmpfs",
+            "-o",
+            &format!("size={size_kb}k"),
+            "tmpfs",
+            path.to_str().expect("utf-8 path"),
+        ]);
+        Tmpfs {
+            path: path.to_path_buf(),
+            filler: path.join("filler"),
+        }
+    }
+
+    /// Writes until the kernel says ENOSPC: the file system is full afterwards.
+    pub fn fill(&self) {
+        use std::io::Write;
+        let mut f = std::fs::File::create(&self.filler).expect("filler");
+        let block = vec![0u8; 4096];
+        loop {
+            match f.write_all(&block).and_then(|_| f.sync_all()) {
+                Ok(()) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+                Err(e) => panic!("filling {}: {e}", self.path.display()),
+            }
+        }
+    }
+
+    pub fn make_room(&self) {
+        std::fs::remove_file(&self.filler).expect("remove filler");
+    }
+
+    pub fn read_only(&self, ro: bool) {
+        let opt = if ro { "remount,ro" } else { "remount,rw" };
+        run_mount(&["-o", opt, self.path.to_str().expect("utf-8 path")]);
+    }
+}
+
+fn run_mount(args: &[&str]) {
+    let out = std::process::Command::new("mount")
+        .args(args)
+        .output()
+        .expect("run mount");
+    assert!(
+        out.status.success(),
+        "mount {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.path)
+            .status();
+    }
+}

@@ -23,9 +23,9 @@ use nix::unistd::Pid;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-use tracing::warn;
+use tracing::{info, warn};
 
-use crate::journal::{mask_is_ours, AffinityJournal, JournalEntry};
+use crate::journal::{mask_is_ours, AffinityJournal, JournalEntry, JournalError};
 
 /// `PF_KTHREAD` from include/linux/sched.h: the task is a kernel thread.
 const PF_KTHREAD: u64 = 0x0020_0000;
@@ -143,8 +143,52 @@ impl Managed {
     }
 }
 
+/// Journal writes that fail (a full or read-only state directory): counted, said once when
+/// they start failing and once when a write works again, never once per task. While the
+/// journal cannot be written no task is taken over or moved for the first time; tasks
+/// already moved stay managed, and every mask is still restored on exit.
+#[derive(Debug, Default)]
+struct JournalHealth {
+    failing: bool,
+    errors: u64,
+    /// While failing, the next write is tried no earlier than this: a full disk must not
+    /// cost a file write per tick on the monitor's hot path.
+    retry_at: Option<Instant>,
+}
+
+/// Between two tries of a journal that cannot be written.
+const JOURNAL_RETRY: std::time::Duration = std::time::Duration::from_secs(1);
+
+impl JournalHealth {
+    fn may_try(&self) -> bool {
+        !self.failing || self.retry_at.is_none_or(|t| Instant::now() >= t)
+    }
+
+    /// A journal write worked.
+    fn wrote(&mut self) {
+        if self.failing {
+            self.failing = false;
+            info!("the affinity journal can be written again: taking tasks over again");
+        }
+    }
+
+    fn failed(&mut self, e: &JournalError) {
+        self.errors += 1;
+        self.retry_at = Some(Instant::now() + JOURNAL_RETRY);
+        if !self.failing {
+            self.failing = true;
+            warn!(
+                "{e}: no task is taken over or moved for the first time until the journal can \
+                 be written again (tasks already moved stay managed; every mask is still \
+                 restored on exit)"
+            );
+        }
+    }
+}
+
 pub struct AffinityExecutor {
     journal: AffinityJournal,
+    health: JournalHealth,
     tasks: BTreeMap<u32, Managed>,
     proc_root: PathBuf,
     sys_root: PathBuf,
@@ -163,6 +207,7 @@ impl AffinityExecutor {
     ) -> Self {
         AffinityExecutor {
             journal,
+            health: JournalHealth::default(),
             tasks: BTreeMap::new(),
             proc_root: proc_root.into(),
             sys_root: sys_root.into(),
@@ -182,7 +227,7 @@ impl AffinityExecutor {
             }
             // The tid was reused: the task we managed is gone, forget it.
             self.tasks.remove(&tid);
-            journal_remove(&mut self.journal, tid);
+            self.journal_remove(tid);
         }
         let stat_path = self.proc_root.join(format!("{tgid}/task/{tid}/stat"));
         let text = std::fs::read_to_string(&stat_path)
@@ -240,9 +285,16 @@ impl AffinityExecutor {
             allowed: allowed.clone(),
             last_set: known.and_then(|e| e.last_set),
         };
-        self.journal
-            .record(entry)
-            .context("journaling the original CPU mask")?;
+        if !self.health.may_try() {
+            bail!("the affinity journal cannot be written; trying again in a moment");
+        }
+        match self.journal.record(entry) {
+            Ok(()) => self.health.wrote(),
+            Err(e) => {
+                self.health.failed(&e);
+                return Err(e).context("journaling the original CPU mask");
+            }
+        }
         self.tasks.insert(
             tid,
             Managed {
@@ -309,7 +361,7 @@ impl AffinityExecutor {
         };
         if current != expected {
             m.external = true;
-            journal_remove(&mut self.journal, tid);
+            self.journal_remove(tid);
             return Outcome::External;
         }
         if m.placed == Some(cpu) {
@@ -318,8 +370,11 @@ impl AffinityExecutor {
         if !m.journaled_move {
             // The first change of this task: after it, recovery must know a mask of ours
             // may be in place. Written before the syscall, so no crash window exists.
+            if !self.health.may_try() {
+                return Outcome::Rejected;
+            }
             if let Err(e) = self.journal.update_last_set(tid, &[cpu]) {
-                warn!(tid, "not moving: the journal cannot be written: {e}");
+                self.health.failed(&e);
                 return Outcome::Rejected;
             }
             m.journaled_move = true;
@@ -360,8 +415,20 @@ impl AffinityExecutor {
                 }
             },
         };
-        journal_remove(&mut self.journal, tid);
+        self.journal_remove(tid);
         outcome
+    }
+
+    /// Journal writes that failed since the start (a full or read-only state directory).
+    pub fn journal_errors(&self) -> u64 {
+        self.health.errors
+    }
+
+    fn journal_remove(&mut self, tid: u32) {
+        if let Err(e) = self.journal.remove(tid) {
+            // The stale entry is harmless: recovery re-checks identity and mask.
+            self.health.failed(&e);
+        }
     }
 
     /// Releases every task (on exit); returns how many got their original mask back.
@@ -400,13 +467,6 @@ impl AffinityExecutor {
 fn read_list(path: &Path) -> Option<Vec<usize>> {
     let text = std::fs::read_to_string(path).ok()?;
     parse_cpu_list(&text).filter(|l| !l.is_empty())
-}
-
-fn journal_remove(journal: &mut AffinityJournal, tid: u32) {
-    if let Err(e) = journal.remove(tid) {
-        // The stale entry is harmless: recovery re-checks identity and mask.
-        warn!(tid, "dropping the journal entry failed: {e}");
-    }
 }
 
 fn errno_outcome(e: Errno) -> Outcome {

@@ -152,6 +152,10 @@ impl Running {
             managed_tasks: placement.executor.as_ref().map_or(0, |e| e.managed_count()) as u64,
             migrations: self.shared.migrations.load(Ordering::Relaxed),
             hands_off_tasks: placement.hands_off.len() as u64,
+            journal_errors: placement
+                .executor
+                .as_ref()
+                .map_or(0, |e| e.journal_errors()),
             channel_connected: self.channel.connected.load(Ordering::Relaxed),
             channel_reports_sent: self.channel.reports_sent.load(Ordering::Relaxed),
             channel_reports_dropped: self.channel.reports_dropped.load(Ordering::Relaxed),
@@ -180,6 +184,15 @@ impl Running {
     fn refresh_metrics(&self) {
         let now = monotonic_ns();
         let m = &self.shared.metrics;
+        if let Some(errors) = self
+            .shared
+            .placement
+            .lock()
+            .ok()
+            .and_then(|p| p.executor.as_ref().map(|e| e.journal_errors()))
+        {
+            m.journal_errors.inner().store(errors, Ordering::Relaxed);
+        }
         for s in self.board.snapshot(now) {
             let l = CpuLabel { cpu: s.cpu as u32 };
             m.deschedules
@@ -222,9 +235,19 @@ fn recover_journal(state_dir: &Path) -> Result<()> {
         return Ok(());
     }
     let report = AffinityJournal::recover(&path)
-        .with_context(|| format!("recovering {}", path.display()))?;
+        .with_context(|| format!("recovering {}", path.display()))
+        .with_context(|| unwritable(state_dir))?;
     info!(?report, "recovered the journal of a previous run");
     Ok(())
+}
+
+/// Why a daemon that cannot write its state directory does not start.
+fn unwritable(state_dir: &Path) -> String {
+    format!(
+        "the state directory {} must be writable: every CPU mask the daemon changes is \
+         journaled there first (state_dir in the config, or --state-dir)",
+        state_dir.display()
+    )
 }
 
 /// Two daemons on one machine would fight over the same tasks' masks (each would see the
@@ -284,9 +307,10 @@ pub fn run(cfg: Config) -> Result<()> {
         info!("dry-run: migrations are planned and logged, no mask is changed");
         None
     } else {
-        Some(AffinityExecutor::new(AffinityJournal::open(journal_path(
-            &state_dir,
-        ))?))
+        Some(AffinityExecutor::new(
+            AffinityJournal::open(journal_path(&state_dir))
+                .with_context(|| unwritable(&state_dir))?,
+        ))
     };
     let shared = Arc::new(Shared {
         tasks: ArcSwap::from_pointee(Vec::new()),

@@ -133,8 +133,9 @@ impl AffinityJournal {
 
     /// Records a task before its first change (replaces an entry with the same tid).
     pub fn record(&mut self, entry: JournalEntry) -> Result<()> {
-        let old = self.entries.insert(entry.tid, entry);
-        self.persist().inspect_err(|_| self.undo(old))
+        let tid = entry.tid;
+        let old = self.entries.insert(tid, entry);
+        self.persist().inspect_err(|_| self.undo(tid, old))
     }
 
     /// Notes the mask we are about to set (or have set) for `tid`; a no-op for unknown
@@ -192,27 +193,33 @@ impl AffinityJournal {
         Self::recover_with_proc(path, Path::new("/proc"))
     }
 
-    /// `recover` with `/proc` elsewhere (tests and containers).
+    /// `recover` with `/proc` elsewhere (tests and containers). Every mask is put back
+    /// before the file is rewritten, so a state directory that became read-only or full
+    /// still gets its tasks restored (and the error says the journal could not be emptied).
     pub fn recover_with_proc(path: impl AsRef<Path>, proc_root: &Path) -> Result<RecoveryReport> {
         let path = path.as_ref();
         let mut report = RecoveryReport::default();
         if !path.exists() {
             return Ok(report);
         }
-        let mut journal = AffinityJournal::open(path)?;
-        for e in journal.entries.values() {
-            recover_entry(e, proc_root, &mut report);
+        let journal = AffinityJournal {
+            path: path.to_path_buf(),
+            entries: BTreeMap::new(),
+        };
+        for e in load(path)? {
+            recover_entry(&e, proc_root, &mut report);
         }
-        journal.entries.clear();
         journal.persist()?;
         Ok(report)
     }
 
-    fn undo(&mut self, old: Option<JournalEntry>) {
-        // Called only right after an insert whose write failed: put back what was there.
-        if let Some(old) = old {
-            self.entries.insert(old.tid, old);
-        }
+    fn undo(&mut self, tid: u32, old: Option<JournalEntry>) {
+        // Called only right after an insert whose write failed: put back what was there,
+        // or nothing, so memory never holds an entry the file does not.
+        match old {
+            Some(old) => self.entries.insert(tid, old),
+            None => self.entries.remove(&tid),
+        };
     }
 
     fn persist(&self) -> Result<()> {
@@ -417,6 +424,25 @@ mod tests {
         assert!(!mask_is_ours(&e, &[0, 1]));
         e.allowed = vec![0];
         assert!(!mask_is_ours(&e, &[1]));
+    }
+
+    #[test]
+    fn a_record_that_cannot_be_written_leaves_nothing_in_memory() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut j = AffinityJournal::open(dir.path().join("state/journal.json")).unwrap();
+        j.record(entry(1)).unwrap();
+        // The directory goes away under it: every write fails from now on.
+        std::fs::remove_dir_all(dir.path().join("state")).unwrap();
+        assert!(j.record(entry(2)).is_err());
+        assert!(j.get(2).is_none(), "an unwritten entry stayed in memory");
+        let mut changed = entry(1);
+        changed.original = vec![3];
+        assert!(j.record(changed).is_err());
+        assert_eq!(
+            j.get(1),
+            Some(&entry(1)),
+            "the written entry was not put back"
+        );
     }
 
     #[test]

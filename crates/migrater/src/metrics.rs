@@ -76,6 +76,8 @@ pub struct Metrics {
     pub migration_latency: Histogram,
     pub releases: Counter,
     pub detector_errors: Counter,
+    /// Mirrors the executor's count of failed journal writes.
+    pub journal_errors: Counter,
     monitor_source: Family<SourceLabel, Gauge>,
     /// 1 while the move guard lets tasks move (or it is off), 0 while moves are on hold.
     pub moves_allowed: Gauge,
@@ -102,6 +104,7 @@ impl Metrics {
             migration_latency: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
             releases: Counter::default(),
             detector_errors: Counter::default(),
+            journal_errors: Counter::default(),
             monitor_source: Family::default(),
             moves_allowed: Gauge::default(),
             block_tracking: Gauge::default(),
@@ -184,6 +187,11 @@ impl Metrics {
             "detector_errors",
             "Failed polls of the BPF maps",
             m.detector_errors.clone(),
+        );
+        r.register(
+            "journal_errors",
+            "Failed writes of the affinity journal (state directory full or read-only): no task is taken over while they fail",
+            m.journal_errors.clone(),
         );
         let mode: Family<ModeLabel, Gauge> = Family::default();
         mode.get_or_create(&ModeLabel {

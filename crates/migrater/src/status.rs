@@ -75,6 +75,10 @@ pub struct StatusReport {
     pub managed_tasks: u64,
     pub migrations: u64,
     pub hands_off_tasks: u64,
+    /// Journal writes that failed (a full or read-only state directory): while they fail,
+    /// no task is taken over.
+    #[serde(default)]
+    pub journal_errors: u64,
     pub channel_connected: bool,
     pub channel_reports_sent: u64,
     pub channel_reports_dropped: u64,
@@ -110,6 +114,13 @@ pub fn render(r: &StatusReport) -> String {
         "io-bound tasks {}  managed {}  hands-off {}  migrations {}  latency µs p50 {:.1} p99 {:.1} max {:.1}",
         r.io_tasks, r.managed_tasks, r.hands_off_tasks, r.migrations, l.p50, l.p99, l.max
     );
+    if r.journal_errors > 0 {
+        let _ = writeln!(
+            s,
+            "journal write errors {} (state directory full or read-only?)",
+            r.journal_errors
+        );
+    }
     let _ = writeln!(
         s,
         "host channel {}  reports sent {}  dropped {}  replies {}",

@@ -937,3 +937,92 @@ fn a_killed_agent_is_undone_by_the_next_start() {
     }
     assert!(!dir.path().join("journal.json").exists());
 }
+
+/// A state directory that is full or read-only under the agent: no vCPU thread is changed
+/// without its undo journaled (said once, counted in `apply_errors`), the periods go on,
+/// changes resume once there is room, and SIGTERM restores them with the directory
+/// read-only.
+#[test]
+fn a_full_or_read_only_state_dir_changes_nothing_unjournaled() {
+    if !require_root("a_full_or_read_only_state_dir_changes_nothing_unjournaled") {
+        return;
+    }
+    let hogs = Hogs::start(&[0, 0]);
+    let (a, b) = (hogs.tids[0], hogs.tids[1]);
+    let before = hv_agent::backend::get_attr(a).unwrap().sched_runtime;
+    let dir = tempfile::tempdir().unwrap();
+    let fs = vmigrater_testbed::Tmpfs::mount(&dir.path().join("state"), 64);
+    let sock = dir.path().join("io.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    // Full from the start: the first period would otherwise journal both threads' undo,
+    // after which changing them needs no more writes.
+    fs.fill();
+    let agent = Agent::start_in(
+        dir.path(),
+        &fs.path,
+        &format!(
+            "[[vm]]\nname = \"io\"\nhint_socket = {:?}\nvcpu_threads = [{a}]\n\n[[vm]]\nname = \"cpu\"\nvcpu_threads = [{b}]\n",
+            sock.display().to_string()
+        ),
+    );
+    let mut g = guest(&listener, 1);
+    let mut seq = 0;
+    let changed = || {
+        nice_of(a) != 0
+            || nice_of(b) != 0
+            || hv_agent::backend::get_attr(a).unwrap().sched_runtime != before
+    };
+    let mut stream = |secs: u64, until: &dyn Fn() -> bool| {
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(secs) && !until() {
+            seq += 1;
+            g.write_all(report(seq, &[(0, "200", "500")]).as_bytes())
+                .unwrap();
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    };
+
+    let ever = std::cell::Cell::new(false);
+    stream(2, &|| {
+        ever.set(ever.get() || changed());
+        false
+    });
+    let never = !ever.get();
+    let s = agent.status().expect("status while full");
+    assert!(
+        never,
+        "a vCPU thread was changed with no room for its undo: nice {} {} slice {}\n{}",
+        nice_of(a),
+        nice_of(b),
+        hv_agent::backend::get_attr(a).unwrap().sched_runtime,
+        std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default()
+    );
+    assert!(s["apply_errors"].as_u64() > Some(0), "{s:#}");
+    assert!(s["periods"].as_u64() > Some(10), "periods stopped: {s:#}");
+
+    fs.make_room();
+    stream(5, &changed);
+    assert!(changed(), "no change once the journal had room again");
+
+    fs.read_only(true);
+    stream(1, &|| false);
+    let log = agent.terminate();
+    fs.read_only(false);
+    assert_eq!(
+        (nice_of(a), nice_of(b)),
+        (0, 0),
+        "nice not restored:\n{log}"
+    );
+    assert_eq!(
+        hv_agent::backend::get_attr(a).unwrap().sched_runtime,
+        before,
+        "slice not restored"
+    );
+    // At warn level once; the rest (the test runs the agent at debug) are debug lines.
+    let warned = log
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("applying failed"))
+        .count();
+    assert_eq!(warned, 1, "warned {warned} times:\n{log}");
+    assert!(log.contains("applying works again"), "{log}");
+}

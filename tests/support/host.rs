@@ -83,12 +83,18 @@ impl Agent {
     /// Starts the agent with `body` (top-level keys, then `[[vm]]` tables) in a config
     /// whose state lives in `dir`, without /metrics or libvirt discovery.
     pub fn start(dir: &Path, body: &str) -> Agent {
+        Self::start_in(dir, dir, body)
+    }
+
+    /// `start` with the state (journal, status socket) in `state_dir`, the config and log
+    /// in `dir`.
+    pub fn start_in(dir: &Path, state_dir: &Path, body: &str) -> Agent {
         let config = dir.join("agent.toml");
         std::fs::write(
             &config,
             format!(
                 "period_ms = 50\nbackend = \"kvm-qemu\"\nstate_dir = {:?}\n{body}\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
-                dir.display().to_string()
+                state_dir.display().to_string()
             ),
         )
         .unwrap();

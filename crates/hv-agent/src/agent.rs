@@ -135,6 +135,8 @@ pub struct Agent {
     started: Instant,
     periods: u64,
     apply_errors: u64,
+    /// Applying failed in the last period that applied anything (said once).
+    applying_fails: bool,
     last_scan: Option<Instant>,
 }
 
@@ -171,6 +173,7 @@ impl Agent {
             started: Instant::now(),
             periods: 0,
             apply_errors: 0,
+            applying_fails: false,
             last_scan: None,
         })
     }
@@ -312,6 +315,7 @@ impl Agent {
             &figures,
         );
         let mut applied: BTreeMap<usize, Vec<VcpuWeight>> = BTreeMap::new();
+        let errors_before = self.apply_errors;
         for s in &settings {
             let vm = &mut self.vms[s.key.0];
             let track = &mut vm.tracks[s.key.1 as usize];
@@ -320,7 +324,15 @@ impl Agent {
                 .apply(&vm.cfg.name, vm.cfg.domain.as_deref(), track.tid, s)
             {
                 self.apply_errors += 1;
-                warn!(vm = %vm.cfg.name, vcpu = s.key.1, "applying failed: {e:#}");
+                // Said when applying starts failing (e.g. a full or read-only state
+                // directory: nothing is changed without its undo journaled), not every
+                // period for every vCPU; the count is in status and metrics.
+                if self.applying_fails {
+                    debug!(vm = %vm.cfg.name, vcpu = s.key.1, "applying failed: {e:#}");
+                } else {
+                    warn!(vm = %vm.cfg.name, vcpu = s.key.1, "applying failed: {e:#} (said once until it works again; apply_errors counts)");
+                    self.applying_fails = true;
+                }
             }
             let weight = 1.25f64.powi(-s.nice);
             let st = &mut track.status;
@@ -338,6 +350,10 @@ impl Agent {
         if let Err(e) = self.backend.flush() {
             self.apply_errors += 1;
             warn!("backend flush failed: {e:#}");
+        }
+        if self.applying_fails && self.apply_errors == errors_before && !settings.is_empty() {
+            self.applying_fails = false;
+            info!(apply_errors = self.apply_errors, "applying works again");
         }
         if self.cfg.balance_io {
             self.place();

@@ -50,6 +50,7 @@ impl Journal {
     /// persists it before returning.
     pub fn record(&mut self, tid: u32, add: impl FnOnce(&mut Entry)) -> Result<()> {
         let start_time = start_time(tid).with_context(|| format!("thread {tid} is gone"))?;
+        let existed = self.entries.contains_key(&tid);
         let e = self.entries.entry(tid).or_insert_with(|| Entry {
             start_time,
             ..Entry::default()
@@ -65,7 +66,16 @@ impl Journal {
         e.mask = e.mask.take().or(fresh.mask);
         e.cgroup = e.cgroup.take().or(fresh.cgroup);
         if *e != before {
-            self.persist()?;
+            if let Err(err) = self.persist() {
+                // Memory must not hold an undo the file lacks: the next call would find
+                // it "recorded" and let the change through unjournaled.
+                if existed {
+                    self.entries.insert(tid, before);
+                } else {
+                    self.entries.remove(&tid);
+                }
+                return Err(err);
+            }
         }
         Ok(())
     }
@@ -192,6 +202,19 @@ mod tests {
         assert_eq!(on_disk[&tid].start_time, start_time(tid).unwrap());
         j.forget(tid);
         assert!(!path.exists(), "an empty journal leaves no file");
+    }
+
+    #[test]
+    fn an_undo_that_cannot_be_written_is_not_kept() {
+        let dir = tempfile::tempdir().unwrap();
+        let me = nix::unistd::gettid().as_raw() as u32;
+        let mut j = Journal::new(dir.path().join("gone/journal.json"));
+        assert!(j.record(me, |e| e.nice = Some(0)).is_err());
+        // Asked again, it must try (and fail) again, not find the entry already there.
+        assert!(j.record(me, |e| e.nice = Some(0)).is_err());
+        std::fs::create_dir(dir.path().join("gone")).unwrap();
+        j.record(me, |e| e.nice = Some(0)).unwrap();
+        assert!(dir.path().join("gone/journal.json").exists());
     }
 
     #[test]

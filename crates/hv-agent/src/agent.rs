@@ -151,9 +151,9 @@ impl Agent {
             ),
             Err(e) => warn!("journal: {e:#}"),
         }
-        let journal =
-            (cfg.backend == "kvm-qemu").then(|| crate::journal::Journal::new(journal_path));
-        let backend = backend::for_name(&cfg.backend, &cfg.weight, journal)?;
+        let journal = (cfg.backend == crate::config::BackendKind::KvmQemu)
+            .then(|| crate::journal::Journal::new(journal_path));
+        let backend = backend::for_name(cfg.backend, cfg.weight, journal)?;
         let params = CreditParams {
             period_ns: cfg.period_ms * 1_000_000,
             ..CreditParams::default()
@@ -444,7 +444,7 @@ impl Agent {
             pid: std::process::id(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             backend: self.backend.name().into(),
-            weight: self.cfg.weight.clone(),
+            weight: self.cfg.weight.to_string(),
             period_ms: self.cfg.period_ms,
             periods: self.periods,
             apply_errors: self.apply_errors,

@@ -8,11 +8,12 @@
 //!   default, through a command runner so tests can check the exact commands.
 //! - `DryRun`: computes and logs, touches nothing.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use std::collections::{BTreeMap, HashMap};
 use tracing::{debug, info, warn};
 
 use crate::cgroup::CgroupWeights;
+use crate::config::{BackendKind, WeightKind};
 use crate::journal::Journal;
 use crate::weights::Setting;
 
@@ -50,18 +51,21 @@ pub enum Share {
 }
 
 /// `journal`: where `kvm-qemu` writes the undo of each change before making it.
-pub fn for_name(name: &str, weight: &str, journal: Option<Journal>) -> Result<Box<dyn Backend>> {
-    Ok(match name {
-        "kvm-qemu" => Box::new(KvmQemu::new(
+pub fn for_name(
+    kind: BackendKind,
+    weight: WeightKind,
+    journal: Option<Journal>,
+) -> Result<Box<dyn Backend>> {
+    Ok(match kind {
+        BackendKind::KvmQemu => Box::new(KvmQemu::new(
             match weight {
-                "cgroup" => Share::Cgroup(CgroupWeights::new()?),
-                _ => Share::Nice,
+                WeightKind::Cgroup => Share::Cgroup(CgroupWeights::new()?),
+                WeightKind::Nice => Share::Nice,
             },
             journal,
         )),
-        "xen" => Box::new(Xen::new(Box::new(RealRunner))),
-        "dry-run" => Box::new(DryRun),
-        other => bail!("unknown backend {other:?}"),
+        BackendKind::Xen => Box::new(Xen::new(Box::new(RealRunner))),
+        BackendKind::DryRun => Box::new(DryRun),
     })
 }
 

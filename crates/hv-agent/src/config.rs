@@ -16,7 +16,7 @@ pub struct Config {
     /// Credit period.
     pub period_ms: u64,
     /// `kvm-qemu`, `xen` or `dry-run`.
-    pub backend: String,
+    pub backend: BackendKind,
     /// Sustained per-guest rate limit: one report per this interval, bursts of 32 tolerated.
     pub min_report_interval_ms: u64,
     /// Nice range the CPU-BOOST weights may use (0 = never change weights).
@@ -25,7 +25,7 @@ pub struct Config {
     pub io_slice_us: u64,
     /// How a vCPU thread's share is changed: `nice` (setpriority-equivalent) or `cgroup`
     /// (`cpu.shares` on v1, `cpu.weight` on v2).
-    pub weight: String,
+    pub weight: WeightKind,
     /// ISACS Algorithm 2: move I/O-intensive vCPU threads between the host CPUs their VM
     /// may use, restoring the original affinity when they stop doing I/O or at exit.
     pub balance_io: bool,
@@ -38,6 +38,45 @@ pub struct Config {
     pub libvirt: LibvirtConfig,
     #[serde(rename = "vm")]
     pub vms: Vec<VmConfig>,
+}
+
+/// Which hypervisor scheduler the agent drives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum BackendKind {
+    /// QEMU vCPU threads on the host kernel (nice or cgroup weight, EEVDF slice, affinity).
+    KvmQemu,
+    /// Xen credit2 weights through `xl`.
+    Xen,
+    /// Plans and logs, changes nothing.
+    DryRun,
+}
+
+impl std::fmt::Display for BackendKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            BackendKind::KvmQemu => "kvm-qemu",
+            BackendKind::Xen => "xen",
+            BackendKind::DryRun => "dry-run",
+        })
+    }
+}
+
+/// How the `kvm-qemu` backend changes a vCPU thread's CPU share.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightKind {
+    Nice,
+    Cgroup,
+}
+
+impl std::fmt::Display for WeightKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            WeightKind::Nice => "nice",
+            WeightKind::Cgroup => "cgroup",
+        })
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
@@ -80,11 +119,11 @@ impl Default for Config {
     fn default() -> Self {
         Config {
             period_ms: 100,
-            backend: "kvm-qemu".into(),
+            backend: BackendKind::KvmQemu,
             min_report_interval_ms: 20,
             max_nice_delta: 3,
             io_slice_us: 500,
-            weight: "nice".into(),
+            weight: WeightKind::Nice,
             balance_io: true,
             observe_schedstat: true,
             state_dir: DEFAULT_STATE_DIR.into(),
@@ -137,24 +176,6 @@ impl Config {
     /// Every key's range, documented in the README's configuration table.
     fn validate(&self) -> std::result::Result<(), Invalid> {
         in_range("period_ms", self.period_ms, 10, 60_000)?;
-        if !["kvm-qemu", "xen", "dry-run"].contains(&self.backend.as_str()) {
-            return Err(Invalid::new(
-                "backend",
-                format!(
-                    "backend = {:?}: expected \"kvm-qemu\", \"xen\" or \"dry-run\"",
-                    self.backend
-                ),
-            ));
-        }
-        if !["nice", "cgroup"].contains(&self.weight.as_str()) {
-            return Err(Invalid::new(
-                "weight",
-                format!(
-                    "weight = {:?}: expected \"nice\" or \"cgroup\"",
-                    self.weight
-                ),
-            ));
-        }
         in_range(
             "min_report_interval_ms",
             self.min_report_interval_ms,
@@ -270,8 +291,29 @@ mod tests {
 
     #[test]
     fn errors_name_the_line() {
-        let e = Config::parse("period_ms = 100\nbackend = \"kvm\"\n", "t").unwrap_err();
-        assert!(format!("{e:#}").contains("backend"), "{e:#}");
+        // Typed modes: a bad value fails at parse time with its line and the valid ones.
+        let e = format!(
+            "{:#}",
+            Config::parse("period_ms = 100\nbackend = \"kvm\"\n", "t").unwrap_err()
+        );
+        assert!(
+            e.starts_with("t:2:") && e.contains("`kvm-qemu`, `xen`, `dry-run`"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            Config::parse("weight = \"shares\"\n", "t").unwrap_err()
+        );
+        assert!(
+            e.starts_with("t:1:") && e.contains("`nice` or `cgroup`"),
+            "{e}"
+        );
+        let cfg = Config::parse("backend = \"xen\"\nweight = \"cgroup\"\n", "t").unwrap();
+        assert_eq!(
+            (cfg.backend, cfg.weight),
+            (BackendKind::Xen, WeightKind::Cgroup)
+        );
+        assert_eq!(cfg.backend.to_string(), "xen");
         let e = Config::parse("\n\nperiod = 5\n", "t")
             .unwrap_err()
             .to_string();
@@ -286,8 +328,6 @@ mod tests {
             format!("{e:#}").contains("host_cpus has CPU 100000"),
             "{e:#}"
         );
-        let e = Config::parse("weight = \"shares\"\n", "t").unwrap_err();
-        assert!(format!("{e:#}").contains("\"nice\" or \"cgroup\""), "{e:#}");
         let e = Config::parse("[metrics]\nlisten = \"nowhere\"\n", "t").unwrap_err();
         assert!(e.to_string().starts_with("t:2:"), "{e}");
     }

@@ -61,7 +61,7 @@ fn real_main(cli: Cli) -> Result<()> {
         Command::Run { dry_run } => {
             let mut cfg = Config::load(&cli.config, explicit)?;
             if dry_run {
-                cfg.backend = "dry-run".into();
+                cfg.backend = hv_agent::config::BackendKind::DryRun;
             }
             run(cfg)
         }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use task_detector::{IoTracker, TrackerOptions};
 
 use crate::config::{Config, MonitorSource};
-use crate::daemon::{monitor_config, parse_attach_mode};
+use crate::daemon::monitor_config;
 
 const HINT_PORT: &str = "/dev/virtio-ports/org.vmigrater.hint.0";
 
@@ -82,7 +82,7 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
     if root {
         let t0 = Instant::now();
         match IoTracker::open(&TrackerOptions {
-            force_mode: parse_attach_mode(&cfg.detector.attach_mode),
+            force_mode: cfg.detector.attach_mode.forced(),
         }) {
             Ok(tracker) => println!(
                 "attach mode:   {} (loaded and attached in {:.1} ms)",

@@ -81,12 +81,12 @@ impl Default for MonitorSection {
             source: MonitorSource::Auto,
             oracle_schedule: Vec::new(),
             oracle_epoch_ns: 0,
-            period_us: 300,
-            probe_period_us: 2_000,
-            idle_period_us: 50_000,
-            min_gap_threshold_us: 200,
-            default_slice_us: 11_000,
-            rt_priority: 1,
+            period_us: us(vcpu_monitor::DEFAULT_PERIOD),
+            probe_period_us: us(vcpu_monitor::DEFAULT_PROBE_PERIOD),
+            idle_period_us: us(vcpu_monitor::DEFAULT_IDLE_PERIOD),
+            min_gap_threshold_us: us(vcpu_monitor::DEFAULT_MIN_GAP_THRESHOLD),
+            default_slice_us: us(vcpu_monitor::DEFAULT_SLICE),
+            rt_priority: vcpu_monitor::DEFAULT_RT_PRIORITY,
             cpus: Vec::new(),
         }
     }
@@ -100,6 +100,36 @@ pub enum MonitorSource {
     Kernel,
     Sleepers,
     Oracle,
+}
+
+/// `detector.attach_mode`: the best mode the kernel offers, or one insisted on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachSetting {
+    #[default]
+    Auto,
+    #[value(name = "tp_btf")]
+    TpBtf,
+    #[value(name = "raw_tp")]
+    RawTp,
+    Tracepoint,
+}
+
+impl AttachSetting {
+    /// The mode to insist on, if any.
+    pub fn forced(self) -> Option<task_detector::AttachMode> {
+        use task_detector::AttachMode;
+        match self {
+            AttachSetting::Auto => None,
+            AttachSetting::TpBtf => Some(AttachMode::TpBtf),
+            AttachSetting::RawTp => Some(AttachMode::RawTp),
+            AttachSetting::Tracepoint => Some(AttachMode::Tracepoint),
+        }
+    }
+}
+
+fn us(d: std::time::Duration) -> u64 {
+    d.as_micros() as u64
 }
 
 fn is_zero(v: &u64) -> bool {
@@ -130,7 +160,7 @@ impl MonitorSection {
 #[serde(default, deny_unknown_fields)]
 pub struct DetectorSection {
     /// BPF attach mode: "auto", "tp_btf", "raw_tp" or "tracepoint".
-    pub attach_mode: String,
+    pub attach_mode: AttachSetting,
     /// Length of one classification window.
     pub window_ms: u64,
     /// Poll period while nothing is I/O-bound and no block I/O is seen.
@@ -145,7 +175,7 @@ pub struct DetectorSection {
 impl Default for DetectorSection {
     fn default() -> Self {
         DetectorSection {
-            attach_mode: "auto".into(),
+            attach_mode: AttachSetting::Auto,
             window_ms: 5,
             idle_poll_ms: 40,
             sample_ms: 250,
@@ -249,6 +279,14 @@ impl Config {
         Ok(cfg)
     }
 
+    /// Validates a configuration changed after loading (command-line flags over the
+    /// file): the same ranges, the error naming `origin`.
+    pub fn revalidate(self, origin: &str) -> Result<Config> {
+        self.validate()
+            .map_err(|e| anyhow::anyhow!("{origin}: {}", e.message))?;
+        Ok(self)
+    }
+
     /// Loads `path`. A missing file at the default location means "all defaults"; a
     /// missing file that the user named explicitly is an error.
     pub fn load(path: &Path, explicit: bool) -> Result<Config> {
@@ -307,15 +345,6 @@ impl Config {
             ));
         }
         let d = &self.detector;
-        if !["auto", "tp_btf", "raw_tp", "tracepoint"].contains(&d.attach_mode.as_str()) {
-            return Err(Invalid::new(
-                "detector.attach_mode",
-                format!(
-                    "detector.attach_mode = {:?}: expected \"auto\", \"tp_btf\", \"raw_tp\" or \"tracepoint\"",
-                    d.attach_mode
-                ),
-            ));
-        }
         in_range("detector.window_ms", d.window_ms, 1, 1_000)?;
         in_range("detector.idle_poll_ms", d.idle_poll_ms, 1, 60_000)?;
         // 0 tracks every request; sample_ms is unused then.
@@ -613,6 +642,44 @@ mod tests {
         );
         assert!(err.starts_with("c:2:"), "{err}");
         assert!(err.contains("kernel"), "the valid values are listed: {err}");
+    }
+
+    #[test]
+    fn attach_mode_is_typed() {
+        let cfg = Config::parse("[detector]\nattach_mode = \"raw_tp\"\n", "c").unwrap();
+        assert_eq!(cfg.detector.attach_mode, AttachSetting::RawTp);
+        assert_eq!(
+            cfg.detector.attach_mode.forced(),
+            Some(task_detector::AttachMode::RawTp)
+        );
+        assert_eq!(Config::default().detector.attach_mode.forced(), None);
+        let err = format!(
+            "{:#}",
+            Config::parse("[detector]\nattach_mode = \"kprobe\"\n", "c").unwrap_err()
+        );
+        assert!(err.starts_with("c:2:"), "{err}");
+        assert!(
+            err.contains("`tp_btf`"),
+            "the valid values are listed: {err}"
+        );
+        // The command line's names are the file's.
+        use clap::ValueEnum;
+        let names: Vec<String> = AttachSetting::value_variants()
+            .iter()
+            .map(|v| v.to_possible_value().unwrap().get_name().to_string())
+            .collect();
+        assert_eq!(names, ["auto", "tp_btf", "raw_tp", "tracepoint"]);
+    }
+
+    #[test]
+    fn flags_are_held_to_the_files_ranges() {
+        let mut cfg = Config::default();
+        cfg.monitor.period_us = 1;
+        let err = format!("{:#}", cfg.revalidate("command line").unwrap_err());
+        assert_eq!(
+            err,
+            "command line: monitor.period_us = 1 is outside 50..=100000"
+        );
     }
 
     #[test]

@@ -11,9 +11,7 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use task_detector::{
-    AttachMode, ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions,
-};
+use task_detector::{ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions};
 use tracing::{debug, info, warn};
 use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 
@@ -30,15 +28,6 @@ use crate::status::{self, StatusReport, TaskStatus, VcpuStatus};
 
 pub fn journal_path(state_dir: &Path) -> std::path::PathBuf {
     state_dir.join("journal.json")
-}
-
-pub fn parse_attach_mode(s: &str) -> Option<AttachMode> {
-    match s {
-        "tp_btf" => Some(AttachMode::TpBtf),
-        "raw_tp" => Some(AttachMode::RawTp),
-        "tracepoint" => Some(AttachMode::Tracepoint),
-        _ => None,
-    }
 }
 
 pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
@@ -279,7 +268,7 @@ pub fn run(cfg: Config) -> Result<()> {
         .with_context(|| format!("creating state dir {}", state_dir.display()))?;
     recover_journal(&state_dir)?;
 
-    let force_mode = parse_attach_mode(&cfg.detector.attach_mode);
+    let force_mode = cfg.detector.attach_mode.forced();
     // Without the block programs nothing can be found or moved, but the vCPU monitor,
     // status, metrics and channel still tell the operator what they see: a degraded run,
     // said once, rather than a restart loop under systemd.

@@ -59,8 +59,8 @@ struct RunArgs {
     #[arg(long, value_enum)]
     monitor_source: Option<migrater::config::MonitorSource>,
     /// BPF attach mode: auto, tp_btf, raw_tp or tracepoint (overrides `detector.attach_mode`).
-    #[arg(long)]
-    attach_mode: Option<String>,
+    #[arg(long, value_enum)]
+    attach_mode: Option<migrater::config::AttachSetting>,
 }
 
 #[derive(clap::Args, Debug)]
@@ -111,11 +111,11 @@ fn real_main(cli: Cli) -> Result<()> {
             if let Some(src) = args.monitor_source {
                 cfg.monitor.source = src;
             }
-            if let Some(m) = &args.attach_mode {
-                cfg.detector.attach_mode = m.clone();
+            if let Some(m) = args.attach_mode {
+                cfg.detector.attach_mode = m;
             }
-            // Flags are validated like the file, so `--period-us 1` gets the same message.
-            let cfg = Config::parse(&toml::to_string(&cfg)?, "command line and config")?;
+            // Flags are held to the file's ranges, so `--period-us 1` gets the same message.
+            let cfg = cfg.revalidate("command line and config")?;
             daemon::run(cfg)
         }
         Command::Check => {

@@ -23,7 +23,11 @@ mod schedule;
 pub use board::{Demand, VcpuBoard, VcpuSnapshot};
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
 pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
-pub use monitor::{online_cpus, sleep_until, Monitor, MonitorConfig, TickEvent, TickHook};
+pub use monitor::{
+    online_cpus, sleep_until, Monitor, MonitorConfig, TickEvent, TickHook, DEFAULT_IDLE_PERIOD,
+    DEFAULT_MIN_GAP_THRESHOLD, DEFAULT_PERIOD, DEFAULT_PROBE_PERIOD, DEFAULT_RT_PRIORITY,
+    DEFAULT_SLICE,
+};
 pub use schedule::{parse_cpu_schedule, ScheduleMonitor, StealSchedule, Window};
 
 /// CLOCK_MONOTONIC in nanoseconds: the one clock of the sleepers, the board and callers.

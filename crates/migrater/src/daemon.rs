@@ -19,7 +19,9 @@ use crate::affinity::AffinityExecutor;
 use crate::channel::{self, ChannelStats, VcpuSample};
 use crate::config::Config;
 use crate::guard::{Contention, GuardConfig, MoveGuard, VcpuOut};
-use crate::hook::{LatencyRing, MigrationHook, Placement, Shared, TaskEntry};
+use crate::hook::{
+    lock_placement, try_lock_placement, LatencyRing, MigrationHook, Placement, Shared, TaskEntry,
+};
 use crate::journal::AffinityJournal;
 use crate::metrics::{CpuLabel, Metrics};
 use crate::planner::{Planner, PlannerConfig};
@@ -73,7 +75,7 @@ impl Running {
         let cpu_io = self.cpu_io.load();
         // try_lock: the channel must never hold up the planner; a busy lock only means
         // this period's per-vCPU task counts use the tasks' last CPU instead.
-        let placement = self.shared.placement.try_lock().ok();
+        let placement = try_lock_placement(&self.shared.placement);
         let on = |t: &TaskEntry| {
             placement
                 .as_ref()
@@ -101,7 +103,7 @@ impl Running {
         let now = monotonic_ns();
         let tasks = self.shared.tasks.load();
         let cpu_io = self.cpu_io.load();
-        let placement = self.shared.placement.lock().expect("placement lock");
+        let placement = lock_placement(&self.shared.placement);
         let placed: Vec<Option<usize>> = tasks.iter().map(|t| placement.placed_on(t.tid)).collect();
         let vcpus = self
             .board
@@ -173,12 +175,10 @@ impl Running {
     fn refresh_metrics(&self) {
         let now = monotonic_ns();
         let m = &self.shared.metrics;
-        if let Some(errors) = self
-            .shared
-            .placement
-            .lock()
-            .ok()
-            .and_then(|p| p.executor.as_ref().map(|e| e.journal_errors()))
+        if let Some(errors) = lock_placement(&self.shared.placement)
+            .executor
+            .as_ref()
+            .map(|e| e.journal_errors())
         {
             m.journal_errors.inner().store(errors, Ordering::Relaxed);
         }
@@ -414,7 +414,7 @@ pub fn run(cfg: Config) -> Result<()> {
         warn!("channel thread panicked");
     }
     shared.tasks.store(Arc::new(Vec::new()));
-    let mut placement = shared.placement.lock().expect("placement lock");
+    let mut placement = lock_placement(&shared.placement);
     if let Some(ex) = placement.executor.as_mut() {
         let restored = ex.release_all();
         info!(restored, "restored original affinity of every managed task");
@@ -673,7 +673,7 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
         };
         shared.metrics.moves_allowed.set(i64::from(moves_allowed));
         if moves_allowed {
-            let mut placement = shared.placement.lock().expect("placement lock");
+            let mut placement = lock_placement(&shared.placement);
             for info in eligible {
                 let t = &info.task;
                 if placement.hands_off.contains(&(t.tid, info.start_time)) {
@@ -721,7 +721,7 @@ fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
             }
         }
         {
-            let mut placement = shared.placement.lock().expect("placement lock");
+            let mut placement = lock_placement(&shared.placement);
             for gone in current
                 .iter()
                 .filter(|e| !next.iter().any(|n| n.tid == e.tid))

@@ -7,7 +7,7 @@
 use arc_swap::ArcSwap;
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use tracing::debug;
 use vcpu_monitor::{TickEvent, TickHook, VcpuBoard, VcpuSnapshot};
 
@@ -63,6 +63,22 @@ pub struct Placement {
     pub latencies: LatencyRing,
     /// Tasks whose mask someone else changed: never managed again (tid, start_time).
     pub hands_off: HashSet<(u32, u64)>,
+}
+
+/// The placement for a thread that must get it. A panic elsewhere while it was held
+/// (a poisoned lock) must not stop migrations or, at exit, the restoring of every mask:
+/// each executor call leaves the journal and the kernel consistent on its own.
+pub fn lock_placement(m: &Mutex<Placement>) -> MutexGuard<'_, Placement> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// The placement unless another thread holds it right now (poison as in `lock_placement`).
+pub fn try_lock_placement(m: &Mutex<Placement>) -> Option<MutexGuard<'_, Placement>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(TryLockError::Poisoned(p)) => Some(p.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 impl Placement {
@@ -137,7 +153,7 @@ impl TickHook for MigrationHook {
             return false;
         }
         // Busy lock: another thread is placing tasks; assume they may be here.
-        let Ok(placement) = self.shared.placement.try_lock() else {
+        let Some(placement) = try_lock_placement(&self.shared.placement) else {
             return true;
         };
         tasks
@@ -161,7 +177,7 @@ impl TickHook for MigrationHook {
             }
         };
         // Another vCPU's thread is planning right now with the same information.
-        let Ok(mut placement) = self.shared.placement.try_lock() else {
+        let Some(mut placement) = try_lock_placement(&self.shared.placement) else {
             return;
         };
         if let Some(&slot) = self.cpu_slot.get(&cpu) {
@@ -235,5 +251,31 @@ fn apply(shared: &Shared, placement: &mut Placement, tasks: &[TaskEntry], mv: Mo
                 "migration not done"
             );
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_poisoned_placement_still_serves() {
+        let m = Arc::new(Mutex::new(Placement {
+            executor: None,
+            simulated: HashMap::new(),
+            latencies: LatencyRing::new(4),
+            hands_off: HashSet::new(),
+        }));
+        let m2 = Arc::clone(&m);
+        let _ = std::thread::spawn(move || {
+            let _g = m2.lock().unwrap();
+            panic!("a sleeper panics holding the placement");
+        })
+        .join();
+        assert!(m.is_poisoned());
+        lock_placement(&m).simulated.insert(7, 1);
+        assert_eq!(try_lock_placement(&m).unwrap().placed_on(7), Some(1));
+        let _held = lock_placement(&m);
+        assert!(try_lock_placement(&m).is_none(), "held means busy");
     }
 }

@@ -393,11 +393,18 @@ fn metrics_expose_vcpu_and_build_figures() {
     if !require_root("metrics_expose_vcpu_and_build_figures") {
         return;
     }
-    let emu = Emulator::start(&anti_phase()[..online_cpus().min(2)], 50).expect("steal emulator");
+    // A 23 ms cycle, not 20: with no I/O-bound task the sleepers tick at the idle period
+    // (100 ms), a multiple of 20 ms, so every deadline would land at the same phase of a
+    // 20 ms cycle and, in the running half, never see a steal (CI saw 0).
+    let cycle: Vec<Pattern> = vec![
+        "0:11500:11500:0".parse().expect("pattern"),
+        "1:11500:11500:11500".parse().expect("pattern"),
+    ];
+    let emu = Emulator::start(&cycle[..online_cpus().min(2)], 50).expect("steal emulator");
     let daemon = Daemon::start(&["--metrics-addr", "127.0.0.1:19979"]);
-    // No I/O-bound task: the sleepers use the idle period (50 ms), so a deadline lands in
-    // a stolen burst about half the time: ~15 detections in 1.5 s.
-    std::thread::sleep(Duration::from_millis(1500));
+    // 100 ms is 8 ms past a whole number of cycles, so deadlines walk through the cycle and
+    // land in a stolen burst about half the time: ~10 detections in 2 s.
+    std::thread::sleep(Duration::from_millis(2000));
     let body = http_get("127.0.0.1:19979", "/metrics");
     // What Prometheus asks for: OpenMetrics, which ends with `# EOF`.
     let openmetrics = http_get_accept(
@@ -432,7 +439,7 @@ fn metrics_expose_vcpu_and_build_figures() {
         .expect("deschedule counter");
     assert!(
         desched >= 5.0,
-        "the emulator stole CPU 0 ~25 times, metrics say {desched}"
+        "the emulator stole CPU 0 ~85 times in 2 s, metrics say {desched}"
     );
 }
 

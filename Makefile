@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-smoke fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -45,11 +45,20 @@ bench-lab: lab-setup build
 
 bench: bench-micro bench-contention
 
+# Both programs for an hour in the lab (root): memory and descriptors sampled, the agent
+# killed and restarted and the virtio port hot-unplugged every 5 minutes. JSON + chart in
+# target/bench/, copied to benches/results/. Shorter: make soak SOAK_ARGS="--minutes 5".
+soak: lab-setup build
+	./target/release/vmigrater-lab soak --bin-dir target/release --out target/bench/soak.json $(SOAK_ARGS)
+	/usr/bin/python3 benches/plot_soak.py target/bench/soak.json target/bench/soak.png
+	cp target/bench/soak.json target/bench/soak.png benches/results/
+
 # Every benchmark run once in seconds, not a measurement: so that none can rot unseen (a
 # benchmark that no longer starts fails CI). Criterion's test mode runs each micro
 # benchmark once; the contention, BPF-overhead and lab benchmarks run one tiny round and
-# write to target/bench-smoke, never over a real result. Root (CI is). `cargo bench` runs
-# release builds, which start the release binaries: built first.
+# the soak 30 s with one fault, all writing to target/bench-smoke, never over a real
+# result. Root (CI is). `cargo bench` runs release builds, which start the release
+# binaries: built first.
 bench-smoke: lab-setup
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) test -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse
@@ -60,6 +69,9 @@ bench-smoke: lab-setup
 		$(CARGO) bench -p vmigrater-testbed --bench contention
 	./target/release/vmigrater-lab bench --bin-dir target/release --secs 2 --reps 1 --only sweep1 \
 		--modes vanilla,vmigrater --out target/bench-smoke/lab.json
+	./target/release/vmigrater-lab soak --bin-dir target/release --minutes 0.5 --sample-secs 10 \
+		--fault-secs 20 --out target/bench-smoke/soak.json
+	/usr/bin/python3 benches/plot_soak.py target/bench-smoke/soak.json target/bench-smoke/soak.png
 
 # Coverage-guided fuzzing of the guest channel's framing and messages, the session rules
 # and both configuration loaders (fuzz/; installs cargo-fuzz). FUZZ_SECS per target.

@@ -199,3 +199,47 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     drop(hogs);
     vm.stop();
 }
+
+/// Issue 11's fault-injection pass, each fault once, with both programs in the main
+/// scenario while VM A's I/O streams (`vmigrater-lab soak` runs the same for an hour):
+/// the agent SIGKILLed and started again (the next one puts back what it left changed),
+/// the agent restarted with SIGTERM (every vCPU thread back to what the lab set before the
+/// next start), the virtio port hot-unplugged and plugged back under the guest daemon. After
+/// each, the guest and the agent must talk again within `RECONNECT_LIMIT`; memory and
+/// descriptors stay within the budget.
+#[test]
+fn both_programs_ride_out_agent_kills_restarts_and_a_port_replug() {
+    if !require_root("both_programs_ride_out_agent_kills_restarts_and_a_port_replug") {
+        return;
+    }
+    let bin_dir = workspace_bin("vmigrater")
+        .parent()
+        .expect("bin dir")
+        .to_path_buf();
+    let opts = lab::soak::SoakOptions {
+        name: "faults",
+        bin_dir,
+        duration: Duration::from_secs(90),
+        sample_every: Duration::from_secs(10),
+        fault_every: Duration::from_secs(25),
+    };
+    let _peers = lab::bench::AutogroupOff::new().expect("autogroup");
+    let doc = lab::soak::soak(&opts, lab::GUEST_CONFIG).expect("soak");
+    eprintln!("faults: {:#}", doc["faults"]);
+    eprintln!("verdict: {:#}", doc["verdict"]);
+    let faults = doc["faults"].as_array().unwrap();
+    let kinds: Vec<&str> = faults.iter().filter_map(|f| f["kind"].as_str()).collect();
+    assert_eq!(kinds, lab::soak::FAULTS, "{faults:#?}");
+    for f in faults {
+        assert!(
+            f["reconnect_s"].as_f64().is_some_and(|s| s.is_finite()),
+            "{f:#}"
+        );
+    }
+    assert_eq!(
+        doc["verdict"]["failures"].as_array().map(Vec::len),
+        Some(0),
+        "{:#}",
+        doc["verdict"]
+    );
+}

@@ -1,4 +1,4 @@
-//! Minimal QMP client: the capabilities handshake and argument-less commands, chiefly
+//! Minimal QMP client: the capabilities handshake and commands, chiefly
 //! `query-cpus-fast`, to map each guest vCPU to its host thread. Events interleaved with replies are skipped.
 
 use anyhow::{bail, Context, Result};
@@ -49,6 +49,16 @@ pub fn parse_cpus(ret: &Value) -> Result<Vec<(u32, u32)>> {
 /// Runs `commands` (QMP command names without arguments) on the VM behind `socket`, after
 /// the capabilities handshake; their return values in order.
 pub fn execute(socket: &Path, commands: &[&str]) -> Result<Vec<Value>> {
+    let commands: Vec<Value> = commands
+        .iter()
+        .map(|c| serde_json::json!({ "execute": c }))
+        .collect();
+    execute_json(socket, &commands)
+}
+
+/// Runs whole QMP commands (`{"execute": .., "arguments": ..}`) on the VM behind `socket`,
+/// after the capabilities handshake; their return values in order.
+pub fn execute_json(socket: &Path, commands: &[Value]) -> Result<Vec<Value>> {
     let stream = UnixStream::connect(socket)
         .with_context(|| format!("connecting to QMP {}", socket.display()))?;
     stream.set_read_timeout(Some(Duration::from_secs(5)))?;
@@ -65,8 +75,8 @@ pub fn execute(socket: &Path, commands: &[&str]) -> Result<Vec<Value>> {
     commands
         .iter()
         .map(|c| {
-            writer.write_all(format!("{{\"execute\":\"{c}\"}}\n").as_bytes())?;
-            reply(&mut reader).with_context(|| format!("QMP {c}"))
+            writer.write_all(format!("{c}\n").as_bytes())?;
+            reply(&mut reader).with_context(|| format!("QMP {}", c["execute"]))
         })
         .collect()
 }

@@ -113,14 +113,23 @@ pub struct Options {
     pub variants: Vec<(&'static str, String)>,
 }
 
-struct Guest {
-    vm: Vm,
-    vcpus: Vec<u32>,
+pub struct Guest {
+    pub vm: Vm,
+    /// The vCPU threads, index = vCPU number.
+    pub vcpus: Vec<u32>,
 }
 
-/// Boots VM A and the hog VMs of `sc`, pinned and sliced.
-fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Vec<Guest>> {
-    let run = lab.join("run/bench");
+/// Boots VM A and the hog VMs of `sc`, pinned and sliced; their files live under
+/// `run/<run>` and `disk-<run>-*.img` of the lab directory.
+pub fn boot(
+    sc: &Scenario,
+    opts: &Options,
+    kernel: &Kernel,
+    lab: &Path,
+    run: &str,
+) -> Result<Vec<Guest>> {
+    let tag = run;
+    let run = lab.join("run").join(run);
     std::fs::create_dir_all(&run)?;
     let contents = Contents {
         binaries: ["vmigrater", "vmigrater-workload"]
@@ -140,7 +149,7 @@ fn boot(sc: &Scenario, opts: &Options, kernel: &Kernel, lab: &Path) -> Result<Ve
             0 => ("a".to_string(), sc.a_vcpus, 256),
             n => (format!("hog{n}"), sc.hog_vcpus, 4),
         };
-        let disk = lab.join(format!("disk-bench-{name}.img"));
+        let disk = lab.join(format!("disk-{tag}-{name}.img"));
         host::make_disk(&disk, disk_mb)?;
         let spec = VmSpec {
             name: name.clone(),
@@ -219,7 +228,7 @@ fn process_cpu_s(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<AgentProc> {
+pub fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<AgentProc> {
     std::fs::create_dir_all(dir)?;
     let mut cfg = format!(
         "state_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
@@ -271,7 +280,7 @@ fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<AgentPro
     }
 }
 
-fn agent_status(dir: &Path, bin_dir: &Path) -> Option<Value> {
+pub fn agent_status(dir: &Path, bin_dir: &Path) -> Option<Value> {
     let out = Command::new(bin_dir.join("vmigrater-hv-agent"))
         .arg("--config")
         .arg(dir.join("agent.toml"))
@@ -315,14 +324,22 @@ fn agent_view(samples: &[Value]) -> Vec<AgentVcpu> {
 
 /// The running agent; a run that fails half-way still stops it (SIGTERM: it restores every
 /// thread it changed) instead of leaving it to steer the next run's threads.
-struct AgentProc(Option<Child>);
+pub struct AgentProc(Option<Child>);
 
 impl AgentProc {
-    fn id(&self) -> u32 {
+    pub fn id(&self) -> u32 {
         self.0.as_ref().map_or(0, Child::id)
     }
 
-    fn stop(mut self) -> Result<()> {
+    /// SIGKILL: no restore; what the agent changed stays for the next one's journal.
+    pub fn kill9(mut self) -> Result<()> {
+        let mut child = self.0.take().context("agent already stopped")?;
+        child.kill()?;
+        child.wait()?;
+        Ok(())
+    }
+
+    pub fn stop(mut self) -> Result<()> {
         let status = self.terminate()?;
         anyhow::ensure!(status.success(), "agent exited with {status}");
         Ok(())
@@ -678,7 +695,7 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
     let lab = image::lab_dir();
     let kernel = Kernel::find(&lab)?;
     let t0 = Instant::now();
-    let mut guests = boot(sc, opts, &kernel, &lab)?;
+    let mut guests = boot(sc, opts, &kernel, &lab, "bench")?;
     eprintln!(
         "bench-lab: {} ({}): {} VMs booted in {:.1?}",
         sc.name,

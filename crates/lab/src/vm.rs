@@ -11,6 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// The QEMU device id of the hint port (for hot-unplugging it, see [`Vm::unplug_hint`]).
+const HINT_PORT_ID: &str = "hintport";
+
 pub struct VmSpec {
     pub name: String,
     pub vcpus: u32,
@@ -73,7 +76,7 @@ impl Vm {
             ])
             .args([
                 "-device",
-                "virtserialport,chardev=hint,name=org.vmigrater.hint.0",
+                &format!("virtserialport,chardev=hint,name=org.vmigrater.hint.0,id={HINT_PORT_ID}"),
             ])
             .args([
                 "-chardev",
@@ -193,6 +196,38 @@ impl Vm {
     /// Undoes [`Vm::pause`].
     pub fn resume(&self) -> Result<()> {
         hv_agent::qmp::execute(&self.qmp, &["cont"]).map(drop)
+    }
+
+    /// Hot-unplugs the `org.vmigrater.hint.0` port under the running guest (QMP
+    /// `device_del`), as an operator or a management tool might. The chardev stays, and
+    /// with it the host agent's connection to the socket.
+    pub fn unplug_hint(&self) -> Result<()> {
+        let del = serde_json::json!({"execute": "device_del", "arguments": {"id": HINT_PORT_ID}});
+        hv_agent::qmp::execute_json(&self.qmp, &[del]).map(drop)
+    }
+
+    /// Plugs the port back (QMP `device_add` on the same chardev), then names it in the
+    /// guest's /dev/virtio-ports as udev would (the lab guest has no udev).
+    pub fn replug_hint(&mut self) -> Result<()> {
+        let add = serde_json::json!({"execute": "device_add", "arguments": {
+            "driver": "virtserialport", "chardev": "hint",
+            "name": "org.vmigrater.hint.0", "id": HINT_PORT_ID}});
+        let t0 = Instant::now();
+        // The unplug completes asynchronously: the id is taken until it has.
+        while let Err(e) = hv_agent::qmp::execute_json(&self.qmp, std::slice::from_ref(&add)) {
+            if t0.elapsed() > Duration::from_secs(10) {
+                return Err(e.context(format!("{}: re-adding the hint port", self.name)));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        self.sh(
+            "for i in $(seq 1 100); do for p in /sys/class/virtio-ports/vport*; do \
+             [ \"$(cat $p/name 2>/dev/null)\" = org.vmigrater.hint.0 ] && [ -e /dev/${p##*/} ] && \
+             ln -sf /dev/${p##*/} /dev/virtio-ports/org.vmigrater.hint.0 && exit 0; done; sleep 0.1; done; exit 1",
+            Duration::from_secs(30),
+        )
+        .map(drop)
+        .with_context(|| format!("{}: the re-added hint port never appeared", self.name))
     }
 
     /// Every thread of the QEMU process.

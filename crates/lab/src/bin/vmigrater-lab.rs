@@ -58,6 +58,24 @@ enum Cmd {
         #[arg(long, default_value = "target/bench/lab.json")]
         out: PathBuf,
     },
+    /// Both programs together for a long time in the main scenario, memory and file
+    /// descriptors sampled, faults injected on a cycle (agent SIGKILL, agent restart,
+    /// virtio port hot-unplug); exits non-zero if anything was not as it must be.
+    Soak {
+        #[arg(long, default_value = "target/release")]
+        bin_dir: PathBuf,
+        /// Length of the soak, minutes.
+        #[arg(long, default_value_t = 60.0)]
+        minutes: f64,
+        /// Between two samples, seconds.
+        #[arg(long, default_value_t = 30)]
+        sample_secs: u64,
+        /// Between two faults, seconds (0: none).
+        #[arg(long, default_value_t = 300)]
+        fault_secs: u64,
+        #[arg(long, default_value = "target/bench/soak.json")]
+        out: PathBuf,
+    },
 }
 
 fn main() {
@@ -69,6 +87,41 @@ fn main() {
 
 fn run() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Soak {
+            bin_dir,
+            minutes,
+            sample_secs,
+            fault_secs,
+            out,
+        } => {
+            anyhow::ensure!(
+                minutes.is_finite() && minutes > 0.0,
+                "--minutes {minutes}: must be positive"
+            );
+            let opts = lab::soak::SoakOptions {
+                name: "soak",
+                bin_dir,
+                duration: Duration::from_secs_f64(minutes * 60.0),
+                sample_every: Duration::from_secs(sample_secs.max(1)),
+                fault_every: Duration::from_secs(fault_secs),
+            };
+            let _peers = bench::AutogroupOff::new()?;
+            let doc = lab::soak::soak(&opts, LAB_GUEST_CONFIG)?;
+            if let Some(d) = out.parent() {
+                std::fs::create_dir_all(d)?;
+            }
+            std::fs::write(&out, serde_json::to_string_pretty(&doc)? + "\n")
+                .with_context(|| format!("writing {}", out.display()))?;
+            eprintln!("soak: verdict {}", doc["verdict"]);
+            eprintln!("soak: wrote {}", out.display());
+            let failures = doc["verdict"]["failures"].as_array().map_or(0, Vec::len);
+            anyhow::ensure!(
+                failures == 0,
+                "the soak failed: {}",
+                doc["verdict"]["failures"]
+            );
+            Ok(())
+        }
         Cmd::Shell { bin_dir, commands } => shell(bin_dir, &commands),
         Cmd::InstallTest { packages } => lab::install::install_test(&packages),
         Cmd::Bench {
@@ -109,9 +162,7 @@ fn run() -> Result<()> {
     }
 }
 
-/// The guest daemon's configuration in the lab (see the file for why it differs from the
-/// built-in defaults).
-const LAB_GUEST_CONFIG: &str = include_str!("../../guest/vmigrater.toml");
+use lab::GUEST_CONFIG as LAB_GUEST_CONFIG;
 
 fn scenarios() -> Vec<Scenario> {
     use Mode::*;

@@ -9,7 +9,7 @@ use serde_json::json;
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::time::Instant;
-use task_detector::{IoTracker, TrackerOptions};
+use task_detector::{IoTracker, TrackerOptions, TrackerStorage};
 use vmigrater_testbed::{require_root, workload};
 
 fn env_num(name: &str, default: u64) -> u64 {
@@ -76,8 +76,9 @@ fn main() -> Result<()> {
         } else {
             [true, false]
         } {
+            let mut storage = TrackerStorage::new();
             let tracker = if attached {
-                Some(IoTracker::open(&TrackerOptions::default())?)
+                Some(IoTracker::open(&TrackerOptions::default(), &mut storage)?)
             } else {
                 None
             };

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
-use vmigrater_testbed::{gettid, require_root};
+use vmigrater_testbed::{assert_root, gettid};
 
 /// A real thread of this process that waits (or spins) until dropped or `exit()`ed.
 struct Worker {
@@ -104,10 +104,9 @@ fn executor(dir: &Path) -> (AffinityExecutor, PathBuf) {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn manage_move_and_release() {
-    if !require_root("affinity::manage_move_and_release") {
-        return;
-    }
+    assert_root();
     let Some((cpus, a, b)) = two_cpus("affinity::manage_move_and_release") else {
         return;
     };
@@ -155,10 +154,9 @@ fn manage_move_and_release() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn refuses_kernel_threads_and_wrong_identities() {
-    if !require_root("affinity::refuses_kernel_threads_and_wrong_identities") {
-        return;
-    }
+    assert_root();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, _) = executor(dir.path());
     let w = Worker::parked();
@@ -181,10 +179,9 @@ fn refuses_kernel_threads_and_wrong_identities() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn external_change_stops_management_and_is_never_restored() {
-    if !require_root("affinity::external_change_stops_management_and_is_never_restored") {
-        return;
-    }
+    assert_root();
     let Some((cpus, a, b)) = two_cpus("affinity::external_change") else {
         return;
     };
@@ -223,10 +220,9 @@ fn external_change_stops_management_and_is_never_restored() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn exited_task_is_gone_not_an_error() {
-    if !require_root("affinity::exited_task_is_gone_not_an_error") {
-        return;
-    }
+    assert_root();
     let Some((_, a, _)) = two_cpus("affinity::exited_task_is_gone") else {
         return;
     };
@@ -245,10 +241,9 @@ fn exited_task_is_gone_not_an_error() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn release_all_restores_every_original_mask() {
-    if !require_root("affinity::release_all_restores_every_original_mask") {
-        return;
-    }
+    assert_root();
     let Some((cpus, a, b)) = two_cpus("affinity::release_all") else {
         return;
     };
@@ -282,10 +277,9 @@ fn release_all_restores_every_original_mask() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn journal_of_a_crashed_run_is_recovered() {
-    if !require_root("affinity::journal_of_a_crashed_run_is_recovered") {
-        return;
-    }
+    assert_root();
     let Some((cpus, a, b)) = two_cpus("affinity::crash_recovery") else {
         return;
     };
@@ -339,10 +333,9 @@ fn journal_of_a_crashed_run_is_recovered() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn recovery_leaves_reused_tids_and_foreign_masks_alone() {
-    if !require_root("affinity::recovery_leaves_reused_tids_and_foreign_masks_alone") {
-        return;
-    }
+    assert_root();
     let Some((cpus, a, b)) = two_cpus("affinity::recovery_leaves_alone") else {
         return;
     };
@@ -387,10 +380,9 @@ fn recovery_leaves_reused_tids_and_foreign_masks_alone() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn corrupt_journal_is_a_clear_error_and_kept_aside() {
-    if !require_root("affinity::corrupt_journal_is_a_clear_error_and_kept_aside") {
-        return;
-    }
+    assert_root();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("journal.json");
     std::fs::write(&path, "{\"version\": 1, \"entries\": [ {\"tid\": 12,").unwrap();
@@ -412,10 +404,9 @@ fn corrupt_journal_is_a_clear_error_and_kept_aside() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn cpuset_limits_the_allowed_cpus() {
-    if !require_root("affinity::cpuset_limits_the_allowed_cpus") {
-        return;
-    }
+    assert_root();
     let Some((_, a, b)) = two_cpus("affinity::cpuset") else {
         return;
     };
@@ -471,10 +462,9 @@ fn measure(ex: &mut AffinityExecutor, tid: u32, a: usize, b: usize, n: usize) ->
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn move_latency() {
-    if !require_root("affinity::move_latency") {
-        return;
-    }
+    assert_root();
     let Some((_, a, b)) = two_cpus("affinity::move_latency") else {
         return;
     };

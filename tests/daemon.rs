@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use steal_emulator::{Emulator, Pattern};
-use vmigrater_testbed::{require_root, workload, workspace_bin};
+use vmigrater_testbed::{assert_cpus, assert_root, workload, workspace_bin};
 
 fn cpus_of(tid: u32) -> Vec<usize> {
     let set = sched_getaffinity(Pid::from_raw(tid as i32)).expect("sched_getaffinity");
@@ -232,12 +232,10 @@ fn managed(s: &serde_json::Value, tid: u32) -> bool {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn reader_follows_the_running_cpu_and_is_restored_on_sigterm() {
-    if !require_root("reader_follows_the_running_cpu_and_is_restored_on_sigterm")
-        || online_cpus() < 2
-    {
-        return;
-    }
+    assert_root();
+    assert_cpus(2);
     let file = data_file();
     let reader = Reader::start(&file);
     let hogs: Vec<_> = (0..2)
@@ -303,10 +301,10 @@ fn reader_follows_the_running_cpu_and_is_restored_on_sigterm() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn journal_restores_masks_after_kill_9() {
-    if !require_root("journal_restores_masks_after_kill_9") || online_cpus() < 2 {
-        return;
-    }
+    assert_root();
+    assert_cpus(2);
     let file = data_file();
     let reader = Reader::start(&file);
     let original = cpus_of(reader.tid());
@@ -341,10 +339,10 @@ fn journal_restores_masks_after_kill_9() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn dry_run_plans_but_never_changes_a_mask() {
-    if !require_root("dry_run_plans_but_never_changes_a_mask") || online_cpus() < 2 {
-        return;
-    }
+    assert_root();
+    assert_cpus(2);
     let file = data_file();
     let reader = Reader::start(&file);
     let original = cpus_of(reader.tid());
@@ -389,10 +387,9 @@ fn http_get_accept(addr: &str, path: &str, accept: &str) -> String {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn metrics_expose_vcpu_and_build_figures() {
-    if !require_root("metrics_expose_vcpu_and_build_figures") {
-        return;
-    }
+    assert_root();
     // A 23 ms cycle, not 20: with no I/O-bound task the sleepers tick at the idle period
     // (100 ms), a multiple of 20 ms, so every deadline would land at the same phase of a
     // 20 ms cycle and, in the running half, never see a steal (CI saw 0).
@@ -444,10 +441,9 @@ fn metrics_expose_vcpu_and_build_figures() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn check_names_the_attach_mode() {
-    if !require_root("check_names_the_attach_mode") {
-        return;
-    }
+    assert_root();
     let out = Command::new(workspace_bin("vmigrater"))
         .arg("check")
         .output()
@@ -539,10 +535,9 @@ fn refuse_bpf(cmd: &mut Command) {
 /// monitor from its sleepers, status and metrics served), instead of exiting into a
 /// systemd restart loop; SIGTERM still ends it cleanly.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn bpf_refused_runs_degraded_and_keeps_serving() {
-    if !require_root("bpf_refused_runs_degraded_and_keeps_serving") {
-        return;
-    }
+    assert_root();
     if !cfg!(target_arch = "x86_64") {
         eprintln!("******** SKIPPED bpf_refused_runs_degraded_and_keeps_serving: x86_64 seccomp filter only ********");
         return;
@@ -636,12 +631,11 @@ fn check_fails_on_an_invalid_config() {
 /// A pty stands in for the virtio port: the daemon opens the slave like
 /// /dev/virtio-ports/org.vmigrater.hint.0, the test plays the host on the master.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn reports_reach_the_host_end_of_the_channel() {
     use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
     use std::os::fd::AsFd;
-    if !require_root("reports_reach_the_host_end_of_the_channel") {
-        return;
-    }
+    assert_root();
     let pty = nix::pty::openpty(None, None).expect("openpty");
     let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
     cfmakeraw(&mut raw);
@@ -712,10 +706,9 @@ fn reports_reach_the_host_end_of_the_channel() {
 /// 0 at start under `--log warn`, because the shutdown signal was awaited inside an
 /// `info!` call whose arguments tracing never evaluated.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn runs_until_sigterm_at_every_log_level() {
-    if !require_root("runs_until_sigterm_at_every_log_level") {
-        return;
-    }
+    assert_root();
     for level in ["off", "error", "warn", "info", "debug", "trace"] {
         let dir = tempfile::tempdir().expect("tempdir");
         let config = dir.path().join("vmigrater.toml");
@@ -758,10 +751,9 @@ fn runs_until_sigterm_at_every_log_level() {
 /// sleeps end at shutdown. Measured with a reader running, so the detector has tracked,
 /// paused, and sleeps towards a sample ten minutes away.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn sigterm_is_prompt_whatever_the_detectors_periods() {
-    if !require_root("sigterm_is_prompt_whatever_the_detectors_periods") {
-        return;
-    }
+    assert_root();
     let file = data_file();
     let reader = Reader::start(&file);
     let config = "[detector]\nidle_poll_ms = 60000\nsample_ms = 300\nsample_every_ms = 600000\n";
@@ -789,10 +781,10 @@ fn sigterm_is_prompt_whatever_the_detectors_periods() {
 /// reader to the running CPU raises its I/O rate (the contention benchmark's 1.59x), so
 /// the guard's first probe must find that moves pay and keep them.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn the_move_guard_keeps_moves_that_pay() {
-    if !require_root("the_move_guard_keeps_moves_that_pay") || online_cpus() < 2 {
-        return;
-    }
+    assert_root();
+    assert_cpus(2);
     let file = data_file();
     let reader = Reader::start(&file);
     let _hogs: Vec<_> = (0..2)
@@ -830,12 +822,10 @@ fn the_move_guard_keeps_moves_that_pay() {
 /// directory first puts back what a killed daemon left pinned, then refuses with an error
 /// that names the directory.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_full_or_read_only_state_dir_never_leaves_a_task_pinned() {
-    if !require_root("a_full_or_read_only_state_dir_never_leaves_a_task_pinned")
-        || online_cpus() < 2
-    {
-        return;
-    }
+    assert_root();
+    assert_cpus(2);
     let file = data_file();
     let state = tempfile::tempdir().unwrap();
     let fs = vmigrater_testbed::Tmpfs::mount(state.path(), 64);

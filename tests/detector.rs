@@ -9,9 +9,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use task_detector::{
     probe, AttachMode, ClassifierConfig, Detector, IoTracker, ThreadIoSample, TrackerOptions,
-    INFLIGHT_STALE_NS,
+    TrackerStorage, INFLIGHT_STALE_NS,
 };
-use vmigrater_testbed::{gettid, require_root, workload};
+use vmigrater_testbed::{assert_root, gettid, workload};
 
 /// A 256 MiB file on the real disk (target/tmp is on / here: ext4 on virtio), made once
 /// and reused; O_DIRECT bypasses the page cache, so no cache dropping is needed.
@@ -35,7 +35,7 @@ fn monotonic_ns() -> u64 {
     ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
 }
 
-fn sample_of(tracker: &mut IoTracker, tid: u32) -> Option<ThreadIoSample> {
+fn sample_of(tracker: &mut IoTracker<'_>, tid: u32) -> Option<ThreadIoSample> {
     tracker
         .sample_threads(monotonic_ns())
         .expect("sample threads")
@@ -59,7 +59,7 @@ fn allowed_leaks(ios: u64) -> u64 {
     2 + ios / 50
 }
 
-fn check_leaks_are_rare_and_repaired(label: &str, tracker: &mut IoTracker, s: &ThreadIoSample) {
+fn check_leaks_are_rare_and_repaired(label: &str, tracker: &mut IoTracker<'_>, s: &ThreadIoSample) {
     let leaked = u64::from(s.in_flight);
     if leaked > 0 {
         eprintln!(
@@ -94,13 +94,13 @@ fn check_leaks_are_rare_and_repaired(label: &str, tracker: &mut IoTracker, s: &T
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn reader_is_io_bound_within_50ms_and_hog_never() {
-    if !require_root("reader_is_io_bound_within_50ms_and_hog_never") {
-        return;
-    }
+    assert_root();
     let _serial = serial();
     let file = data_file();
-    let tracker = IoTracker::open(&TrackerOptions::default()).expect("load BPF");
+    let mut storage = TrackerStorage::new();
+    let tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
     eprintln!(
         "attach mode: {} hooks {:?}",
         tracker.mode(),
@@ -172,7 +172,7 @@ fn reader_is_io_bound_within_50ms_and_hog_never() {
 
 /// Opens `how`, runs a 4 KiB random reader for 300 ms, and checks the BPF counters of
 /// exactly that thread against the reads it issued.
-fn check_counts(label: &str, mode: AttachMode, mut tracker: IoTracker, file: &Path) {
+fn check_counts(label: &str, mode: AttachMode, mut tracker: IoTracker<'_>, file: &Path) {
     assert_eq!(tracker.mode(), mode);
     let reader = workload::spawn_reader(file, workload::ReadPattern::Random4k).expect("reader");
     let tid = reader.tid;
@@ -223,10 +223,9 @@ fn check_counts(label: &str, mode: AttachMode, mut tracker: IoTracker, file: &Pa
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn bpf_counts_match_the_reads_in_every_supported_mode() {
-    if !require_root("bpf_counts_match_the_reads_in_every_supported_mode") {
-        return;
-    }
+    assert_root();
     let _serial = serial();
     let file = data_file();
     let p = probe();
@@ -234,9 +233,11 @@ fn bpf_counts_match_the_reads_in_every_supported_mode() {
     let mut worked = Vec::new();
     for mode in AttachMode::ALL {
         let t0 = Instant::now();
-        let tracker = match IoTracker::open(&TrackerOptions {
+        let mut storage = TrackerStorage::new();
+        let opts = TrackerOptions {
             force_mode: Some(mode),
-        }) {
+        };
+        let tracker = match IoTracker::open(&opts, &mut storage) {
             Ok(t) => t,
             Err(e) => {
                 eprintln!("{mode}: not available here: {e:#}");
@@ -251,8 +252,9 @@ fn bpf_counts_match_the_reads_in_every_supported_mode() {
             .iter()
             .any(|(tp, ok)| tp == "block_io_start" && *ok)
         {
-            let tracker =
-                IoTracker::open_without(mode, &["block_io_start"]).expect("pre-6.5 hooks");
+            let mut storage = TrackerStorage::new();
+            let tracker = IoTracker::open_without(mode, &["block_io_start"], &mut storage)
+                .expect("pre-6.5 hooks");
             assert!(!tracker.hooks().contains(&"block_io_start"));
             check_counts(&format!("{mode} (pre-6.5 hooks)"), mode, tracker, &file);
         }
@@ -262,8 +264,9 @@ fn bpf_counts_match_the_reads_in_every_supported_mode() {
         worked.contains(&best),
         "the probed best mode {best} did not work; worked: {worked:?}"
     );
+    let mut storage = TrackerStorage::new();
     assert_eq!(
-        IoTracker::open(&TrackerOptions::default())
+        IoTracker::open(&TrackerOptions::default(), &mut storage)
             .expect("default")
             .mode(),
         best,
@@ -274,17 +277,18 @@ fn bpf_counts_match_the_reads_in_every_supported_mode() {
 /// Reads of 8 MiB are split into several requests (max_sectors_kb is 4096 here) and,
 /// LAB-NOTES says, requeued at 2–4 MiB: the in-flight table must balance anyway.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn large_split_reads_leave_nothing_in_flight() {
-    if !require_root("large_split_reads_leave_nothing_in_flight") {
-        return;
-    }
+    assert_root();
     let _serial = serial();
     let path = data_file();
     const BS: usize = 8 << 20;
     for mode in AttachMode::ALL {
-        let Ok(mut tracker) = IoTracker::open(&TrackerOptions {
+        let mut storage = TrackerStorage::new();
+        let opts = TrackerOptions {
             force_mode: Some(mode),
-        }) else {
+        };
+        let Ok(mut tracker) = IoTracker::open(&opts, &mut storage) else {
             continue;
         };
         let file = std::fs::OpenOptions::new()
@@ -338,13 +342,13 @@ fn large_split_reads_leave_nothing_in_flight() {
 /// Sampled tracking (issue 10): paused, the programs return at once, so requests cost
 /// almost nothing and count nothing; nothing is left "in flight"; resumed, counting goes on.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
-    if !require_root("paused_tracking_counts_nothing_and_leaves_nothing_open") {
-        return;
-    }
+    assert_root();
     let _serial = serial();
     let file = data_file();
-    let mut tracker = IoTracker::open(&TrackerOptions::default()).expect("load BPF");
+    let mut storage = TrackerStorage::new();
+    let mut tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
     let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
     let tid = reader.tid;
     std::thread::sleep(Duration::from_millis(200));
@@ -391,13 +395,13 @@ fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
 /// The classifier lives on tracked time: a pause is neither idle time nor CPU time, so a
 /// reader classified before a pause is measured right after it as the reader it is.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_pause_does_not_read_as_idleness() {
-    if !require_root("a_pause_does_not_read_as_idleness") {
-        return;
-    }
+    assert_root();
     let _serial = serial();
     let file = data_file();
-    let tracker = IoTracker::open(&TrackerOptions::default()).expect("load BPF");
+    let mut storage = TrackerStorage::new();
+    let tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
     let cfg = ClassifierConfig::default();
     let window = Duration::from_nanos(cfg.window_ns);
     let mut det = Detector::new(tracker, cfg);

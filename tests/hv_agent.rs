@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use vmigrater_testbed::host::{nice_of, Agent, Hogs};
-use vmigrater_testbed::{require_root, workspace_bin};
+use vmigrater_testbed::{assert_root, workspace_bin};
 
 fn cpu_ns(tid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{tid}/schedstat"))
@@ -125,10 +125,9 @@ fn lying_guest_run(weight: &str, mut probe: impl FnMut(u32, u32)) -> (f64, Strin
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_lying_guest_gains_no_cpu_and_nice_is_restored() {
-    if !require_root("a_lying_guest_gains_no_cpu_and_nice_is_restored") {
-        return;
-    }
+    assert_root();
     let mut seen = (0, 0);
     let (share, log) = lying_guest_run("nice", |liar, honest| {
         seen = (seen.0.max(nice_of(liar)), seen.1.min(nice_of(honest)));
@@ -164,10 +163,9 @@ fn io_and_cpu_vms(io: &str, cpu: &str) -> (Hogs, tempfile::TempDir, UnixListener
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn nice_is_back_after_sigterm() {
-    if !require_root("nice_is_back_after_sigterm") {
-        return;
-    }
+    assert_root();
     let (hogs, _dir, listener, agent) = io_and_cpu_vms("io", "cpu");
     let (a, b) = (hogs.tids[0], hogs.tids[1]);
     let before = hv_agent::backend::get_attr(a).unwrap();
@@ -197,10 +195,9 @@ fn nice_is_back_after_sigterm() {
 /// A guest that stops reading its replies must not stall the period loop (every VM's
 /// credits) or shutdown: its socket fills, it is disconnected, it may reconnect.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_guest_that_stops_reading_stalls_nothing() {
-    if !require_root("a_guest_that_stops_reading_stalls_nothing") {
-        return;
-    }
+    assert_root();
     let (hogs, _dir, listener, agent) = io_and_cpu_vms("mute", "other");
     let (a, b) = (hogs.tids[0], hogs.tids[1]);
     let mut g = guest(&listener, 1);
@@ -256,10 +253,9 @@ fn a_guest_that_stops_reading_stalls_nothing() {
 /// A guest cannot grow the agent's state and metric series: a VM has the vCPUs the host
 /// knows of, and where the host knows none, the ones the connected guest announced.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn guest_vcpus_are_bounded_by_what_the_host_knows() {
-    if !require_root("guest_vcpus_are_bounded_by_what_the_host_knows") {
-        return;
-    }
+    assert_root();
     let hogs = Hogs::start(&[0, 0]);
     let dir = tempfile::tempdir().unwrap();
     let (known, unknown) = (
@@ -383,10 +379,9 @@ fn agent_runs_until_sigterm_at_every_log_level() {
 /// guests do: one never reachable (back-off naps of seconds), one connected and silent
 /// (a blocking read).
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn sigterm_is_prompt_whatever_the_period_and_the_guests() {
-    if !require_root("sigterm_is_prompt_whatever_the_period_and_the_guests") {
-        return;
-    }
+    assert_root();
     let hogs = Hogs::start(&[0, 0]);
     let dir = tempfile::tempdir().unwrap();
     let silent = dir.path().join("silent.sock");
@@ -431,10 +426,9 @@ fn sigterm_is_prompt_whatever_the_period_and_the_guests() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_lying_guest_gains_no_cpu_with_cgroup_weights() {
-    if !require_root("a_lying_guest_gains_no_cpu_with_cgroup_weights") {
-        return;
-    }
+    assert_root();
     if hv_agent::cgroup::Hierarchy::detect().is_none() {
         eprintln!("\n******** SKIPPED a_lying_guest_gains_no_cpu_with_cgroup_weights: no cgroup cpu controller mounted ********\n");
         return;
@@ -494,10 +488,9 @@ fn cgroup_root() -> (PathBuf, bool) {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn io_load_balancing_moves_one_vcpu_and_restores_masks() {
-    if !require_root("io_load_balancing_moves_one_vcpu_and_restores_masks") {
-        return;
-    }
+    assert_root();
     if nix::sched::CpuSet::count() < 2 || std::thread::available_parallelism().unwrap().get() < 2 {
         eprintln!("\n******** SKIPPED io_load_balancing_moves_one_vcpu_and_restores_masks: needs 2 CPUs ********\n");
         return;
@@ -585,12 +578,11 @@ fn vmigrater_status(state_dir: &Path) -> Option<serde_json::Value> {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn guest_daemon_reports_drive_the_agent_end_to_end() {
     use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
     use std::os::fd::AsFd;
-    if !require_root("guest_daemon_reports_drive_the_agent_end_to_end") {
-        return;
-    }
+    assert_root();
     let ncpu = std::thread::available_parallelism().unwrap().get();
     // This host plays the guest: its CPUs are "vCPUs" 0..n, and hog thread i stands in
     // for the host thread of vCPU i, with a neighbour VM's hog on the same CPU.
@@ -740,10 +732,9 @@ fn http_get(addr: &str, path: &str) -> String {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn silent_guests_are_observed_from_the_host_and_exported() {
-    if !require_root("silent_guests_are_observed_from_the_host_and_exported") {
-        return;
-    }
+    assert_root();
     // No guest daemon: the "vCPU thread" is a real O_DIRECT reader, which wakes up on
     // every completion; the agent must see that from /proc alone.
     let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
@@ -851,10 +842,9 @@ fn silent_guests_are_observed_from_the_host_and_exported() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_killed_agent_is_undone_by_the_next_start() {
-    if !require_root("a_killed_agent_is_undone_by_the_next_start") {
-        return;
-    }
+    assert_root();
     if std::thread::available_parallelism().unwrap().get() < 2 {
         eprintln!("\n******** SKIPPED a_killed_agent_is_undone_by_the_next_start: needs 2 CPUs ********\n");
         return;
@@ -943,10 +933,9 @@ fn a_killed_agent_is_undone_by_the_next_start() {
 /// changes resume once there is room, and SIGTERM restores them with the directory
 /// read-only.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_full_or_read_only_state_dir_changes_nothing_unjournaled() {
-    if !require_root("a_full_or_read_only_state_dir_changes_nothing_unjournaled") {
-        return;
-    }
+    assert_root();
     let hogs = Hogs::start(&[0, 0]);
     let (a, b) = (hogs.tids[0], hogs.tids[1]);
     let before = hv_agent::backend::get_attr(a).unwrap().sched_runtime;

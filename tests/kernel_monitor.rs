@@ -11,7 +11,7 @@ use steal_emulator::{Emulator, Pattern};
 use vcpu_monitor::{
     monotonic_ns, online_cpus, Demand, KernelMonitor, MonitorConfig, TickEvent, TickHook, VcpuBoard,
 };
-use vmigrater_testbed::{require_root, workload};
+use vmigrater_testbed::{assert_root, workload};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -76,10 +76,9 @@ fn start(cpus: &[usize], hook: Arc<Counter>) -> (Arc<VcpuBoard>, KernelMonitor) 
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn late_timers_match_the_hypervisors_steal_time() {
-    if !require_root("late_timers_match_the_hypervisors_steal_time") {
-        return;
-    }
+    assert_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cpus = online_cpus().expect("online CPUs");
     let hook = Arc::new(Counter::default());
@@ -186,10 +185,9 @@ fn late_timers_match_the_hypervisors_steal_time() {
 /// preempts them on time, so late timers cannot see them. This is why the contention
 /// benchmark and the emulator-driven tests use the sleepers, and why `check` says so.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_steal_emulator_inside_the_kernel_is_invisible_to_kernel_timers() {
-    if !require_root("a_steal_emulator_inside_the_kernel_is_invisible_to_kernel_timers") {
-        return;
-    }
+    assert_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cpus = vec![0usize];
     let hook = Arc::new(Counter::default());

@@ -15,7 +15,7 @@ use lab::vm::{Vm, VmSpec};
 use serde_json::Value;
 use std::time::{Duration, Instant};
 use vmigrater_testbed::host::{nice_of, Agent, Hogs};
-use vmigrater_testbed::{require_root, workspace_bin};
+use vmigrater_testbed::{assert_root, workspace_bin};
 
 fn slice_of(tid: u32) -> u64 {
     hv_agent::backend::get_attr(tid)
@@ -24,10 +24,9 @@ fn slice_of(tid: u32) -> u64 {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn guest_daemon_and_host_agent_work_in_a_real_vm() {
-    if !require_root("guest_daemon_and_host_agent_work_in_a_real_vm") {
-        return;
-    }
+    assert_root();
     let lab = image::lab_dir();
     let kernel = Kernel::find(&lab).expect("guest kernel (scripts/lab-setup.sh)");
     let dir = lab.join("run/e2e");
@@ -208,10 +207,9 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
 /// each, the guest and the agent must talk again within `RECONNECT_LIMIT`; memory and
 /// descriptors stay within the budget.
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn both_programs_ride_out_agent_kills_restarts_and_a_port_replug() {
-    if !require_root("both_programs_ride_out_agent_kills_restarts_and_a_port_replug") {
-        return;
-    }
+    assert_root();
     let bin_dir = workspace_bin("vmigrater")
         .parent()
         .expect("bin dir")

@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use steal_emulator::{Emulator, Pattern, StealRecord};
 use vcpu_monitor::{monotonic_ns, Demand, Monitor, MonitorConfig, TickEvent, TickHook, VcpuBoard};
-use vmigrater_testbed::require_root;
+use vmigrater_testbed::assert_root;
 
 /// The tests in this binary measure the same CPUs: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -233,10 +233,9 @@ fn anti_phase_10ms() -> Vec<Pattern> {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn detects_emulated_deschedules_and_measures_slices() {
-    if !require_root("detects_emulated_deschedules_and_measures_slices") {
-        return;
-    }
+    assert_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = MonitorConfig::default();
     assert!(
@@ -366,10 +365,9 @@ fn detects_emulated_deschedules_and_measures_slices() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn the_emulator_steals_on_schedule() {
-    if !require_root("the_emulator_steals_on_schedule") {
-        return;
-    }
+    assert_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     wait_for_rt_quiet();
     let emu = Emulator::start(&anti_phase_10ms(), 50).expect("steal emulator");
@@ -409,10 +407,9 @@ fn the_emulator_steals_on_schedule() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
-    if !require_root("quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer") {
-        return;
-    }
+    assert_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = MonitorConfig::default();
     let n = cfg.cpus.len() as u64;
@@ -508,10 +505,9 @@ fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
 }
 
 #[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn demand_turning_active_wakes_idle_sleepers_at_once() {
-    if !require_root("demand_turning_active_wakes_idle_sleepers_at_once") {
-        return;
-    }
+    assert_root();
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cfg = MonitorConfig::default();
     let active_period = cfg.period.as_nanos() as u64;

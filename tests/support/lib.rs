@@ -7,22 +7,45 @@ pub mod workload;
 
 use std::path::PathBuf;
 
-/// True when running as root. Tests that need the real kernel's privileged paths call
-/// this first and, when it is false, print a loud line and return: a skip must never look
-/// like a pass in the log.
-pub fn require_root(test: &str) -> bool {
+/// True when running as root; otherwise prints a loud line. For the benchmarks, which
+/// have no harness to report a skip: a skip must never look like a result in the log.
+pub fn require_root(what: &str) -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
-    // Straight to fd 2: the test harness captures eprintln! of passing tests, and a skip
-    // must be visible.
+    // Straight to fd 2: nothing in between may swallow it.
     use std::io::Write;
     let _ = writeln!(
         std::io::stderr(),
-        "\n******** SKIPPED {test}: needs root (BPF, SCHED_FIFO, sched_setaffinity on other \
-         tasks). Run the test suite as root; CI does. ********\n"
+        "\n******** SKIPPED {what}: needs root (BPF, SCHED_FIFO, sched_setaffinity on other \
+         tasks). Run it as root; CI does. ********\n"
     );
     false
+}
+
+/// First line of every root-only test. Such a test also carries
+/// `#[cfg_attr(not(vmigrater_root), ignore = "needs root")]`, so a build by another user
+/// reports it as ignored (cargo's summary counts it, CI's "skipped" column too) instead of
+/// passing it; `build.rs` sets `vmigrater_root` when the build runs as root. This catches
+/// the rest: a binary built as root but run by another user, or `--ignored`.
+pub fn assert_root() {
+    let uid = nix::unistd::geteuid();
+    assert!(
+        uid.is_root(),
+        "needs root (BPF, SCHED_FIFO, sched_setaffinity on other tasks), running as uid \
+         {uid}: run the test suite as root; CI does"
+    );
+}
+
+/// Tests that move a task between CPUs need this many online; a machine with fewer fails
+/// them rather than passing them unseen.
+pub fn assert_cpus(n: usize) {
+    use nix::unistd::{sysconf, SysconfVar};
+    let have = sysconf(SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .unwrap_or(1) as usize;
+    assert!(have >= n, "needs {n} online CPUs, this machine has {have}");
 }
 
 /// Path of a workspace binary built into the same target profile directory as the running

@@ -5,7 +5,7 @@
 use anyhow::Result;
 use std::path::Path;
 use std::time::Instant;
-use task_detector::{IoTracker, TrackerOptions};
+use task_detector::{IoTracker, TrackerOptions, TrackerStorage};
 
 use crate::config::{Config, MonitorSource};
 use crate::daemon::monitor_config;
@@ -81,12 +81,15 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
     println!("probed mode:   {best}");
     if root {
         let t0 = Instant::now();
-        match IoTracker::open(&TrackerOptions {
+        let mut storage = TrackerStorage::new();
+        let opts = TrackerOptions {
             force_mode: cfg.detector.attach_mode.forced(),
-        }) {
-            Ok(tracker) => println!(
-                "attach mode:   {} (loaded and attached in {:.1} ms)",
-                tracker.mode(),
+        };
+        // Only the mode outlives the match: the tracker borrows `storage`.
+        let opened = IoTracker::open(&opts, &mut storage).map(|t| t.mode());
+        match opened {
+            Ok(mode) => println!(
+                "attach mode:   {mode} (loaded and attached in {:.1} ms)",
                 t0.elapsed().as_secs_f64() * 1e3
             ),
             Err(e) => {

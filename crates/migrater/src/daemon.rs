@@ -4,14 +4,16 @@
 //! then restore). It must never leave a task pinned on any exit path it controls; for the
 //! ones it does not (kill -9), the journal is recovered at the next start.
 
-use anyhow::{Context, Result};
+use anyhow::{anyhow, Context, Result};
 use arc_swap::ArcSwap;
 use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
-use task_detector::{ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions};
+use task_detector::{
+    ClassifierConfig, CpuIoSample, Detector, IoTracker, TrackerOptions, TrackerStorage,
+};
 use tracing::{debug, info, warn};
 use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 
@@ -268,26 +270,15 @@ pub fn run(cfg: Config) -> Result<()> {
         .with_context(|| format!("creating state dir {}", state_dir.display()))?;
     recover_journal(&state_dir)?;
 
-    let force_mode = cfg.detector.attach_mode.forced();
-    // Without the block programs nothing can be found or moved, but the vCPU monitor,
-    // status, metrics and channel still tell the operator what they see: a degraded run,
-    // said once, rather than a restart loop under systemd.
-    let tracker = match IoTracker::open(&TrackerOptions { force_mode }) {
-        Ok(t) => {
-            info!(attach_mode = %t.mode(), "block I/O tracking attached");
-            Some(t)
-        }
-        Err(e) => {
-            warn!(
-                "degraded: the block I/O BPF programs do not load, so no task is found or moved; \
-                 vCPU monitoring, status and metrics go on ({e:#}; `vmigrater check` says more)"
-            );
-            None
-        }
-    };
-    let attach_mode = tracker
+    let detector = DetectorThread::spawn(
+        TrackerOptions {
+            force_mode: cfg.detector.attach_mode.forced(),
+        },
+        classifier_config(&cfg),
+    )?;
+    let attach_mode = detector
         .as_ref()
-        .map_or_else(|| "none".to_string(), |t| t.mode().to_string());
+        .map_or_else(|| "none".to_string(), |d| d.mode.clone());
 
     let mon_cfg = monitor_config(&cfg)?;
     let cpus = mon_cfg.cpus.clone();
@@ -343,35 +334,20 @@ pub fn run(cfg: Config) -> Result<()> {
     // them at once, whatever the configured periods.
     let stop = Arc::new(control::Stop::default());
     let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
-    let detector = tracker.map(|t| Detector::new(t, classifier_config(&cfg)));
     let channel_stats = Arc::new(ChannelStats::default());
-    let detect_thread = detector.map(|detector| {
-        let (shared, board, stop, cpu_io, cfg, channel) = (
-            shared.clone(),
-            board.clone(),
-            stop.clone(),
-            cpu_io.clone(),
-            cfg.clone(),
-            channel_stats.clone(),
-        );
-        std::thread::Builder::new()
-            .name("vmigrater-detect".into())
-            .spawn(move || {
-                let env = DetectEnv {
-                    shared: &shared,
-                    board: &board,
-                    cpu_io: &cpu_io,
-                    stop: &stop,
-                    channel: &channel,
-                    // Only the kernel source sees deschedules while idle; sleepers at
-                    // their idle period catch a fraction of them, so there the guard
-                    // judges by I/O alone.
-                    measures_contention: monitor_kind == vcpu_monitor::Source::Kernel,
-                };
-                detect_loop(detector, &cfg, &env)
-            })
+    let detect_thread = detector.map(|d| {
+        d.start(DetectStart {
+            shared: shared.clone(),
+            board: board.clone(),
+            cpu_io: cpu_io.clone(),
+            stop: stop.clone(),
+            channel: channel_stats.clone(),
+            cfg: cfg.clone(),
+            // Only the kernel source sees deschedules while idle; sleepers at their idle
+            // period catch a fraction of them, so there the guard judges by I/O alone.
+            measures_contention: monitor_kind == vcpu_monitor::Source::Kernel,
+        })
     });
-    let detect_thread = detect_thread.transpose()?;
 
     let running = Arc::new(Running {
         shared: shared.clone(),
@@ -451,11 +427,88 @@ fn read_cgroup(tgid: u32) -> String {
     std::fs::read_to_string(format!("/proc/{tgid}/cgroup")).unwrap_or_default()
 }
 
-/// The detector loop (a normal-priority OS thread): polls the BPF maps every window,
-/// hands newly I/O-bound tasks to the executor (journaling their mask first) and releases
-/// tasks that stopped being I/O-bound, then publishes the set for the monitor threads.
-/// With sampled tracking the programs return at once between samples; the last sample's
-/// tasks stand until the next one.
+/// The detector's thread. It opens the block programs itself: libbpf's objects stay on
+/// the thread that opened them (the skeleton is not `Send`) and borrow storage on its
+/// stack, the way sched-ext/scx keeps its own. Start-up takes two steps so that the
+/// attach mode is known before the metrics are made: the thread says how loading went,
+/// then waits for the rest of the daemon before it loops.
+struct DetectorThread {
+    handle: std::thread::JoinHandle<()>,
+    go: mpsc::Sender<DetectStart>,
+    mode: String,
+}
+
+/// What the detector thread gets once the rest of the daemon is wired.
+struct DetectStart {
+    shared: Arc<Shared>,
+    board: Arc<VcpuBoard>,
+    cpu_io: Arc<ArcSwap<Vec<CpuIoSample>>>,
+    stop: Arc<control::Stop>,
+    channel: Arc<ChannelStats>,
+    cfg: Config,
+    measures_contention: bool,
+}
+
+impl DetectorThread {
+    /// `None` when the programs do not load. Without them nothing can be found or moved,
+    /// but the vCPU monitor, status, metrics and channel still tell the operator what they
+    /// see: a degraded run, said once, rather than a restart loop under systemd.
+    fn spawn(opts: TrackerOptions, classifier: ClassifierConfig) -> Result<Option<Self>> {
+        let (loaded_tx, loaded) = mpsc::channel::<Result<String>>();
+        let (go, wait) = mpsc::channel::<DetectStart>();
+        let handle = std::thread::Builder::new()
+            .name("vmigrater-detect".into())
+            .spawn(move || {
+                let mut storage = TrackerStorage::new();
+                let tracker = match IoTracker::open(&opts, &mut storage) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = loaded_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = loaded_tx.send(Ok(tracker.mode().to_string()));
+                // No start when the daemon failed to start after this: nothing to do.
+                let Ok(s) = wait.recv() else { return };
+                let env = DetectEnv {
+                    shared: &s.shared,
+                    board: &s.board,
+                    cpu_io: &s.cpu_io,
+                    stop: &s.stop,
+                    channel: &s.channel,
+                    measures_contention: s.measures_contention,
+                };
+                detect_loop(Detector::new(tracker, classifier), &s.cfg, &env);
+            })
+            .context("starting the detector thread")?;
+        let loaded = loaded
+            .recv()
+            .unwrap_or_else(|_| Err(anyhow!("the detector thread ended while loading")));
+        match loaded {
+            Ok(mode) => {
+                info!(attach_mode = %mode, "block I/O tracking attached");
+                Ok(Some(DetectorThread { handle, go, mode }))
+            }
+            Err(e) => {
+                let _ = handle.join();
+                warn!(
+                    "degraded: the block I/O BPF programs do not load, so no task is found or \
+                     moved; vCPU monitoring, status and metrics go on ({e:#}; `vmigrater \
+                     check` says more)"
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    /// Lets the thread loop; its handle is joined at shutdown.
+    fn start(self, s: DetectStart) -> std::thread::JoinHandle<()> {
+        // A thread that has ended (a panic) shows at the join.
+        let _ = self.go.send(s);
+        self.handle
+    }
+}
+
 /// What the detector loop shares with the rest of the daemon.
 struct DetectEnv<'a> {
     shared: &'a Shared,
@@ -471,7 +524,12 @@ struct DetectEnv<'a> {
 /// How often the contention gate judges the vCPUs' out time.
 const CONTENTION_WINDOW: Duration = Duration::from_secs(2);
 
-fn detect_loop(mut detector: Detector, cfg: &Config, env: &DetectEnv<'_>) {
+/// The detector loop (a normal-priority OS thread): polls the BPF maps every window,
+/// hands newly I/O-bound tasks to the executor (journaling their mask first) and releases
+/// tasks that stopped being I/O-bound, then publishes the set for the monitor threads.
+/// With sampled tracking the programs return at once between samples; the last sample's
+/// tasks stand until the next one.
+fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
     let DetectEnv {
         shared,
         board,

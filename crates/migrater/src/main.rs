@@ -81,6 +81,7 @@ fn load_config(cli: &Cli) -> Result<Config> {
 fn main() {
     let cli = Cli::parse();
     control::logging::init(&cli.log);
+    task_detector::libbpf_log::route_to_tracing();
     if let Err(e) = real_main(cli) {
         eprintln!("vmigrater: error: {e:#}");
         std::process::exit(1);

@@ -81,8 +81,8 @@ impl ProcReader {
     }
 }
 
-pub struct Detector {
-    tracker: IoTracker,
+pub struct Detector<'obj> {
+    tracker: IoTracker<'obj>,
     classifier: IoClassifier,
     proc: ProcReader,
     identities: HashMap<u32, Identity>,
@@ -107,8 +107,8 @@ pub fn parse_stat(text: &str) -> Option<(String, Vec<&str>)> {
     Some((comm, rest))
 }
 
-impl Detector {
-    pub fn new(tracker: IoTracker, cfg: ClassifierConfig) -> Self {
+impl<'obj> Detector<'obj> {
+    pub fn new(tracker: IoTracker<'obj>, cfg: ClassifierConfig) -> Self {
         Detector {
             tracker,
             classifier: IoClassifier::new(cfg),

@@ -10,6 +10,7 @@ mod bpf_skel;
 mod classifier;
 mod detector;
 pub mod diskstats;
+pub mod libbpf_log;
 mod probe;
 mod tracker;
 
@@ -17,6 +18,6 @@ pub use classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
 pub use detector::{Detector, DetectorOutput, IoTaskInfo, ProcReader};
 pub use probe::{probe, Probe};
 pub use tracker::{
-    plan_hooks, AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions,
+    plan_hooks, AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions, TrackerStorage,
     INFLIGHT_STALE_NS,
 };

@@ -2,12 +2,12 @@
 //! which block tracepoints exist (in BTF and in tracefs), and the best attach mode.
 //! It may mount tracefs when it is missing and we are root; it changes nothing else.
 
+use std::collections::HashSet;
 use std::path::Path;
 use std::sync::OnceLock;
 
 use crate::tracker::{plan_hooks, AttachMode};
 
-const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
 const TRACEFS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
 /// Every block tracepoint the programs may use (see `tracker::plan_hooks`).
 pub const TRACEPOINTS: [&str; 6] = [
@@ -28,16 +28,29 @@ pub struct Probe {
     pub notes: Vec<String>,
 }
 
-fn vmlinux_btf() -> &'static [u8] {
-    static BTF: OnceLock<Vec<u8>> = OnceLock::new();
-    BTF.get_or_init(|| std::fs::read(BTF_PATH).unwrap_or_default())
+/// The tracepoints that have a `btf_trace_<name>` typedef in the kernel's BTF, read once
+/// through libbpf, which also finds BTF where `/sys/kernel/btf/vmlinux` is missing.
+/// `None`: this kernel has no BTF.
+fn btf_tracepoints() -> Option<&'static HashSet<String>> {
+    static TRACEPOINTS: OnceLock<Option<HashSet<String>>> = OnceLock::new();
+    TRACEPOINTS
+        .get_or_init(|| {
+            let btf = libbpf_rs::btf::Btf::from_vmlinux().ok()?;
+            let names = btf
+                .type_by_kind::<libbpf_rs::btf::types::Typedef<'_>>()
+                .filter_map(|t| {
+                    let name = t.name()?.to_str()?;
+                    Some(name.strip_prefix("btf_trace_")?.to_string())
+                })
+                .collect();
+            Some(names)
+        })
+        .as_ref()
 }
 
 /// A tracepoint has a `btf_trace_<name>` typedef in the kernel's BTF.
 pub fn tracepoint_in_btf(name: &str) -> bool {
-    let needle = format!("btf_trace_{name}\0");
-    let btf = vmlinux_btf();
-    !btf.is_empty() && btf.windows(needle.len()).any(|w| w == needle.as_bytes())
+    btf_tracepoints().is_some_and(|set| set.contains(name))
 }
 
 pub fn tracepoint_in_tracefs(name: &str) -> bool {
@@ -67,7 +80,7 @@ pub fn ensure_tracefs() {
 
 pub fn probe() -> Probe {
     ensure_tracefs();
-    let btf = !vmlinux_btf().is_empty();
+    let btf = btf_tracepoints().is_some();
     let tracepoints = TRACEPOINTS
         .iter()
         .map(|tp| {

@@ -4,8 +4,8 @@
 
 use anyhow::{anyhow, Context, Result};
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
-use libbpf_rs::{Link, MapCore, MapFlags};
-use std::mem::{ManuallyDrop, MaybeUninit};
+use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
+use std::mem::MaybeUninit;
 
 use crate::bpf_skel::{types, IotrackSkel, IotrackSkelBuilder};
 use crate::probe::{probe, tracepoint_in_btf, tracepoint_in_tracefs};
@@ -73,34 +73,37 @@ pub struct CpuIoSample {
     pub ema_interval_ns: u64,
 }
 
-pub struct IoTracker {
+/// Where a tracker's BPF object lives. The caller owns it and keeps it for as long as the
+/// tracker, which borrows it (sched-ext/scx keeps its `OpenObject` the same way, on the
+/// stack of the thread that runs the scheduler). One slot per attach mode, so a mode that
+/// fails part-way leaves the next a fresh one.
+pub struct TrackerStorage([MaybeUninit<OpenObject>; AttachMode::ALL.len()]);
+
+impl TrackerStorage {
+    pub fn new() -> TrackerStorage {
+        TrackerStorage([const { MaybeUninit::uninit() }; AttachMode::ALL.len()])
+    }
+}
+
+impl Default for TrackerStorage {
+    fn default() -> TrackerStorage {
+        TrackerStorage::new()
+    }
+}
+
+/// The loaded and attached programs. Not `Send`: libbpf's objects stay on the thread
+/// that opened them, so a daemon opens its tracker on the thread that polls it.
+pub struct IoTracker<'obj> {
     // Field order is drop order: links detach first, then the skeleton closes its
-    // programs and maps, and only then is the storage it borrows freed (see Drop).
+    // programs and maps; the storage it borrows outlives both.
     _links: Vec<Link>,
-    skel: ManuallyDrop<IotrackSkel<'static>>,
-    storage: *mut MaybeUninit<libbpf_rs::OpenObject>,
+    skel: IotrackSkel<'obj>,
     mode: AttachMode,
     hooks: Vec<&'static str>,
     /// Sampled tracking between samples (bpf/iotrack.bpf.c `paused`).
     paused: bool,
     ncpus: u32,
 }
-
-impl Drop for IoTracker {
-    fn drop(&mut self) {
-        // SAFETY: the skeleton is dropped exactly once, here, before the storage it
-        // borrows; `storage` came from Box::into_raw in open_mode and is freed once.
-        unsafe {
-            ManuallyDrop::drop(&mut self.skel);
-            drop(Box::from_raw(self.storage));
-        }
-    }
-}
-
-// SAFETY: the raw storage pointer is owned exclusively by this tracker (it only exists to
-// free the skeleton's backing object after the skeleton); libbpf objects are not tied to
-// the thread that opened them.
-unsafe impl Send for IoTracker {}
 
 /// The block tracepoints a mode attaches on a kernel where `exists(tp)` says which
 /// tracepoints it offers; `None` when the mode cannot account requests there.
@@ -174,16 +177,16 @@ fn explain(err: anyhow::Error) -> anyhow::Error {
     }
 }
 
-impl IoTracker {
+impl<'obj> IoTracker<'obj> {
     /// Loads and attaches the programs, trying each mode in turn unless one is forced.
-    pub fn open(opts: &TrackerOptions) -> Result<IoTracker> {
+    pub fn open(opts: &TrackerOptions, storage: &'obj mut TrackerStorage) -> Result<Self> {
         let modes: Vec<AttachMode> = match opts.force_mode {
             Some(m) => vec![m],
             None => AttachMode::ALL.to_vec(),
         };
         let mut errors = Vec::new();
-        for mode in modes {
-            match Self::open_mode(mode, &[]) {
+        for (mode, slot) in modes.into_iter().zip(storage.0.iter_mut()) {
+            match Self::open_mode(mode, &[], slot) {
                 Ok(t) => return Ok(t),
                 Err(e) => {
                     tracing::debug!(%mode, "attach failed: {e:#}");
@@ -200,11 +203,19 @@ impl IoTracker {
     /// Attaches in `mode` as if the kernel lacked the tracepoints in `hidden`: exercises
     /// the fallbacks for older kernels (e.g. hide `block_io_start` for the pre-6.5 path)
     /// on this one.
-    pub fn open_without(mode: AttachMode, hidden: &[&str]) -> Result<IoTracker> {
-        Self::open_mode(mode, hidden).map_err(explain)
+    pub fn open_without(
+        mode: AttachMode,
+        hidden: &[&str],
+        storage: &'obj mut TrackerStorage,
+    ) -> Result<Self> {
+        Self::open_mode(mode, hidden, &mut storage.0[0]).map_err(explain)
     }
 
-    fn open_mode(mode: AttachMode, hidden: &[&str]) -> Result<IoTracker> {
+    fn open_mode(
+        mode: AttachMode,
+        hidden: &[&str],
+        slot: &'obj mut MaybeUninit<OpenObject>,
+    ) -> Result<Self> {
         if mode == AttachMode::Tracepoint {
             crate::probe::ensure_tracefs();
         }
@@ -218,42 +229,28 @@ impl IoTracker {
         })
         .ok_or_else(|| anyhow!("block tracepoints not available for {mode}"))?;
         let wanted: Vec<String> = hooks.iter().map(|h| prog_name(mode, h)).collect();
-        let storage = Box::into_raw(Box::new(MaybeUninit::<libbpf_rs::OpenObject>::uninit()));
-        // SAFETY: `storage` is a fresh heap allocation that outlives the skeleton: on
-        // success the tracker frees it after the skeleton (Drop), on failure below after
-        // every borrow of it is gone.
-        let result = Self::load_attach(mode, unsafe { &mut *storage }, &wanted);
-        match result {
-            Ok((skel, links)) => {
-                tracing::debug!(%mode, ?hooks, "block I/O programs attached");
-                let ncpus = libbpf_rs::num_possible_cpus()
-                    .unwrap_or(1)
-                    .min(MAX_CPUS as usize) as u32;
-                Ok(IoTracker {
-                    _links: links,
-                    paused: false,
-                    skel: ManuallyDrop::new(skel),
-                    storage,
-                    mode,
-                    hooks,
-                    ncpus,
-                })
-            }
-            Err(e) => {
-                // SAFETY: load_attach returned, so the skeleton borrowing `storage` is gone.
-                drop(unsafe { Box::from_raw(storage) });
-                Err(e)
-            }
-        }
+        let (skel, links) = Self::load_attach(mode, slot, &wanted)?;
+        tracing::debug!(%mode, ?hooks, "block I/O programs attached");
+        let ncpus = libbpf_rs::num_possible_cpus()
+            .unwrap_or(1)
+            .min(MAX_CPUS as usize) as u32;
+        Ok(IoTracker {
+            _links: links,
+            paused: false,
+            skel,
+            mode,
+            hooks,
+            ncpus,
+        })
     }
 
     fn load_attach(
         mode: AttachMode,
-        storage: &'static mut MaybeUninit<libbpf_rs::OpenObject>,
+        slot: &'obj mut MaybeUninit<OpenObject>,
         wanted: &[String],
-    ) -> Result<(IotrackSkel<'static>, Vec<Link>)> {
+    ) -> Result<(IotrackSkel<'obj>, Vec<Link>)> {
         let mut open = IotrackSkelBuilder::default()
-            .open(storage)
+            .open(slot)
             .context("opening the BPF object")?;
         // Only this mode's programs load: a flavour the kernel lacks must not fail the rest.
         for mut prog in open.open_object_mut().progs_mut() {

@@ -3,8 +3,9 @@
 //! the same privileged path the daemon uses, and creates a cpuset); without root each
 //! test prints a loud SKIPPED line and returns.
 
-use migrater::affinity::{get_cpus, parse_stat, set_cpus, AffinityExecutor, Outcome};
+use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
 use migrater::journal::{AffinityJournal, JournalEntry, JournalError};
+use os_layer::TaskStat;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -76,8 +77,9 @@ impl Drop for Worker {
 }
 
 fn start_time(tid: u32) -> u64 {
-    let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/stat")).unwrap();
-    parse_stat(&text).unwrap().start_time
+    TaskStat::of_tid(tid)
+        .expect("stat of a live thread")
+        .start_time
 }
 
 fn tgid() -> u32 {
@@ -167,7 +169,7 @@ fn refuses_kernel_threads_and_wrong_identities() {
         .unwrap()
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
         .find_map(|pid| {
-            let s = parse_stat(&std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?)?;
+            let s = TaskStat::of_tid(pid)?;
             s.is_kernel_thread().then_some((pid, s.start_time))
         })
         .expect("a kernel thread in /proc");

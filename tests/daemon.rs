@@ -2,7 +2,6 @@
 //! restoration on SIGTERM and after kill -9, `check`, config errors, dry-run and metrics.
 //! Run as root (CI is); without root every test prints a loud SKIPPED line.
 
-use nix::sched::{sched_getaffinity, CpuSet};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 use std::io::{Read, Write};
@@ -13,10 +12,7 @@ use steal_emulator::{Emulator, Pattern};
 use vmigrater_testbed::{assert_cpus, assert_root, workload, workspace_bin};
 
 fn cpus_of(tid: u32) -> Vec<usize> {
-    let set = sched_getaffinity(Pid::from_raw(tid as i32)).expect("sched_getaffinity");
-    (0..CpuSet::count())
-        .filter(|&c| set.is_set(c).unwrap_or(false))
-        .collect()
+    os_layer::get_cpus(tid).expect("sched_getaffinity")
 }
 
 fn online_cpus() -> usize {

@@ -21,16 +21,11 @@ fn cpu_ns(tid: u32) -> u64 {
 }
 
 fn cpus_of(tid: u32) -> Vec<usize> {
-    let set = nix::sched::sched_getaffinity(Pid::from_raw(tid as i32)).unwrap();
-    (0..nix::sched::CpuSet::count())
-        .filter(|&c| set.is_set(c).unwrap_or(false))
-        .collect()
+    os_layer::get_cpus(tid).unwrap()
 }
 
 fn pin(tid: u32, cpu: usize) {
-    let mut set = nix::sched::CpuSet::new();
-    set.set(cpu).unwrap();
-    nix::sched::sched_setaffinity(Pid::from_raw(tid as i32), &set).unwrap();
+    os_layer::set_cpus(tid, &[cpu]).unwrap();
 }
 
 /// The `cpu` controller line of a thread's /proc/<tid>/cgroup (v1), or the v2 line.

@@ -119,10 +119,7 @@ fn alive(tid: u32) -> bool {
 
 /// The CPU a thread is pinned to, if exactly one.
 fn pinned_cpu(tid: u32) -> Option<usize> {
-    let set = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(tid as i32)).ok()?;
-    let cpus: Vec<usize> = (0..nix::sched::CpuSet::count())
-        .filter(|&c| set.is_set(c).unwrap_or(false))
-        .collect();
+    let cpus = os_layer::get_cpus(tid).ok()?;
     (cpus.len() == 1).then(|| cpus[0])
 }
 

@@ -216,9 +216,7 @@ impl Backend for KvmQemu {
             return Ok(false);
         }
         if !self.masks.contains_key(&tid) {
-            let cpus = (0..nix::sched::CpuSet::count())
-                .filter(|&c| current.is_set(c).unwrap_or(false))
-                .collect();
+            let cpus = os_layer::cpus_of(&current);
             self.journal(tid, |e| e.mask = Some(cpus))?;
             self.masks.insert(tid, current);
         }

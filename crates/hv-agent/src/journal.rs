@@ -28,14 +28,9 @@ pub struct Journal {
     entries: BTreeMap<u32, Entry>,
 }
 
-/// Field 22 (`starttime`) of `/proc/<tid>/stat`, counted from the last ')'.
+/// A thread's start time: with the tid, what tells it from a later thread with its tid.
 pub fn start_time(tid: u32) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .nth(19)?
-        .parse()
-        .ok()
+    os_layer::TaskStat::of_tid(tid).map(|s| s.start_time)
 }
 
 impl Journal {

@@ -24,20 +24,22 @@ pub fn sample(tid: u32) -> Option<ThreadSample> {
         .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0);
-    let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).ok();
     Some(ThreadSample {
         run_ns,
         wait_ns,
         wakeups,
-        last_cpu: stat.as_deref().and_then(last_cpu),
+        last_cpu: std::fs::read_to_string(format!("/proc/{tid}/stat"))
+            .ok()
+            .as_deref()
+            .and_then(last_cpu),
     })
 }
 
-/// Field 39 (`processor`) of `/proc/<tid>/stat`; the comm field may hold spaces and
-/// parentheses, so count from the last ')'.
+/// The CPU a thread last ran on, from its `stat` text.
 fn last_cpu(stat: &str) -> Option<usize> {
-    let rest = &stat[stat.rfind(')')? + 1..];
-    rest.split_whitespace().nth(36)?.parse().ok()
+    os_layer::TaskStat::parse(stat)?
+        .last_cpu
+        .map(|c| c as usize)
 }
 
 /// Host-side stand-in for a guest report: Eq. 1 over the mean interval between the
@@ -72,9 +74,7 @@ mod tests {
 
     #[test]
     fn stat_field_39_survives_odd_names() {
-        let mut fields: Vec<String> = (3..=52).map(|i| i.to_string()).collect();
-        fields[36] = "7".into();
-        let stat = format!("42 (CPU 0/KVM) x) {}", fields.join(" "));
+        let stat = os_layer::fake_stat_line(42, "CPU 0/KVM) x", 0, 1, 7);
         assert_eq!(last_cpu(&stat), Some(7));
         assert_eq!(last_cpu("garbage"), None);
     }

@@ -199,13 +199,7 @@ impl Lab {
                 let attr = hv_agent::backend::get_attr(t);
                 let changed =
                     attr.is_ok_and(|a| a.sched_nice != 0 || a.sched_runtime != HOST_SLICE_NS);
-                let pinned = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(t as i32))
-                    .ok()
-                    .map(|set| {
-                        (0..nix::sched::CpuSet::count())
-                            .filter(|&c| set.is_set(c).unwrap_or(false))
-                            .collect::<Vec<_>>()
-                    });
+                let pinned = os_layer::get_cpus(t).ok();
                 if changed || pinned != Some(vec![v % bench::HOST_CPUS]) {
                     out.push(format!("{}/{v}", g.vm.name));
                 }

@@ -25,10 +25,9 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use tracing::{info, warn};
 
-use crate::journal::{mask_is_ours, AffinityJournal, JournalEntry, JournalError};
+use os_layer::{cpus_of, parse_cpu_list, to_cpuset, TaskStat};
 
-/// `PF_KTHREAD` from include/linux/sched.h: the task is a kernel thread.
-const PF_KTHREAD: u64 = 0x0020_0000;
+use crate::journal::{mask_is_ours, AffinityJournal, JournalEntry, JournalError};
 
 /// What became of one requested change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -46,78 +45,11 @@ pub enum Outcome {
     External,
 }
 
-/// Fields of `/proc/<tid>/stat` the executor and recovery need.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ProcStat {
-    /// Field 9, `PF_*` flags.
-    pub flags: u64,
-    /// Field 22, start time in clock ticks since boot.
-    pub start_time: u64,
-}
+pub use os_layer::{get_cpus, set_cpus};
 
-impl ProcStat {
-    pub fn is_kernel_thread(&self) -> bool {
-        self.flags & PF_KTHREAD != 0
-    }
-}
-
-/// Parses `/proc/<tid>/stat`; the comm (field 2) may hold spaces and parentheses, so
-/// fields are counted from its last `)`.
-pub fn parse_stat(text: &str) -> Option<ProcStat> {
-    let rest = &text[text.rfind(')')? + 1..];
-    let mut fields = rest.split_ascii_whitespace();
-    // `rest` starts at field 3 (state).
-    let flags = fields.nth(9 - 3)?.parse().ok()?;
-    let start_time = fields.nth(22 - 9 - 1)?.parse().ok()?;
-    Some(ProcStat { flags, start_time })
-}
-
-/// Parses a kernel CPU list such as `0-3,8,10-11` (sorted, deduplicated).
-pub fn parse_cpu_list(s: &str) -> Option<Vec<usize>> {
-    let mut cpus = Vec::new();
-    for part in s.trim().split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.trim().parse().ok()?, b.trim().parse().ok()?);
-                if b < a || b >= CpuSet::count() {
-                    return None;
-                }
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(part.trim().parse().ok()?),
-        }
-    }
-    cpus.sort_unstable();
-    cpus.dedup();
-    Some(cpus)
-}
-
-fn to_cpuset(cpus: &[usize]) -> Result<CpuSet, Errno> {
-    let mut set = CpuSet::new();
-    for &c in cpus {
-        set.set(c).map_err(|_| Errno::EINVAL)?;
-    }
-    Ok(set)
-}
-
-fn to_list(set: &CpuSet) -> Vec<usize> {
-    (0..CpuSet::count())
-        .filter(|&c| set.is_set(c).unwrap_or(false))
-        .collect()
-}
-
+/// A single-CPU set.
 fn single(cpu: usize) -> Result<CpuSet, Errno> {
-    to_cpuset(&[cpu])
-}
-
-/// The CPU list of a task (`sched_getaffinity`).
-pub fn get_cpus(tid: u32) -> Result<Vec<usize>, Errno> {
-    sched_getaffinity(Pid::from_raw(tid as i32)).map(|s| to_list(&s))
-}
-
-/// Sets the CPU list of a task (`sched_setaffinity`).
-pub fn set_cpus(tid: u32, cpus: &[usize]) -> Result<(), Errno> {
-    sched_setaffinity(Pid::from_raw(tid as i32), &to_cpuset(cpus)?)
+    os_layer::to_cpuset(&[cpu]).ok_or(Errno::EINVAL)
 }
 
 /// One task we manage.
@@ -232,7 +164,8 @@ impl AffinityExecutor {
         let stat_path = self.proc_root.join(format!("{tgid}/task/{tid}/stat"));
         let text = std::fs::read_to_string(&stat_path)
             .with_context(|| format!("reading {} (task gone?)", stat_path.display()))?;
-        let stat = parse_stat(&text).with_context(|| format!("parsing {}", stat_path.display()))?;
+        let stat =
+            TaskStat::parse(&text).with_context(|| format!("parsing {}", stat_path.display()))?;
         if stat.start_time != start_time {
             bail!(
                 "tid {tid}: start time {} is not the expected {start_time}: another task",
@@ -254,7 +187,7 @@ impl AffinityExecutor {
             .cloned();
         let (original, placed, journaled_move) = match &known {
             Some(e) => {
-                let cur = to_list(&current);
+                let cur = cpus_of(&current);
                 let original = to_cpuset(&e.original).context("journaled CPU list")?;
                 if cur == e.original {
                     (original, None, false)
@@ -266,7 +199,7 @@ impl AffinityExecutor {
             }
             None => (current, None, false),
         };
-        let original_list = to_list(&original);
+        let original_list = cpus_of(&original);
         let mut allowed = original_list.clone();
         for limit in [self.status_cpus(tgid, tid), self.cpuset_cpus(tgid, tid)]
             .into_iter()
@@ -446,7 +379,7 @@ impl AffinityExecutor {
         let line = text
             .lines()
             .find_map(|l| l.strip_prefix("Cpus_allowed_list:"))?;
-        parse_cpu_list(line)
+        parse_cpu_list(line).ok()
     }
 
     /// The effective CPUs of the task's cpuset (cgroup v1 or v2), when readable.
@@ -466,53 +399,12 @@ impl AffinityExecutor {
 
 fn read_list(path: &Path) -> Option<Vec<usize>> {
     let text = std::fs::read_to_string(path).ok()?;
-    parse_cpu_list(&text).filter(|l| !l.is_empty())
+    parse_cpu_list(&text).ok().filter(|l| !l.is_empty())
 }
 
 fn errno_outcome(e: Errno) -> Outcome {
     match e {
         Errno::ESRCH => Outcome::Gone,
         _ => Outcome::Rejected,
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_stat_with_awkward_comm() {
-        let text =
-            "1234 (a) b (c)) S 1 1234 1234 0 -1 4194560 100 0 0 0 5 6 0 0 20 0 1 0 987654 1000 10";
-        assert_eq!(
-            parse_stat(text),
-            Some(ProcStat {
-                flags: 4194560,
-                start_time: 987654
-            })
-        );
-        let kthread = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 3 0 0";
-        assert!(parse_stat(kthread).unwrap().is_kernel_thread());
-        assert_eq!(parse_stat("12 (x) S 1 2"), None);
-    }
-
-    #[test]
-    fn parses_cpu_lists() {
-        assert_eq!(
-            parse_cpu_list("0-3,8,10-11\n"),
-            Some(vec![0, 1, 2, 3, 8, 10, 11])
-        );
-        assert_eq!(parse_cpu_list("1,0,1"), Some(vec![0, 1]));
-        assert_eq!(parse_cpu_list(""), Some(vec![]));
-        assert_eq!(parse_cpu_list("3-1"), None);
-        assert_eq!(parse_cpu_list("a"), None);
-    }
-
-    #[test]
-    fn own_stat_parses() {
-        let text = std::fs::read_to_string("/proc/thread-self/stat").unwrap();
-        let s = parse_stat(&text).unwrap();
-        assert!(!s.is_kernel_thread());
-        assert!(s.start_time > 0);
     }
 }

@@ -238,7 +238,7 @@ fn recover_entry(e: &JournalEntry, proc_root: &Path, report: &mut RecoveryReport
         report.gone.push(e.tid);
         return;
     };
-    match crate::affinity::parse_stat(&text) {
+    match os_layer::TaskStat::parse(&text) {
         Some(s) if s.start_time == e.start_time => {}
         _ => {
             report.reused.push(e.tid);

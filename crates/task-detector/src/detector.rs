@@ -9,8 +9,6 @@ use std::path::PathBuf;
 use crate::classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
 use crate::tracker::{AttachMode, CpuIoSample, IoTracker};
 
-const PF_KTHREAD: u64 = 0x0020_0000;
-
 /// An I/O-bound thread with what the daemon needs to manage it safely.
 #[derive(Clone, Debug)]
 pub struct IoTaskInfo {
@@ -62,15 +60,11 @@ impl ProcReader {
 
     /// comm, start time and the kernel-thread flag from <root>/<tgid>/task/<tid>/stat.
     fn identity(&self, tgid: u32, tid: u32) -> Option<Identity> {
-        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("stat")).ok()?;
-        let (comm, rest) = parse_stat(&text)?;
-        // After comm: field 3 is rest[0]; flags is field 9, starttime field 22.
-        let flags: u64 = rest.get(6)?.parse().ok()?;
-        let start_time: u64 = rest.get(19)?.parse().ok()?;
+        let stat = os_layer::TaskStat::read(&self.task_dir(tgid, tid).join("stat"))?;
         Some(Identity {
-            comm,
-            start_time,
-            is_kernel: flags & PF_KTHREAD != 0,
+            is_kernel: stat.is_kernel_thread(),
+            comm: stat.comm,
+            start_time: stat.start_time,
         })
     }
 
@@ -96,15 +90,6 @@ pub struct Detector<'obj> {
     /// Per thread: on-CPU ns at the pause (while paused), and on-CPU ns spent paused.
     cpu_at_pause: HashMap<u32, u64>,
     untracked_cpu: HashMap<u32, u64>,
-}
-
-/// Parses the fields after `comm` in /proc/<pid>/stat (comm may contain spaces and ')').
-pub fn parse_stat(text: &str) -> Option<(String, Vec<&str>)> {
-    let open = text.find('(')?;
-    let close = text.rfind(')')?;
-    let comm = text.get(open + 1..close)?.to_string();
-    let rest: Vec<&str> = text.get(close + 2..)?.split_whitespace().collect();
-    Some((comm, rest))
 }
 
 impl<'obj> Detector<'obj> {
@@ -273,22 +258,12 @@ fn vcpu_clock() -> u64 {
 mod tests {
     use super::*;
 
-    #[test]
-    fn stat_with_a_tricky_comm() {
-        let line = "1234 (my (evil) task) S 1 1234 1234 0 -1 4194560 100 0 0 0 5 6 0 0 20 0 1 0 98765 1000 10";
-        let (comm, rest) = parse_stat(line).unwrap();
-        assert_eq!(comm, "my (evil) task");
-        assert_eq!(rest[0], "S");
-        assert_eq!(rest[6], "4194560");
-        assert_eq!(rest[19], "98765");
-    }
-
     fn fake_task(root: &std::path::Path, tgid: u32, tid: u32, flags: u64, cpu_ns: u64) {
         let dir = root.join(format!("{tgid}/task/{tid}"));
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(
             dir.join("stat"),
-            format!("{tid} (w) worker) S 1 {tgid} {tgid} 0 -1 {flags} 0 0 0 0 5 6 0 0 20 0 1 0 4242 1000 10\n"),
+            os_layer::fake_stat_line(tid, "w) worker", flags, 4242, 0),
         )
         .unwrap();
         std::fs::write(dir.join("schedstat"), format!("{cpu_ns} 1000 7\n")).unwrap();

@@ -75,23 +75,7 @@ pub fn online_cpus() -> Result<Vec<usize>> {
     let path = root.join("devices/system/cpu/online");
     let text =
         std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    parse_cpu_list(text.trim()).with_context(|| format!("parsing {}", path.display()))
-}
-
-/// Parses the kernel's CPU list format: `0-3,5,7-8`.
-pub fn parse_cpu_list(s: &str) -> Result<Vec<usize>> {
-    let mut cpus = Vec::new();
-    for part in s.split(',').filter(|p| !p.is_empty()) {
-        match part.split_once('-') {
-            Some((a, b)) => {
-                let (a, b): (usize, usize) = (a.trim().parse()?, b.trim().parse()?);
-                anyhow::ensure!(a <= b, "bad range {part:?}");
-                cpus.extend(a..=b);
-            }
-            None => cpus.push(part.trim().parse()?),
-        }
-    }
-    Ok(cpus)
+    os_layer::parse_cpu_list(&text).with_context(|| format!("parsing {}", path.display()))
 }
 
 /// What a wake-up was, for the hook.
@@ -316,17 +300,6 @@ fn sleeper(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn cpu_lists() {
-        assert_eq!(
-            parse_cpu_list("0-3,5,7-8").unwrap(),
-            vec![0, 1, 2, 3, 5, 7, 8]
-        );
-        assert_eq!(parse_cpu_list("0").unwrap(), vec![0]);
-        assert!(parse_cpu_list("3-1").is_err());
-        assert!(parse_cpu_list("x").is_err());
-    }
 
     #[test]
     fn online_cpus_honours_the_sysfs_root() {

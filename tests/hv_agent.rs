@@ -163,7 +163,7 @@ fn nice_is_back_after_sigterm() {
     assert_root();
     let (hogs, _dir, listener, agent) = io_and_cpu_vms("io", "cpu");
     let (a, b) = (hogs.tids[0], hogs.tids[1]);
-    let before = hv_agent::backend::get_attr(a).unwrap();
+    let before = os_layer::sched::get_attr(a).unwrap();
     let mut g = guest(&listener, 1);
     let (mut changed_nice, mut got_slice) = (false, false);
     let t0 = Instant::now();
@@ -174,10 +174,10 @@ fn nice_is_back_after_sigterm() {
             .unwrap();
         std::thread::sleep(Duration::from_millis(25));
         changed_nice |= nice_of(b) != 0;
-        got_slice |= hv_agent::backend::get_attr(a).unwrap().sched_runtime == 500_000;
+        got_slice |= os_layer::sched::get_attr(a).unwrap().sched_runtime == 500_000;
     }
     agent.terminate();
-    let after = hv_agent::backend::get_attr(a).unwrap();
+    let after = os_layer::sched::get_attr(a).unwrap();
     assert!(changed_nice, "the CPU-bound vCPU's nice never changed");
     assert!(got_slice, "the I/O vCPU never got the 500 µs slice");
     assert_eq!((nice_of(a), nice_of(b)), (0, 0), "nice not restored");
@@ -586,7 +586,7 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     let (vcpu_threads, neighbour) = hogs.tids.split_at(ncpu);
     let before: Vec<u64> = vcpu_threads
         .iter()
-        .map(|&t| hv_agent::backend::get_attr(t).unwrap().sched_runtime)
+        .map(|&t| os_layer::sched::get_attr(t).unwrap().sched_runtime)
         .collect();
     let dir = tempfile::tempdir().unwrap();
     let agent_dir = dir.path().join("agent");
@@ -653,7 +653,7 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
         std::thread::sleep(Duration::from_millis(50));
         slice_seen |= vcpu_threads
             .iter()
-            .any(|&t| hv_agent::backend::get_attr(t).unwrap().sched_runtime == 500_000);
+            .any(|&t| os_layer::sched::get_attr(t).unwrap().sched_runtime == 500_000);
         let s = agent.status();
         let done = s.as_ref().is_some_and(|s| {
             let vm = &s["vms"][0];
@@ -706,7 +706,7 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     );
     let after: Vec<u64> = vcpu_threads
         .iter()
-        .map(|&t| hv_agent::backend::get_attr(t).unwrap().sched_runtime)
+        .map(|&t| os_layer::sched::get_attr(t).unwrap().sched_runtime)
         .collect();
     assert_eq!(after, before, "slices not restored");
     for &t in hogs.tids.iter() {
@@ -854,7 +854,7 @@ fn a_killed_agent_is_undone_by_the_next_start() {
     let original_cg: Vec<String> = t.iter().map(|&x| cpu_cgroup(x)).collect();
     let slices: Vec<u64> = t
         .iter()
-        .map(|&x| hv_agent::backend::get_attr(x).unwrap().sched_runtime)
+        .map(|&x| os_layer::sched::get_attr(x).unwrap().sched_runtime)
         .collect();
     let dir = tempfile::tempdir().unwrap();
     let sock = dir.path().join("vm.sock");
@@ -875,7 +875,7 @@ fn a_killed_agent_is_undone_by_the_next_start() {
     let changed = |t: &[u32]| {
         t.iter().any(|&x| cpus_of(x) == [1])
             && t.iter()
-                .any(|&x| hv_agent::backend::get_attr(x).unwrap().sched_runtime == 500_000)
+                .any(|&x| os_layer::sched::get_attr(x).unwrap().sched_runtime == 500_000)
     };
     while t0.elapsed() < Duration::from_secs(5) && !changed(&t) {
         seq += 1;
@@ -913,7 +913,7 @@ fn a_killed_agent_is_undone_by_the_next_start() {
     for (i, &x) in t.iter().enumerate() {
         assert_eq!(cpus_of(x), vec![0], "mask of {x} not restored:\n{log}");
         assert_eq!(
-            hv_agent::backend::get_attr(x).unwrap().sched_runtime,
+            os_layer::sched::get_attr(x).unwrap().sched_runtime,
             slices[i],
             "slice of {x} not restored"
         );
@@ -933,7 +933,7 @@ fn a_full_or_read_only_state_dir_changes_nothing_unjournaled() {
     assert_root();
     let hogs = Hogs::start(&[0, 0]);
     let (a, b) = (hogs.tids[0], hogs.tids[1]);
-    let before = hv_agent::backend::get_attr(a).unwrap().sched_runtime;
+    let before = os_layer::sched::get_attr(a).unwrap().sched_runtime;
     let dir = tempfile::tempdir().unwrap();
     let fs = vmigrater_testbed::Tmpfs::mount(&dir.path().join("state"), 64);
     let sock = dir.path().join("io.sock");
@@ -954,7 +954,7 @@ fn a_full_or_read_only_state_dir_changes_nothing_unjournaled() {
     let changed = || {
         nice_of(a) != 0
             || nice_of(b) != 0
-            || hv_agent::backend::get_attr(a).unwrap().sched_runtime != before
+            || os_layer::sched::get_attr(a).unwrap().sched_runtime != before
     };
     let mut stream = |secs: u64, until: &dyn Fn() -> bool| {
         let t0 = Instant::now();
@@ -978,7 +978,7 @@ fn a_full_or_read_only_state_dir_changes_nothing_unjournaled() {
         "a vCPU thread was changed with no room for its undo: nice {} {} slice {}\n{}",
         nice_of(a),
         nice_of(b),
-        hv_agent::backend::get_attr(a).unwrap().sched_runtime,
+        os_layer::sched::get_attr(a).unwrap().sched_runtime,
         std::fs::read_to_string(dir.path().join("agent.log")).unwrap_or_default()
     );
     assert!(s["apply_errors"].as_u64() > Some(0), "{s:#}");
@@ -998,7 +998,7 @@ fn a_full_or_read_only_state_dir_changes_nothing_unjournaled() {
         "nice not restored:\n{log}"
     );
     assert_eq!(
-        hv_agent::backend::get_attr(a).unwrap().sched_runtime,
+        os_layer::sched::get_attr(a).unwrap().sched_runtime,
         before,
         "slice not restored"
     );

@@ -18,7 +18,7 @@ use vmigrater_testbed::host::{nice_of, Agent, Hogs};
 use vmigrater_testbed::{assert_root, workspace_bin};
 
 fn slice_of(tid: u32) -> u64 {
-    hv_agent::backend::get_attr(tid)
+    os_layer::sched::get_attr(tid)
         .map(|a| a.sched_runtime)
         .unwrap_or(0)
 }

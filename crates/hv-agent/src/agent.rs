@@ -108,7 +108,7 @@ fn resolve_threads(vm: &VmConfig) -> Result<Vec<u32>> {
         return discovery::threads_by_comm(discovery::read_pid_file(p)?);
     }
     if let Some(q) = &vm.qmp_socket {
-        return crate::qmp::vcpu_threads(q);
+        return qmp::vcpu_threads(q);
     }
     Ok(Vec::new())
 }

@@ -69,45 +69,7 @@ pub fn for_name(
     })
 }
 
-/// Raw `sched_{get,set}attr` (not wrapped by libc): the only way to set a fair-class
-/// thread's custom slice (`sched_runtime`, Linux 6.12+) together with its nice.
-pub fn get_attr(tid: u32) -> std::io::Result<libc::sched_attr> {
-    // SAFETY: zeroed sched_attr is a valid out-parameter; size tells the kernel its length.
-    let mut attr: libc::sched_attr = unsafe { std::mem::zeroed() };
-    let size = std::mem::size_of::<libc::sched_attr>() as u32;
-    // SAFETY: valid pointer and size for the duration of the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_sched_getattr,
-            tid as libc::pid_t,
-            &mut attr as *mut _,
-            size,
-            0u32,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(attr)
-}
-
-pub fn set_attr(tid: u32, attr: &libc::sched_attr) -> std::io::Result<()> {
-    let mut a = *attr;
-    a.size = std::mem::size_of::<libc::sched_attr>() as u32;
-    // SAFETY: valid pointer to an initialised sched_attr for the duration of the call.
-    let r = unsafe {
-        libc::syscall(
-            libc::SYS_sched_setattr,
-            tid as libc::pid_t,
-            &a as *const _,
-            0u32,
-        )
-    };
-    if r != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
+use os_layer::sched::{get_attr, set_attr};
 
 pub struct KvmQemu {
     share: Share,

@@ -146,7 +146,7 @@ pub fn recover(path: &Path) -> Result<usize> {
 
 fn restore_thread(tid: u32, e: &Entry) {
     if e.nice.is_some() || e.runtime_ns.is_some() {
-        match crate::backend::get_attr(tid) {
+        match os_layer::sched::get_attr(tid) {
             Ok(mut a) => {
                 if let Some(n) = e.nice {
                     a.sched_nice = n;
@@ -154,7 +154,7 @@ fn restore_thread(tid: u32, e: &Entry) {
                 if let Some(r) = e.runtime_ns {
                     a.sched_runtime = r;
                 }
-                if let Err(err) = crate::backend::set_attr(tid, &a) {
+                if let Err(err) = os_layer::sched::set_attr(tid, &a) {
                     warn!(tid, "journal: could not restore nice/slice: {err}");
                 }
             }
@@ -228,7 +228,7 @@ mod tests {
         )]);
         std::fs::write(&path, serde_json::to_vec(&entries).unwrap()).unwrap();
         assert_eq!(recover(&path).unwrap(), 0);
-        assert_eq!(crate::backend::get_attr(tid).unwrap().sched_nice, 0);
+        assert_eq!(os_layer::sched::get_attr(tid).unwrap().sched_nice, 0);
         assert!(!path.exists());
         std::fs::write(&path, "{ nope").unwrap();
         let e = recover(&path).unwrap_err();

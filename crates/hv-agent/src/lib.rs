@@ -21,6 +21,5 @@ pub mod journal;
 pub mod metrics;
 pub mod observe;
 pub mod placement;
-pub mod qmp;
 pub mod status;
 pub mod weights;

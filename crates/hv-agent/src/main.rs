@@ -81,7 +81,7 @@ fn real_main(cli: Cli) -> Result<()> {
             println!("kernel:   {}", uname.release().to_string_lossy());
             println!(
                 "slice:    {}",
-                match hv_agent::backend::get_attr(0) {
+                match os_layer::sched::get_attr(0) {
                     Ok(_) => "sched_setattr available (custom EEVDF slices need Linux 6.12+)",
                     Err(_) => "sched_getattr failed",
                 }

@@ -80,12 +80,12 @@ pub fn read_json(vm: &mut Vm, path: &str, timeout: Duration) -> Result<Value> {
 pub fn clock_offset(vm: &mut Vm) -> Result<(i64, u64)> {
     let mut best: Option<(i64, u64)> = None;
     for _ in 0..5 {
-        let t0 = steal_emulator::monotonic_ns();
+        let t0 = os_layer::monotonic_ns();
         let out = vm.sh(
             "grep -m1 '^now at' /proc/timer_list",
             Duration::from_secs(20),
         )?;
-        let t1 = steal_emulator::monotonic_ns();
+        let t1 = os_layer::monotonic_ns();
         let guest: u64 = out
             .split_whitespace()
             .nth(2)

@@ -15,10 +15,9 @@ pub fn pin(tid: u32, cpu: usize) -> Result<()> {
 /// Changes `tid`'s scheduling attributes with `f`, keeping the rest.
 fn update_attr(tid: u32, what: &str, f: impl FnOnce(&mut libc::sched_attr)) -> Result<()> {
     let mut attr =
-        hv_agent::backend::get_attr(tid).with_context(|| format!("sched_getattr({tid})"))?;
+        os_layer::sched::get_attr(tid).with_context(|| format!("sched_getattr({tid})"))?;
     f(&mut attr);
-    hv_agent::backend::set_attr(tid, &attr)
-        .with_context(|| format!("setting {what} on thread {tid}"))
+    os_layer::sched::set_attr(tid, &attr).with_context(|| format!("setting {what} on thread {tid}"))
 }
 
 /// Sets `tid`'s custom slice (sched_attr.sched_runtime of a fair-class thread, Linux 6.12+;

@@ -196,7 +196,7 @@ impl Lab {
         let mut out = Vec::new();
         for g in &self.guests {
             for (v, &t) in g.vcpus.iter().enumerate() {
-                let attr = hv_agent::backend::get_attr(t);
+                let attr = os_layer::sched::get_attr(t);
                 let changed =
                     attr.is_ok_and(|a| a.sched_nice != 0 || a.sched_runtime != HOST_SLICE_NS);
                 let pinned = os_layer::get_cpus(t).ok();

@@ -185,17 +185,17 @@ impl Vm {
 
     /// The vCPU threads, index = vCPU number (QMP query-cpus-fast).
     pub fn vcpu_threads(&self) -> Result<Vec<u32>> {
-        hv_agent::qmp::vcpu_threads(&self.qmp)
+        qmp::vcpu_threads(&self.qmp)
     }
 
     /// Freezes the VM's vCPUs (QMP `stop`): the VM stays booted but takes no CPU.
     pub fn pause(&self) -> Result<()> {
-        hv_agent::qmp::execute(&self.qmp, &["stop"]).map(drop)
+        qmp::execute(&self.qmp, &["stop"]).map(drop)
     }
 
     /// Undoes [`Vm::pause`].
     pub fn resume(&self) -> Result<()> {
-        hv_agent::qmp::execute(&self.qmp, &["cont"]).map(drop)
+        qmp::execute(&self.qmp, &["cont"]).map(drop)
     }
 
     /// Hot-unplugs the `org.vmigrater.hint.0` port under the running guest (QMP
@@ -203,7 +203,7 @@ impl Vm {
     /// with it the host agent's connection to the socket.
     pub fn unplug_hint(&self) -> Result<()> {
         let del = serde_json::json!({"execute": "device_del", "arguments": {"id": HINT_PORT_ID}});
-        hv_agent::qmp::execute_json(&self.qmp, &[del]).map(drop)
+        qmp::execute_json(&self.qmp, &[del]).map(drop)
     }
 
     /// Plugs the port back (QMP `device_add` on the same chardev), then names it in the
@@ -214,7 +214,7 @@ impl Vm {
             "name": "org.vmigrater.hint.0", "id": HINT_PORT_ID}});
         let t0 = Instant::now();
         // The unplug completes asynchronously: the id is taken until it has.
-        while let Err(e) = hv_agent::qmp::execute_json(&self.qmp, std::slice::from_ref(&add)) {
+        while let Err(e) = qmp::execute_json(&self.qmp, std::slice::from_ref(&add)) {
             if t0.elapsed() > Duration::from_secs(10) {
                 return Err(e.context(format!("{}: re-adding the hint port", self.name)));
             }

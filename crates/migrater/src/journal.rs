@@ -245,7 +245,7 @@ fn recover_entry(e: &JournalEntry, proc_root: &Path, report: &mut RecoveryReport
             return;
         }
     }
-    let current = match crate::affinity::get_cpus(e.tid) {
+    let current = match os_layer::get_cpus(e.tid) {
         Ok(c) => c,
         Err(nix::errno::Errno::ESRCH) => {
             report.gone.push(e.tid);
@@ -266,7 +266,7 @@ fn recover_entry(e: &JournalEntry, proc_root: &Path, report: &mut RecoveryReport
         report.external.push(e.tid);
         return;
     }
-    match crate::affinity::set_cpus(e.tid, &e.original) {
+    match os_layer::set_cpus(e.tid, &e.original) {
         Ok(()) => report.restored.push(e.tid),
         Err(nix::errno::Errno::ESRCH) => report.gone.push(e.tid),
         Err(err) => report

@@ -59,7 +59,7 @@ pub struct Emulator {
     epoch: u64,
 }
 
-pub use vcpu_monitor::{monotonic_ns, sleep_until};
+pub use os_layer::{monotonic_ns, sleep_until};
 
 fn become_fifo_on(cpu: usize, priority: i32) -> Result<()> {
     let mut set = nix::sched::CpuSet::new();

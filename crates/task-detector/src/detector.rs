@@ -7,7 +7,8 @@ use std::collections::HashMap;
 use std::path::PathBuf;
 
 use crate::classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
-use crate::tracker::{AttachMode, CpuIoSample, IoTracker};
+use crate::hooks::AttachMode;
+use crate::tracker::{CpuIoSample, IoTracker};
 
 /// An I/O-bound thread with what the daemon needs to manage it safely.
 #[derive(Clone, Debug)]

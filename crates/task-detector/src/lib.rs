@@ -10,14 +10,13 @@ mod bpf_skel;
 mod classifier;
 mod detector;
 pub mod diskstats;
+mod hooks;
 pub mod libbpf_log;
 mod probe;
 mod tracker;
 
 pub use classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
 pub use detector::{Detector, DetectorOutput, IoTaskInfo, ProcReader};
+pub use hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_NS};
 pub use probe::{probe, Probe};
-pub use tracker::{
-    plan_hooks, AttachMode, CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions, TrackerStorage,
-    INFLIGHT_STALE_NS,
-};
+pub use tracker::{CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions, TrackerStorage};

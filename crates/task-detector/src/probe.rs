@@ -6,19 +6,9 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::sync::OnceLock;
 
-use crate::tracker::{plan_hooks, AttachMode};
+use crate::hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_SECS, TRACEPOINTS};
 
 const TRACEFS: [&str; 2] = ["/sys/kernel/tracing", "/sys/kernel/debug/tracing"];
-/// Every block tracepoint the programs may use (see `tracker::plan_hooks`).
-pub const TRACEPOINTS: [&str; 6] = [
-    "block_io_start",
-    "block_rq_insert",
-    "block_rq_issue",
-    "block_rq_complete",
-    "block_rq_requeue",
-    "block_rq_merge",
-];
-
 #[derive(Clone, Debug)]
 pub struct Probe {
     pub btf: bool,
@@ -103,7 +93,7 @@ pub fn probe() -> Probe {
             notes.push(format!(
                 "no {optional}: requests it would close are repaired only when their slot \
                  is reused or after {} s",
-                crate::tracker::INFLIGHT_STALE_SECS
+                INFLIGHT_STALE_SECS
             ));
         }
     }

@@ -8,42 +8,13 @@ use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
 use std::mem::MaybeUninit;
 
 use crate::bpf_skel::{types, IotrackSkel, IotrackSkelBuilder};
+use crate::hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_NS};
 use crate::probe::{probe, tracepoint_in_btf, tracepoint_in_tracefs};
 
 /// Map entries fetched per batch lookup.
 const BATCH: u32 = 256;
 /// bpf/iotrack.h MAX_CPUS.
 const MAX_CPUS: u32 = 1024;
-/// bpf/iotrack.h INFLIGHT_STALE_NS: an open busy interval with no event for this long
-/// lost its end; it is reported closed at the last event.
-pub(crate) const INFLIGHT_STALE_SECS: u64 = 5;
-pub const INFLIGHT_STALE_NS: u64 = INFLIGHT_STALE_SECS * 1_000_000_000;
-
-/// How the programs are attached.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum AttachMode {
-    /// BTF-typed tracepoints: cheapest, needs kernel BTF.
-    TpBtf,
-    /// Raw tracepoints: no BTF needed at attach time.
-    RawTp,
-    /// Classic (perf) tracepoints: oldest, keyed by sector (less precise attribution).
-    Tracepoint,
-}
-
-impl std::fmt::Display for AttachMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            AttachMode::TpBtf => "tp_btf",
-            AttachMode::RawTp => "raw_tp",
-            AttachMode::Tracepoint => "tracepoint",
-        })
-    }
-}
-
-impl AttachMode {
-    pub const ALL: [AttachMode; 3] = [AttachMode::TpBtf, AttachMode::RawTp, AttachMode::Tracepoint];
-}
-
 #[derive(Clone, Debug, Default)]
 pub struct TrackerOptions {
     /// Use exactly this mode instead of the first that works.
@@ -103,37 +74,6 @@ pub struct IoTracker<'obj> {
     /// Sampled tracking between samples (bpf/iotrack.bpf.c `paused`).
     paused: bool,
     ncpus: u32,
-}
-
-/// The block tracepoints a mode attaches on a kernel where `exists(tp)` says which
-/// tracepoints it offers; `None` when the mode cannot account requests there.
-///
-/// Start: `block_io_start` (6.5+, once per request in the submitter's context), else
-/// `block_rq_insert` + `block_rq_issue` (insert sees the submitter on the scheduler
-/// path, issue on the direct path). End: `block_rq_complete`. `block_rq_requeue` and
-/// `block_rq_merge` keep the in-flight table honest where they exist.
-pub fn plan_hooks(exists: impl Fn(&str) -> bool) -> Option<Vec<&'static str>> {
-    let mut hooks = Vec::new();
-    if exists("block_io_start") {
-        hooks.push("block_io_start");
-    } else if exists("block_rq_issue") {
-        if exists("block_rq_insert") {
-            hooks.push("block_rq_insert");
-        }
-        hooks.push("block_rq_issue");
-    } else {
-        return None;
-    }
-    if !exists("block_rq_complete") {
-        return None;
-    }
-    hooks.push("block_rq_complete");
-    for optional in ["block_rq_requeue", "block_rq_merge"] {
-        if exists(optional) {
-            hooks.push(optional);
-        }
-    }
-    Some(hooks)
 }
 
 /// The BPF program implementing `hook` in `mode` (see bpf/iotrack.bpf.c).
@@ -489,48 +429,9 @@ fn read_pod<T: Copy + Default>(bytes: &[u8]) -> Result<T> {
 mod tests {
     use super::*;
 
-    fn kernel(tps: &'static [&'static str]) -> impl Fn(&str) -> bool {
-        move |tp| tps.contains(&tp)
-    }
-
-    #[test]
-    fn hooks_prefer_block_io_start_and_fall_back_to_insert_and_issue() {
-        // A current kernel has every tracepoint the programs know.
-        let now = crate::probe::TRACEPOINTS;
-        assert_eq!(
-            plan_hooks(|tp| now.contains(&tp)).unwrap(),
-            [
-                "block_io_start",
-                "block_rq_complete",
-                "block_rq_requeue",
-                "block_rq_merge"
-            ]
-        );
-        assert_eq!(
-            plan_hooks(kernel(&[
-                "block_rq_insert",
-                "block_rq_issue",
-                "block_rq_complete"
-            ]))
-            .unwrap(),
-            ["block_rq_insert", "block_rq_issue", "block_rq_complete"]
-        );
-        assert_eq!(
-            plan_hooks(kernel(&[
-                "block_rq_issue",
-                "block_rq_complete",
-                "block_rq_requeue"
-            ]))
-            .unwrap(),
-            ["block_rq_issue", "block_rq_complete", "block_rq_requeue"]
-        );
-        assert!(plan_hooks(kernel(&["block_io_start", "block_rq_issue"])).is_none());
-        assert!(plan_hooks(kernel(&["block_rq_insert", "block_rq_complete"])).is_none());
-    }
-
     #[test]
     fn every_planned_hook_has_a_program_in_every_mode() {
-        let all = crate::probe::TRACEPOINTS;
+        let all = crate::hooks::TRACEPOINTS;
         let hooks = plan_hooks(|_| true).unwrap();
         let legacy = plan_hooks(|tp| tp != "block_io_start").unwrap();
         let obj = include_bytes!(concat!(env!("OUT_DIR"), "/iotrack.skel.rs"));

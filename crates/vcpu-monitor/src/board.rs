@@ -9,7 +9,7 @@
 
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
-use crate::monitor::MonitorConfig;
+use crate::config::MonitorConfig;
 
 /// Whether anybody needs slice information right now (I/O-bound tasks exist).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,42 +125,15 @@ impl VcpuBoard {
 
     /// Wakes every sleeper blocked in `idle_sleep_until`.
     pub(crate) fn wake_sleepers(&self) {
-        // SAFETY: FUTEX_WAKE on a live, aligned u32 owned by self.
-        unsafe {
-            libc::syscall(
-                libc::SYS_futex,
-                self.demand.as_ptr(),
-                libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
-                i32::MAX,
-            );
-        }
+        os_layer::futex_wake_all(&self.demand);
     }
 
     /// Sleeps until the absolute CLOCK_MONOTONIC `deadline_ns`, or until demand stops
     /// being idle, or until `wake_sleepers`. Returns early on purpose: the caller re-reads
     /// demand and its stop flag.
     pub(crate) fn idle_sleep_until(&self, deadline_ns: u64) {
-        let ts = libc::timespec {
-            tv_sec: (deadline_ns / 1_000_000_000) as libc::time_t,
-            tv_nsec: (deadline_ns % 1_000_000_000) as libc::c_long,
-        };
-        while self.demand.load(Relaxed) == DEMAND_IDLE {
-            // SAFETY: FUTEX_WAIT_BITSET on a live, aligned u32; with WAIT_BITSET the
-            // timeout is absolute on CLOCK_MONOTONIC and honours the timer slack.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_futex,
-                    self.demand.as_ptr(),
-                    libc::FUTEX_WAIT_BITSET | libc::FUTEX_PRIVATE_FLAG,
-                    DEMAND_IDLE,
-                    &ts as *const libc::timespec,
-                    std::ptr::null::<u32>(),
-                    libc::FUTEX_BITSET_MATCH_ANY,
-                )
-            };
-            if rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-                return;
-            }
+        if self.demand.load(Relaxed) == DEMAND_IDLE {
+            os_layer::futex_wait_until(&self.demand, DEMAND_IDLE, deadline_ns);
         }
     }
 

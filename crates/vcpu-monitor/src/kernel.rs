@@ -27,7 +27,8 @@ use tracing::{debug, info, warn};
 
 use crate::board::{Demand, VcpuBoard};
 use crate::bpf_skel::{types, VcputickSkelBuilder};
-use crate::monitor::{MonitorConfig, TickEvent, TickHook};
+use crate::config::MonitorConfig;
+use crate::monitor::{TickEvent, TickHook};
 use crate::monotonic_ns;
 
 /// bpf/vcputick.h VT_MAX_CPUS.

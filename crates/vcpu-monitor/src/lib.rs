@@ -15,27 +15,24 @@
 
 mod board;
 mod bpf_skel;
+mod config;
 mod estimator;
 mod kernel;
 mod monitor;
 mod schedule;
 
 pub use board::{Demand, VcpuBoard, VcpuSnapshot};
+pub use config::{
+    online_cpus, MonitorConfig, DEFAULT_IDLE_PERIOD, DEFAULT_MIN_GAP_THRESHOLD, DEFAULT_PERIOD,
+    DEFAULT_PROBE_PERIOD, DEFAULT_RT_PRIORITY, DEFAULT_SLICE,
+};
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
 pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
-pub use monitor::{
-    online_cpus, sleep_until, Monitor, MonitorConfig, TickEvent, TickHook, DEFAULT_IDLE_PERIOD,
-    DEFAULT_MIN_GAP_THRESHOLD, DEFAULT_PERIOD, DEFAULT_PROBE_PERIOD, DEFAULT_RT_PRIORITY,
-    DEFAULT_SLICE,
-};
+pub use monitor::{Monitor, TickEvent, TickHook};
 pub use schedule::{parse_cpu_schedule, ScheduleMonitor, StealSchedule, Window};
 
-/// CLOCK_MONOTONIC in nanoseconds: the one clock of the sleepers, the board and callers.
-pub fn monotonic_ns() -> u64 {
-    let ts = nix::time::clock_gettime(nix::time::ClockId::CLOCK_MONOTONIC)
-        .expect("CLOCK_MONOTONIC is always available");
-    ts.tv_sec() as u64 * 1_000_000_000 + ts.tv_nsec() as u64
-}
+/// CLOCK_MONOTONIC: the one clock of the sleepers, the board and callers.
+pub use os_layer::{monotonic_ns, sleep_until};
 
 /// Where vCPU deschedules are learnt from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -17,8 +17,9 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::board::VcpuBoard;
-use crate::monitor::{sleep_until, TickEvent, TickHook};
+use crate::monitor::{TickEvent, TickHook};
 use crate::monotonic_ns;
+use crate::sleep_until;
 
 /// One vCPU's known steal schedule: out for `out_ns`, then running for `run_ns`, the first
 /// outage `phase_ns` after the epoch (the steal emulator's `CPU:BUSY_US:IDLE_US:PHASE_US`).

@@ -21,11 +21,11 @@ use nix::errno::Errno;
 use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 use tracing::{info, warn};
 
-use os_layer::{cpus_of, parse_cpu_list, to_cpuset, TaskStat};
+use os_layer::{cpus_of, parse_cpu_list, to_cpuset, Root, TaskStat};
 
 use crate::journal::{mask_is_ours, AffinityJournal, JournalEntry, JournalError};
 
@@ -122,27 +122,21 @@ pub struct AffinityExecutor {
     journal: AffinityJournal,
     health: JournalHealth,
     tasks: BTreeMap<u32, Managed>,
-    proc_root: PathBuf,
-    sys_root: PathBuf,
+    root: Root,
 }
 
 impl AffinityExecutor {
     pub fn new(journal: AffinityJournal) -> Self {
-        Self::with_roots(journal, "/proc", "/sys")
+        Self::with_root(journal, Root::real())
     }
 
     /// `new` reading `/proc` and `/sys` elsewhere (fake trees in tests, containers).
-    pub fn with_roots(
-        journal: AffinityJournal,
-        proc_root: impl Into<PathBuf>,
-        sys_root: impl Into<PathBuf>,
-    ) -> Self {
+    pub fn with_root(journal: AffinityJournal, root: Root) -> Self {
         AffinityExecutor {
             journal,
             health: JournalHealth::default(),
             tasks: BTreeMap::new(),
-            proc_root: proc_root.into(),
-            sys_root: sys_root.into(),
+            root,
         }
     }
 
@@ -161,7 +155,7 @@ impl AffinityExecutor {
             self.tasks.remove(&tid);
             self.journal_remove(tid);
         }
-        let stat_path = self.proc_root.join(format!("{tgid}/task/{tid}/stat"));
+        let stat_path = self.root.task(tgid, tid).join("stat");
         let text = std::fs::read_to_string(&stat_path)
             .with_context(|| format!("reading {} (task gone?)", stat_path.display()))?;
         let stat =
@@ -374,7 +368,7 @@ impl AffinityExecutor {
 
     /// `Cpus_allowed_list` of `/proc/<tid>/status`.
     fn status_cpus(&self, tgid: u32, tid: u32) -> Option<Vec<usize>> {
-        let path = self.proc_root.join(format!("{tgid}/task/{tid}/status"));
+        let path = self.root.task(tgid, tid).join("status");
         let text = std::fs::read_to_string(path).ok()?;
         let line = text
             .lines()
@@ -384,10 +378,9 @@ impl AffinityExecutor {
 
     /// The effective CPUs of the task's cpuset (cgroup v1 or v2), when readable.
     fn cpuset_cpus(&self, tgid: u32, tid: u32) -> Option<Vec<usize>> {
-        let rel = std::fs::read_to_string(self.proc_root.join(format!("{tgid}/task/{tid}/cpuset")))
-            .ok()?;
+        let rel = std::fs::read_to_string(self.root.task(tgid, tid).join("cpuset")).ok()?;
         let rel = rel.trim().trim_start_matches('/');
-        let cg = self.sys_root.join("fs/cgroup");
+        let cg = self.root.sys().join("fs/cgroup");
         [
             cg.join("cpuset").join(rel).join("cpuset.effective_cpus"),
             cg.join(rel).join("cpuset.cpus.effective"),

@@ -18,6 +18,7 @@
 //! noticing (the executor checks the mask before every move and drops the task at once
 //! when it differs). We then restore the original mask over theirs.
 
+use os_layer::Root;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs::{self, File, OpenOptions};
@@ -190,13 +191,13 @@ impl AffinityJournal {
     /// is still the same task and still carries a mask we set, then empties the journal.
     /// A missing journal is an empty one.
     pub fn recover(path: impl AsRef<Path>) -> Result<RecoveryReport> {
-        Self::recover_with_proc(path, Path::new("/proc"))
+        Self::recover_in(path, &Root::real())
     }
 
     /// `recover` with `/proc` elsewhere (tests and containers). Every mask is put back
     /// before the file is rewritten, so a state directory that became read-only or full
     /// still gets its tasks restored (and the error says the journal could not be emptied).
-    pub fn recover_with_proc(path: impl AsRef<Path>, proc_root: &Path) -> Result<RecoveryReport> {
+    pub fn recover_in(path: impl AsRef<Path>, root: &Root) -> Result<RecoveryReport> {
         let path = path.as_ref();
         let mut report = RecoveryReport::default();
         if !path.exists() {
@@ -207,7 +208,7 @@ impl AffinityJournal {
             entries: BTreeMap::new(),
         };
         for e in load(path)? {
-            recover_entry(&e, proc_root, &mut report);
+            recover_entry(&e, root, &mut report);
         }
         journal.persist()?;
         Ok(report)
@@ -232,8 +233,8 @@ impl AffinityJournal {
     }
 }
 
-fn recover_entry(e: &JournalEntry, proc_root: &Path, report: &mut RecoveryReport) {
-    let stat = proc_root.join(format!("{}/task/{}/stat", e.tgid, e.tid));
+fn recover_entry(e: &JournalEntry, root: &Root, report: &mut RecoveryReport) {
+    let stat = root.task(e.tgid, e.tid).join("stat");
     let Ok(text) = fs::read_to_string(&stat) else {
         report.gone.push(e.tid);
         return;
@@ -406,6 +407,24 @@ mod tests {
         let err = AffinityJournal::recover(&path).unwrap_err();
         assert!(matches!(err, JournalError::Corrupt { .. }));
         assert!(dir.path().join("journal.json.corrupt.1").exists());
+    }
+
+    #[test]
+    fn recovery_reads_identity_from_the_given_root() {
+        // A fake /proc: tid 1 is gone, tid 2 was reused by a task started later. Neither
+        // may be touched; both leave the journal, which ends empty.
+        let dir = tempfile::tempdir().unwrap();
+        let root = Root::at(dir.path().join("fake"));
+        root.write_fake_task(2, 2, "other", 0, 43, 0).unwrap();
+        let path = dir.path().join("journal.json");
+        let mut j = AffinityJournal::open(&path).unwrap();
+        j.record(entry(1)).unwrap();
+        j.record(entry(2)).unwrap();
+        drop(j);
+        let report = AffinityJournal::recover_in(&path, &root).unwrap();
+        assert_eq!((report.gone, report.reused), (vec![1], vec![2]));
+        assert!(report.restored.is_empty() && report.failed.is_empty());
+        assert!(AffinityJournal::open(&path).unwrap().is_empty());
     }
 
     #[test]

@@ -5,10 +5,12 @@
 //! vCPUs, credits or plans.
 
 pub mod cpus;
+pub mod root;
 pub mod sched;
 pub mod task;
 pub mod time;
 
 pub use cpus::{cpus_of, get_cpus, parse_cpu_list, set_cpus, to_cpuset, CpuListError};
+pub use root::Root;
 pub use task::{fake_stat_line, TaskStat, PF_KTHREAD};
 pub use time::{futex_wait_until, futex_wake_all, monotonic_ns, sleep_until};

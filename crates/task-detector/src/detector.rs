@@ -1,8 +1,9 @@
 //! The detector: the BPF counters plus the /proc facts the classifier needs (on-CPU time,
 //! kernel-thread flag, comm, start time), read only for threads that did block I/O
-//! lately. `VMIGRATER_PROCFS_ROOT` redirects /proc for tests. It never changes a task.
+//! lately. It never changes a task.
 
 use anyhow::Result;
+use os_layer::Root;
 use std::collections::HashMap;
 use std::path::PathBuf;
 
@@ -32,31 +33,20 @@ struct Identity {
     is_kernel: bool,
 }
 
-/// Reads the per-thread facts the classifier needs from /proc (or the tree named by
-/// `VMIGRATER_PROCFS_ROOT`). Read-only.
+/// Reads the per-thread facts the classifier needs from /proc (a fake tree in tests).
+/// Read-only.
 #[derive(Clone, Debug)]
 pub struct ProcReader {
-    root: PathBuf,
+    root: Root,
 }
 
 impl ProcReader {
-    pub fn new(root: impl Into<PathBuf>) -> Self {
-        ProcReader { root: root.into() }
-    }
-
-    /// /proc, or `VMIGRATER_PROCFS_ROOT` when set (tests point it at a fake tree).
-    pub fn from_env() -> Self {
-        Self::new(
-            std::env::var_os("VMIGRATER_PROCFS_ROOT")
-                .map_or_else(|| PathBuf::from("/proc"), PathBuf::from),
-        )
+    pub fn new(root: Root) -> Self {
+        ProcReader { root }
     }
 
     fn task_dir(&self, tgid: u32, tid: u32) -> PathBuf {
-        self.root
-            .join(tgid.to_string())
-            .join("task")
-            .join(tid.to_string())
+        self.root.task(tgid, tid)
     }
 
     /// comm, start time and the kernel-thread flag from <root>/<tgid>/task/<tid>/stat.
@@ -98,7 +88,7 @@ impl<'obj> Detector<'obj> {
         Detector {
             tracker,
             classifier: IoClassifier::new(cfg),
-            proc: ProcReader::from_env(),
+            proc: ProcReader::new(Root::real()),
             identities: HashMap::new(),
             last_ios: HashMap::new(),
             last_completions: u64::MAX,
@@ -259,23 +249,15 @@ fn vcpu_clock() -> u64 {
 mod tests {
     use super::*;
 
-    fn fake_task(root: &std::path::Path, tgid: u32, tid: u32, flags: u64, cpu_ns: u64) {
-        let dir = root.join(format!("{tgid}/task/{tid}"));
-        std::fs::create_dir_all(&dir).unwrap();
-        std::fs::write(
-            dir.join("stat"),
-            os_layer::fake_stat_line(tid, "w) worker", flags, 4242, 0),
-        )
-        .unwrap();
-        std::fs::write(dir.join("schedstat"), format!("{cpu_ns} 1000 7\n")).unwrap();
-    }
-
     #[test]
     fn fake_proc_tree_gives_identity_cpu_time_and_the_kernel_flag() {
-        let root = tempfile::tempdir().unwrap();
-        fake_task(root.path(), 100, 101, 0x40_4040, 123_456);
-        fake_task(root.path(), 2, 2, 0x20_8040, 9);
-        let proc = ProcReader::new(root.path());
+        let dir = tempfile::tempdir().unwrap();
+        let root = Root::at(dir.path());
+        root.write_fake_task(100, 101, "w) worker", 0x40_4040, 4242, 123_456)
+            .unwrap();
+        root.write_fake_task(2, 2, "kthreadd", 0x20_8040, 4242, 9)
+            .unwrap();
+        let proc = ProcReader::new(root);
         let id = proc.identity(100, 101).unwrap();
         assert_eq!(id.comm, "w) worker");
         assert_eq!(id.start_time, 4242);

@@ -1,8 +1,7 @@
 //! The monitor's settings and their defaults: one source for both vCPU sources, the
 //! board and the daemon's configuration.
 
-use anyhow::{Context, Result};
-use std::path::PathBuf;
+use anyhow::Result;
 use std::time::Duration;
 
 #[derive(Clone, Debug)]
@@ -52,29 +51,7 @@ impl Default for MonitorConfig {
     }
 }
 
-/// Online CPUs from sysfs (`VMIGRATER_SYSFS_ROOT` redirects `/sys` for tests).
+/// Online CPUs from sysfs.
 pub fn online_cpus() -> Result<Vec<usize>> {
-    let root = std::env::var_os("VMIGRATER_SYSFS_ROOT")
-        .map_or_else(|| PathBuf::from("/sys"), PathBuf::from);
-    let path = root.join("devices/system/cpu/online");
-    let text =
-        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
-    os_layer::parse_cpu_list(&text).with_context(|| format!("parsing {}", path.display()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn online_cpus_honours_the_sysfs_root() {
-        let dir = std::env::temp_dir().join(format!("vmon-sysfs-{}", std::process::id()));
-        std::fs::create_dir_all(dir.join("devices/system/cpu")).unwrap();
-        std::fs::write(dir.join("devices/system/cpu/online"), "0-2,4\n").unwrap();
-        std::env::set_var("VMIGRATER_SYSFS_ROOT", &dir);
-        let cpus = online_cpus();
-        std::env::remove_var("VMIGRATER_SYSFS_ROOT");
-        std::fs::remove_dir_all(&dir).unwrap();
-        assert_eq!(cpus.unwrap(), vec![0, 1, 2, 4]);
-    }
+    Ok(os_layer::Root::real().online_cpus()?)
 }

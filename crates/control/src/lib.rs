@@ -120,6 +120,32 @@ pub fn parse_toml<T: DeserializeOwned>(text: &str, origin: &str) -> Result<T> {
     })
 }
 
+/// Parses a TOML configuration and checks its ranges; every error names `origin` and,
+/// where it has one, the line.
+pub fn parse_checked<T: DeserializeOwned>(
+    text: &str,
+    origin: &str,
+    validate: impl FnOnce(&T) -> std::result::Result<(), Invalid>,
+) -> Result<T> {
+    let cfg: T = parse_toml(text, origin)?;
+    validate(&cfg).map_err(|e| e.located(text, origin))?;
+    Ok(cfg)
+}
+
+/// Reads `path` and parses it with `parse(text, origin)`. A missing file at the default
+/// location means all defaults; a missing file that the user named is an error.
+pub fn load_config<T: Default>(
+    path: &Path,
+    explicit: bool,
+    parse: impl FnOnce(&str, &str) -> Result<T>,
+) -> Result<T> {
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse(&text, &path.display().to_string()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(T::default()),
+        Err(e) => Err(e).with_context(|| format!("reading config {}", path.display())),
+    }
+}
+
 /// The stop signal of a daemon's threads. Every sleep of a long-lived thread is a `nap`
 /// on it, so that shutdown takes the same time whatever the configured periods and
 /// back-offs are: `set` wakes every napper at once.

@@ -1,7 +1,7 @@
 //! Agent configuration (`/etc/vmigrater/hv-agent.toml`): every key has a default; unknown
 //! keys are errors naming the line. Owns parsing and validation only.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use control::{in_range, Invalid};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -158,19 +158,11 @@ pub struct VmConfig {
 
 impl Config {
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
-        let cfg: Config = control::parse_toml(text, origin)?;
-        cfg.validate().map_err(|e| e.located(text, origin))?;
-        Ok(cfg)
+        control::parse_checked(text, origin, Config::validate)
     }
 
     pub fn load(path: &Path, explicit: bool) -> Result<Config> {
-        match std::fs::read_to_string(path) {
-            Ok(text) => Config::parse(&text, &path.display().to_string()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
-                Ok(Config::default())
-            }
-            Err(e) => Err(e).with_context(|| format!("reading config {}", path.display())),
-        }
+        control::load_config(path, explicit, Config::parse)
     }
 
     /// Every key's range, documented in the README's configuration table.

@@ -3,7 +3,7 @@
 //! never touch the system. Unknown keys are errors that name the line, so a typo is never
 //! silently ignored.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use control::{in_range, Invalid};
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -274,9 +274,7 @@ impl PriorityRule {
 impl Config {
     /// Parses TOML text; `origin` names the file in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
-        let cfg: Config = control::parse_toml(text, origin)?;
-        cfg.validate().map_err(|e| e.located(text, origin))?;
-        Ok(cfg)
+        control::parse_checked(text, origin, Config::validate)
     }
 
     /// Validates a configuration changed after loading (command-line flags over the
@@ -290,13 +288,7 @@ impl Config {
     /// Loads `path`. A missing file at the default location means "all defaults"; a
     /// missing file that the user named explicitly is an error.
     pub fn load(path: &Path, explicit: bool) -> Result<Config> {
-        match std::fs::read_to_string(path) {
-            Ok(text) => Config::parse(&text, &path.display().to_string()),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
-                Ok(Config::default())
-            }
-            Err(e) => Err(e).with_context(|| format!("reading config {}", path.display())),
-        }
+        control::load_config(path, explicit, Config::parse)
     }
 
     /// Every key's range, documented in the README's configuration table.

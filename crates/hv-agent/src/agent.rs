@@ -22,7 +22,7 @@ use crate::guest::{self, GuestState};
 use crate::observe::{self, ThreadSample, WakeupEma};
 use crate::placement::{self, Placed};
 use crate::status::{AgentStatus, Source, VcpuStatus, VmStatus};
-use crate::weights::{self, VcpuFigures};
+use crate::weights::{self, Setting, VcpuFigures};
 
 /// How often VMs without known threads are resolved again, and libvirt rescanned.
 const RESCAN: Duration = Duration::from_secs(2);
@@ -111,6 +111,17 @@ fn resolve_threads(vm: &VmConfig) -> Result<Vec<u32>> {
         return qmp::vcpu_threads(q);
     }
     Ok(Vec::new())
+}
+
+/// How many vCPUs a VM has: its vCPU threads, which the host knows; only where they are
+/// unknown (a Xen domain, a VM not resolved yet) the connected guest's hello; with neither,
+/// as many as before (a guest that leaves keeps its vCPUs, neutral without reports).
+fn vcpu_count(threads: usize, hello: u32, before: usize) -> usize {
+    match (threads, hello) {
+        (0, 0) => before,
+        (0, hello) => hello as usize,
+        (threads, _) => threads,
+    }
 }
 
 fn alive(tid: u32) -> bool {
@@ -238,6 +249,24 @@ impl Agent {
         }
         self.refresh_threads();
         self.periods += 1;
+        let figures = self.observe();
+        let settings = weights::plan(
+            &self.params,
+            self.cfg.max_nice_delta,
+            self.cfg.io_slice_us * 1_000,
+            &figures,
+        );
+        let applied = self.apply(&settings);
+        if self.cfg.balance_io {
+            self.place();
+        }
+        self.reply(applied);
+        self.publish();
+    }
+
+    /// Each vCPU's figures for this period: the guest's report where a fresh one came,
+    /// else what the host sees of its thread (schedstat), else nothing.
+    fn observe(&mut self) -> Vec<VcpuFigures> {
         let period = Duration::from_millis(self.cfg.period_ms);
         let period_ns = self.params.period_ns;
         let mut figures = Vec::new();
@@ -250,11 +279,11 @@ impl Agent {
             // so a guest that reconnects with fewer leaves no vCPU behind. A guest that
             // leaves keeps its vCPUs, now without reports: the credit core turns them
             // neutral, so no weight it earned stays applied (Xen weighs whole domains).
-            let n = match (vm.tids.len(), vm.guest.vcpus.load(Ordering::Relaxed)) {
-                (0, 0) => vm.tracks.len(),
-                (0, hello) => hello as usize,
-                (threads, _) => threads,
-            };
+            let n = vcpu_count(
+                vm.tids.len(),
+                vm.guest.vcpus.load(Ordering::Relaxed),
+                vm.tracks.len(),
+            );
             vm.tracks.truncate(n);
             vm.tracks.resize_with(n, Track::default);
             for (cpu, track) in vm.tracks.iter_mut().enumerate() {
@@ -305,15 +334,15 @@ impl Agent {
                 });
             }
         }
-        let settings = weights::plan(
-            &self.params,
-            self.cfg.max_nice_delta,
-            self.cfg.io_slice_us * 1_000,
-            &figures,
-        );
+        figures
+    }
+
+    /// Applies the plan through the backend and records it per vCPU; returns, per VM, the
+    /// weights to tell its guest.
+    fn apply(&mut self, settings: &[Setting]) -> BTreeMap<usize, Vec<VcpuWeight>> {
         let mut applied: BTreeMap<usize, Vec<VcpuWeight>> = BTreeMap::new();
         let errors_before = self.apply_errors;
-        for s in &settings {
+        for s in settings {
             let vm = &mut self.vms[s.key.0];
             let track = &mut vm.tracks[s.key.1 as usize];
             if let Err(e) = self
@@ -352,9 +381,12 @@ impl Agent {
             self.applying_fails = false;
             info!(apply_errors = self.apply_errors, "applying works again");
         }
-        if self.cfg.balance_io {
-            self.place();
-        }
+        applied
+    }
+
+    /// Tells each reporting guest what was applied to its vCPUs (never blocks: a guest
+    /// that does not read is disconnected, see `guest`).
+    fn reply(&self, applied: BTreeMap<usize, Vec<VcpuWeight>>) {
         for (i, vcpus) in applied {
             let (g, vm) = (&self.vms[i].guest, &self.vms[i].cfg.name);
             if g.connected.load(Ordering::Relaxed) && g.reports.load(Ordering::Relaxed) > 0 {
@@ -367,7 +399,6 @@ impl Agent {
                 );
             }
         }
-        self.publish();
     }
 
     /// Algorithm 2 for VMs with `host_cpus`: their vCPU threads are pinned one CPU each
@@ -508,5 +539,21 @@ pub fn describe_threads(vm: &VmConfig) -> String {
         Ok(t) if t.is_empty() => "no vCPU threads (xen domain or not running)".into(),
         Ok(t) => format!("vCPU threads {t:?}"),
         Err(e) => format!("vCPU threads unknown: {e:#}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_vm_has_the_vcpus_the_host_knows_of() {
+        // Threads known: the guest's hello cannot add series.
+        assert_eq!(vcpu_count(2, 1024, 0), 2);
+        // Threads unknown: the hello says, also when it shrinks after a reconnect.
+        assert_eq!(vcpu_count(0, 1024, 0), 1024);
+        assert_eq!(vcpu_count(0, 2, 1024), 2);
+        // Neither: the vCPUs stay (neutral without reports).
+        assert_eq!(vcpu_count(0, 0, 4), 4);
     }
 }

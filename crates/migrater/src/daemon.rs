@@ -17,6 +17,7 @@ use task_detector::{
 use tracing::{debug, info, warn};
 use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 
+use crate::admission::{self, Admission};
 use crate::affinity::AffinityExecutor;
 use crate::channel::{self, ChannelStats, VcpuSample};
 use crate::config::Config;
@@ -699,13 +700,7 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
 
         let current = shared.tasks.load();
         let mut next: Vec<TaskEntry> = Vec::with_capacity(found.len());
-        // The I/O-bound tasks the user lets us move (never our own threads).
-        let eligible: Vec<_> = found
-            .iter()
-            .filter(|i| i.task.tgid != own_pid && !cfg.migration.exclude_comm.contains(&i.comm))
-            .cloned()
-            .collect();
-        let candidates = eligible.len();
+        let candidates = admission::eligible(&found, own_pid, &cfg.migration.exclude_comm).len();
         let now = monotonic_ns();
         let moves_allowed = match guard.as_mut() {
             Some(g) => {
@@ -732,17 +727,19 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
         shared.metrics.moves_allowed.set(i64::from(moves_allowed));
         if moves_allowed {
             let mut placement = lock_placement(&shared.placement);
-            for info in eligible {
-                let t = &info.task;
-                if placement.hands_off.contains(&(t.tid, info.start_time)) {
-                    continue;
-                }
-                let known = current
-                    .iter()
-                    .find(|e| e.tid == t.tid && e.start_time == info.start_time);
-                let (allowed, priority) = match known {
-                    Some(e) => (e.allowed.clone(), e.priority),
-                    None => {
+            let placement = &mut *placement;
+            let ex = admission::Exclusions {
+                own_pid,
+                comm: &cfg.migration.exclude_comm,
+                hands_off: &placement.hands_off,
+            };
+            for verdict in admission::admit(&found, &current, ex) {
+                let (info, allowed, priority) = match verdict {
+                    Admission::Keep { managed, now } => {
+                        (now, managed.allowed.clone(), managed.priority)
+                    }
+                    Admission::New(info) => {
+                        let t = &info.task;
                         let allowed = match placement.executor.as_mut() {
                             Some(ex) => match ex.manage(t.tid, t.tgid, info.start_time) {
                                 Ok(a) => a,
@@ -763,9 +760,10 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
                             priority,
                             "task is I/O-bound: managing it"
                         );
-                        (allowed, priority)
+                        (info, allowed, priority)
                     }
                 };
+                let t = &info.task;
                 next.push(TaskEntry {
                     tid: t.tid,
                     tgid: t.tgid,
@@ -780,10 +778,7 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
         }
         {
             let mut placement = lock_placement(&shared.placement);
-            for gone in current
-                .iter()
-                .filter(|e| !next.iter().any(|n| n.tid == e.tid))
-            {
+            for gone in admission::leaving(&current, &next) {
                 placement.simulated.remove(&gone.tid);
                 if let Some(ex) = placement.executor.as_mut() {
                     let outcome = ex.release(gone.tid);

@@ -16,7 +16,7 @@ use crate::metrics::Metrics;
 use crate::planner::{Move, Planner, TaskView, Trigger, VcpuView};
 
 /// An I/O-bound task the daemon is allowed to move (already journaled unless dry-run).
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct TaskEntry {
     pub tid: u32,
     pub tgid: u32,

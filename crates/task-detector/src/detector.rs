@@ -12,7 +12,7 @@ use crate::hooks::AttachMode;
 use crate::tracker::{CpuIoSample, IoTracker};
 
 /// An I/O-bound thread with what the daemon needs to manage it safely.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct IoTaskInfo {
     pub task: IoTask,
     pub comm: String,

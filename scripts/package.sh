@@ -17,7 +17,7 @@ command -v cargo-generate-rpm >/dev/null || cargo install --locked cargo-generat
 # The C code linked into vmigrater (libbpf, built by libbpf-sys) gets Debian's hardening
 # flags; the Rust code needs none of them.
 export LIBBPF_SYS_EXTRA_CFLAGS="${LIBBPF_SYS_EXTRA_CFLAGS:-} -D_FORTIFY_SOURCE=2 -fstack-protector-strong"
-cargo build --profile dist -p migrater -p hv-agent --bins
+cargo build --profile dist -p vmigrater -p hv-agent --bins
 bin_dir=$target/dist
 rm -rf "$bin_dir/dist" "$out"
 mkdir -p "$out"
@@ -32,7 +32,7 @@ for bin in vmigrater vmigrater-hv-agent; do
     "$bin_dir/$bin" default-config > "$dist/$conf"
 done
 
-for crate in migrater hv-agent; do
+for crate in vmigrater hv-agent; do
     cargo deb --no-build --profile dist -p "$crate" -o "$out/"
     cargo generate-rpm --profile dist -p "crates/$crate" --target-dir "$target" -o "$out/"
 done

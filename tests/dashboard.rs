@@ -98,7 +98,7 @@ fn the_scrape_config_names_both_default_ports() {
     let root = env!("CARGO_MANIFEST_DIR");
     let scrape = std::fs::read_to_string(format!("{root}/packaging/prometheus/scrape.yml"))
         .expect("scrape config");
-    let guest = migrater::config::Config::default().metrics.listen.port();
+    let guest = vmigrater::config::Config::default().metrics.listen.port();
     let host = hv_agent::config::Config::default().metrics.listen.port();
     assert!(scrape.contains(&format!(":{guest}")), "guest port {guest}");
     assert!(scrape.contains(&format!(":{host}")), "host port {host}");

@@ -1,16 +1,12 @@
-//! vMigrater guest daemon: the data path is monitor (vcpu-monitor) → detector
-//! (task-detector) → planner → affinity executor, decided on the monitor thread of the
-//! vCPU whose state changed (`hook`), wired together by `daemon`.
+//! The migration engine of the guest daemon: which I/O-bound tasks to manage
+//! (`admission`), where each goes (`planner`), whether moves pay (`guard`), and the
+//! affinity executor with its crash-safe journal of original masks. Decided on the
+//! monitor thread of the vCPU whose state changed (`hook`). The `vmigrater` crate wires it
+//! to the monitor, the detector, the host channel and the control plane.
 pub mod admission;
 pub mod affinity;
-pub mod channel;
-pub mod check;
-pub mod config;
-pub mod daemon;
 pub mod guard;
 pub mod hook;
 pub mod journal;
 pub mod metrics;
 pub mod planner;
-pub mod sampling;
-pub mod status;

@@ -2,10 +2,10 @@
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
-use migrater::config::{Config, DEFAULT_CONFIG_PATH};
-use migrater::{check, daemon, status};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use vmigrater::config::{Config, DEFAULT_CONFIG_PATH};
+use vmigrater::{check, daemon, status};
 
 /// Keeps I/O-bound tasks on vCPUs that are running right now, so guest I/O does not stall
 /// while the hypervisor has a vCPU descheduled.
@@ -15,7 +15,7 @@ struct Cli {
     /// Configuration file (TOML). A missing file at the default path means defaults.
     #[arg(long, short = 'c', global = true, default_value = DEFAULT_CONFIG_PATH, env = "VMIGRATER_CONFIG")]
     config: PathBuf,
-    /// Log filter, e.g. `info`, `debug`, `migrater=debug` (RUST_LOG syntax).
+    /// Log filter, e.g. `info`, `debug`, `vmigrater=debug,migrater=debug` (RUST_LOG syntax).
     #[arg(long, global = true, default_value = "info", env = "VMIGRATER_LOG")]
     log: String,
     #[command(subcommand)]
@@ -57,10 +57,10 @@ struct RunArgs {
     /// Where vCPU deschedules are learnt from (overrides `monitor.source`): kernel timers,
     /// sleepers, or auto (kernel, else sleepers).
     #[arg(long, value_enum)]
-    monitor_source: Option<migrater::config::MonitorSource>,
+    monitor_source: Option<vmigrater::config::MonitorSource>,
     /// BPF attach mode: auto, tp_btf, raw_tp or tracepoint (overrides `detector.attach_mode`).
     #[arg(long, value_enum)]
-    attach_mode: Option<migrater::config::AttachSetting>,
+    attach_mode: Option<vmigrater::config::AttachSetting>,
 }
 
 #[derive(clap::Args, Debug)]

@@ -17,19 +17,19 @@ use task_detector::{
 use tracing::{debug, info, warn};
 use vcpu_monitor::{monotonic_ns, AnyMonitor, Demand, MonitorConfig, VcpuBoard};
 
-use crate::admission::{self, Admission};
-use crate::affinity::AffinityExecutor;
 use crate::channel::{self, ChannelStats, VcpuSample};
 use crate::config::Config;
-use crate::guard::{Contention, GuardConfig, MoveGuard, VcpuOut};
-use crate::hook::{
-    lock_placement, try_lock_placement, LatencyRing, MigrationHook, Placement, Shared, TaskEntry,
-};
-use crate::journal::AffinityJournal;
-use crate::metrics::{CpuLabel, Metrics};
-use crate::planner::{Planner, PlannerConfig};
 use crate::sampling;
 use crate::status::{self, StatusReport, TaskStatus, VcpuStatus};
+use migrater::admission::{self, Admission};
+use migrater::affinity::AffinityExecutor;
+use migrater::guard::{Contention, GuardConfig, MoveGuard, VcpuOut};
+use migrater::hook::{
+    lock_placement, try_lock_placement, LatencyRing, MigrationHook, Placement, Shared, TaskEntry,
+};
+use migrater::journal::AffinityJournal;
+use migrater::metrics::{CpuLabel, Metrics};
+use migrater::planner::{Planner, PlannerConfig};
 
 pub fn journal_path(state_dir: &Path) -> std::path::PathBuf {
     state_dir.join("journal.json")
@@ -786,7 +786,7 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
                     info!(
                         tid = gone.tid,
                         comm = %gone.comm,
-                        result = crate::metrics::outcome_label(&outcome),
+                        result = migrater::metrics::outcome_label(&outcome),
                         "{}: original affinity restored",
                         if moves_allowed { "task no longer I/O-bound" } else { "moves on hold" }
                     );

@@ -1,0 +1,9 @@
+//! `vmigrater`, the guest daemon: wires monitor (vcpu-monitor) → detector
+//! (task-detector) → migration engine (migrater) → host channel (`channel`), with the
+//! control plane (status socket, /metrics), configuration and `check`.
+pub mod channel;
+pub mod check;
+pub mod config;
+pub mod daemon;
+pub mod sampling;
+pub mod status;

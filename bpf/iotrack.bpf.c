@@ -65,7 +65,10 @@ struct {
 	__type(value, struct cpu_stats);
 } cpus SEC(".maps");
 
-/* One of `tid`'s requests ended (or vanished); `bytes` of it were transferred. */
+/* One of `tid`'s requests ended at `now`; `bytes` of it were transferred. `now == 0`
+ * says its end was lost (found only when its key came back): the request is closed at the
+ * owner's last seen event, as the stale reset does, because charging the time up to the
+ * key's reuse would count seconds of idleness as busy. */
 static __always_inline void thread_done(__u32 tid, __u64 now, __u32 bytes)
 {
 	struct thread_stats *s = bpf_map_lookup_elem(&threads, &tid);
@@ -73,16 +76,18 @@ static __always_inline void thread_done(__u32 tid, __u64 now, __u32 bytes)
 		return;
 	if (bytes)
 		__sync_fetch_and_add(&s->bytes, bytes);
+	__u64 end = now ? now : s->last_ts;
 	__s32 old = (__s32)__sync_fetch_and_add(&s->in_flight, -1);
 	if (old == 1) {
 		__u64 since = s->busy_since;
-		if (now > since)
-			__sync_fetch_and_add(&s->busy_ns, now - since);
+		if (end > since)
+			__sync_fetch_and_add(&s->busy_ns, end - since);
 	} else if (old <= 0) {
 		/* An end whose start we never counted (attached mid-flight, stale reset): undo. */
 		__sync_fetch_and_add(&s->in_flight, 1);
 	}
-	s->last_ts = now;
+	if (now)
+		s->last_ts = now;
 }
 
 /* Opens a request for the current thread, or moves an already open one on. `kind` is the
@@ -103,10 +108,10 @@ static __always_inline void begin(__u64 key, __u64 cookie, __u32 kind)
 			return;
 		}
 		/* The key came back while we still hold it: its end was missed. Close it, so
-		 * the in-flight count of its owner cannot leak. */
+		 * the in-flight count of its owner cannot leak (0: at its last seen event). */
 		__u32 owner = fl->tid;
 		if (bpf_map_delete_elem(&inflight, &key) == 0)
-			thread_done(owner, now, 0);
+			thread_done(owner, 0, 0);
 	}
 
 	struct task_struct *task = (struct task_struct *)bpf_get_current_task();

@@ -74,7 +74,12 @@ use os_layer::sched::{get_attr, set_attr};
 pub struct KvmQemu {
     share: Share,
     originals: HashMap<u32, libc::sched_attr>,
+    /// (nice, slice) we last set per thread: at exit, a thread that carries anything else
+    /// was changed by somebody after us and is left as they set it.
+    last_set: HashMap<u32, (i32, u64)>,
     masks: HashMap<u32, nix::sched::CpuSet>,
+    /// The host CPU each placed thread was pinned to, for the same check.
+    placed: HashMap<u32, usize>,
     journal: Option<Journal>,
 }
 
@@ -83,16 +88,65 @@ impl KvmQemu {
         KvmQemu {
             share,
             originals: HashMap::new(),
+            last_set: HashMap::new(),
             masks: HashMap::new(),
+            placed: HashMap::new(),
             journal,
         }
     }
 
-    fn journal(&mut self, tid: u32, add: impl FnOnce(&mut crate::journal::Entry)) -> Result<()> {
+    fn journal(
+        &mut self,
+        tid: u32,
+        reason: &str,
+        add: impl FnOnce(&mut crate::journal::Entry),
+    ) -> Result<()> {
         match &mut self.journal {
-            Some(j) => j.record(tid, add),
+            Some(j) => j.record(tid, reason, add),
             None => Ok(()),
         }
+    }
+}
+
+impl KvmQemu {
+    /// Gives `tid` its original nice and slice back unless somebody else changed them
+    /// after our last change (then theirs stay). Ok(false): nothing was put back.
+    fn put_back_attr(&mut self, tid: u32, original: &libc::sched_attr) -> std::io::Result<bool> {
+        let Some((nice, slice)) = self.last_set.remove(&tid) else {
+            return Ok(false); // never changed
+        };
+        let mut now = get_attr(tid)?;
+        if (now.sched_nice, now.sched_runtime) != (nice, slice) {
+            info!(
+                tid,
+                nice = now.sched_nice,
+                slice_ns = now.sched_runtime,
+                "changed by somebody else after us: left as is"
+            );
+            return Ok(false);
+        }
+        now.sched_nice = original.sched_nice;
+        now.sched_runtime = original.sched_runtime;
+        set_attr(tid, &now)?;
+        Ok(true)
+    }
+
+    /// The same for the affinity set by `place`.
+    fn put_back_mask(
+        &mut self,
+        tid: u32,
+        original: &nix::sched::CpuSet,
+    ) -> std::result::Result<bool, nix::errno::Errno> {
+        let Some(cpu) = self.placed.remove(&tid) else {
+            return Ok(false);
+        };
+        let now = nix::sched::sched_getaffinity(pid(tid))?;
+        if os_layer::cpus_of(&now) != [cpu] {
+            info!(tid, cpus = ?os_layer::cpus_of(&now), "affinity changed by somebody else after us: left as is");
+            return Ok(false);
+        }
+        nix::sched::sched_setaffinity(pid(tid), original)?;
+        Ok(true)
     }
 }
 
@@ -131,7 +185,7 @@ impl Backend for KvmQemu {
             return Ok(false);
         }
         if !self.originals.contains_key(&tid) {
-            self.journal(tid, |e| {
+            self.journal(tid, "ISACS credits weight the vCPU (nice, slice)", |e| {
                 e.nice = Some(current.sched_nice);
                 e.runtime_ns = Some(current.sched_runtime);
             })?;
@@ -145,7 +199,9 @@ impl Backend for KvmQemu {
             Share::Cgroup(cg) => {
                 let journal = &mut self.journal;
                 changed = cg.set(tid, s.nice, |t| match journal {
-                    Some(j) => j.record(tid, |e| e.cgroup = Some(t.clone())),
+                    Some(j) => j.record(tid, "ISACS credits weight the vCPU (cpu.weight)", |e| {
+                        e.cgroup = Some(t.clone())
+                    }),
                     None => Ok(()),
                 })?
             }
@@ -155,6 +211,8 @@ impl Backend for KvmQemu {
             return Ok(changed);
         }
         set_attr(tid, &want).with_context(|| format!("sched_setattr({tid})"))?;
+        self.last_set
+            .insert(tid, (want.sched_nice, want.sched_runtime));
         debug!(
             vm,
             vcpu = s.key.1,
@@ -179,20 +237,23 @@ impl Backend for KvmQemu {
         }
         if !self.masks.contains_key(&tid) {
             let cpus = os_layer::cpus_of(&current);
-            self.journal(tid, |e| e.mask = Some(cpus))?;
+            self.journal(tid, "I/O load balancing places the vCPU", |e| {
+                e.mask = Some(cpus)
+            })?;
             self.masks.insert(tid, current);
         }
         nix::sched::sched_setaffinity(pid(tid), &want)
             .with_context(|| format!("sched_setaffinity({tid}, {{{cpu}}})"))?;
+        self.placed.insert(tid, cpu);
         Ok(true)
     }
 
     fn forget(&mut self, tid: u32) {
         if let Some(attr) = self.originals.remove(&tid) {
-            let _ = set_attr(tid, &attr);
+            let _ = self.put_back_attr(tid, &attr);
         }
         if let Some(mask) = self.masks.remove(&tid) {
-            let _ = nix::sched::sched_setaffinity(pid(tid), &mask);
+            let _ = self.put_back_mask(tid, &mask);
         }
         if let Share::Cgroup(cg) = &mut self.share {
             cg.forget(tid);
@@ -204,16 +265,18 @@ impl Backend for KvmQemu {
 
     fn restore(&mut self) -> usize {
         let mut n = 0;
-        for (tid, attr) in self.originals.drain() {
-            match set_attr(tid, &attr) {
-                Ok(()) => n += 1,
+        let originals: Vec<_> = self.originals.drain().collect();
+        for (tid, attr) in originals {
+            match self.put_back_attr(tid, &attr) {
+                Ok(restored) => n += usize::from(restored),
                 Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
                 Err(e) => warn!(tid, "could not restore scheduling attributes: {e}"),
             }
         }
-        for (tid, mask) in self.masks.drain() {
-            match nix::sched::sched_setaffinity(pid(tid), &mask) {
-                Ok(()) => n += 1,
+        let masks: Vec<_> = self.masks.drain().collect();
+        for (tid, mask) in masks {
+            match self.put_back_mask(tid, &mask) {
+                Ok(restored) => n += usize::from(restored),
                 Err(nix::errno::Errno::ESRCH) => {}
                 Err(e) => warn!(tid, "could not restore the affinity: {e}"),
             }

@@ -1,11 +1,20 @@
 //! Crash safety for the `kvm-qemu` backend: the undo of every change to a vCPU thread
 //! (original nice and slice, affinity, cgroup weight) is written to
-//! `<state_dir>/journal.json` before the change is made. A clean exit restores everything
-//! and removes the file; after SIGKILL, an OOM kill or a panic, the next start finds the
-//! file and puts back what the dead agent left behind. Entries carry the thread's start
-//! time, so a recycled thread id is never touched.
+//! `<state_dir>/journal.json` before the change is made, in the change ledger both programs
+//! share (crates/ledger: fsync'd atomic writes, an unreadable file kept aside as
+//! `.corrupt`). A clean exit restores everything and removes the file; after SIGKILL, an
+//! OOM kill or a panic, the next start finds the file and puts back what the dead agent
+//! left behind. Entries carry the thread's start time, so a recycled thread id is never
+//! touched, and a mask is put back only while it is still one this agent sets (a single
+//! host CPU): a mask somebody else set since is theirs.
+//!
+//! What is not checked after a crash: nice and slice are written every period, too often
+//! to journal each value, so recovery cannot tell ours from a later one of somebody else's
+//! and restores the original whenever the thread is the same. A clean exit does check
+//! (the backend remembers what it last set).
 
 use anyhow::{Context, Result};
+use ledger::{Format, Keyed, Ledger};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -15,6 +24,7 @@ use crate::cgroup::{self, Touched};
 
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct Entry {
+    pub tid: u32,
     /// `/proc/<tid>/stat` field 22, in clock ticks since boot.
     pub start_time: u64,
     pub nice: Option<i32>,
@@ -23,9 +33,32 @@ pub struct Entry {
     pub cgroup: Option<Touched>,
 }
 
+impl Keyed for Entry {
+    fn tid(&self) -> u32 {
+        self.tid
+    }
+}
+
+const FORMAT: Format<Entry> = Format {
+    version: 1,
+    what: "change journal",
+    legacy: Some(unversioned),
+};
+
+/// The layout agents wrote before the shared ledger: a bare map from tid to entry.
+fn unversioned(bytes: &[u8]) -> Option<Vec<Entry>> {
+    let map: BTreeMap<u32, serde_json::Map<String, serde_json::Value>> =
+        serde_json::from_slice(bytes).ok()?;
+    map.into_iter()
+        .map(|(tid, mut fields)| {
+            fields.insert("tid".into(), tid.into());
+            serde_json::from_value(fields.into()).ok()
+        })
+        .collect()
+}
+
 pub struct Journal {
-    path: PathBuf,
-    entries: BTreeMap<u32, Entry>,
+    ledger: Ledger<Entry>,
 }
 
 /// A thread's start time: with the tid, what tells it from a later thread with its tid.
@@ -34,92 +67,64 @@ pub fn start_time(tid: u32) -> Option<u64> {
 }
 
 impl Journal {
+    /// Writes nothing until the first change (a dry run leaves no file).
     pub fn new(path: PathBuf) -> Journal {
         Journal {
-            path,
-            entries: BTreeMap::new(),
+            ledger: Ledger::fresh(path, &FORMAT),
         }
     }
 
     /// Adds to `tid`'s undo (only what is not recorded yet: the first original wins) and
-    /// persists it before returning.
-    pub fn record(&mut self, tid: u32, add: impl FnOnce(&mut Entry)) -> Result<()> {
+    /// persists it before returning; each newly recorded original is logged once with
+    /// `reason`, the change it is the undo of.
+    pub fn record(&mut self, tid: u32, reason: &str, add: impl FnOnce(&mut Entry)) -> Result<()> {
         let start_time = start_time(tid).with_context(|| format!("thread {tid} is gone"))?;
-        let existed = self.entries.contains_key(&tid);
-        let e = self.entries.entry(tid).or_insert_with(|| Entry {
-            start_time,
-            ..Entry::default()
-        });
-        let before = e.clone();
-        let mut fresh = Entry {
+        let fresh_entry = || Entry {
+            tid,
             start_time,
             ..Entry::default()
         };
+        let before = self.ledger.get(tid).cloned();
+        let mut e = before.clone().unwrap_or_else(fresh_entry);
+        let mut fresh = fresh_entry();
         add(&mut fresh);
         e.nice = e.nice.or(fresh.nice);
         e.runtime_ns = e.runtime_ns.or(fresh.runtime_ns);
         e.mask = e.mask.take().or(fresh.mask);
         e.cgroup = e.cgroup.take().or(fresh.cgroup);
-        if *e != before {
-            if let Err(err) = self.persist() {
-                // Memory must not hold an undo the file lacks: the next call would find
-                // it "recorded" and let the change through unjournaled.
-                if existed {
-                    self.entries.insert(tid, before);
-                } else {
-                    self.entries.remove(&tid);
-                }
-                return Err(err);
-            }
+        if before.as_ref() == Some(&e) {
+            return Ok(());
         }
+        // On failure the ledger keeps what it had: memory never holds an undo the file
+        // lacks, so the next call tries again instead of letting the change through.
+        self.ledger.insert(e.clone())?;
+        info!(tid, original = ?e, "journal: {reason}: the original is on disk");
         Ok(())
     }
 
     pub fn forget(&mut self, tid: u32) {
-        if self.entries.remove(&tid).is_some() {
-            if let Err(e) = self.persist() {
-                warn!("journal: {e:#}");
-            }
+        if let Err(e) = self.ledger.remove(tid) {
+            warn!("journal: {e}");
         }
     }
 
     /// Everything was restored: nothing left to undo.
     pub fn clear(&mut self) {
-        self.entries.clear();
-        let _ = std::fs::remove_file(&self.path);
-    }
-
-    fn persist(&self) -> Result<()> {
-        if self.entries.is_empty() {
-            let _ = std::fs::remove_file(&self.path);
-            return Ok(());
+        if let Err(e) = self.ledger.clear() {
+            warn!("journal: {e}");
         }
-        let tmp = self.path.with_extension("json.tmp");
-        std::fs::write(&tmp, serde_json::to_vec_pretty(&self.entries)?)
-            .with_context(|| format!("writing {}", tmp.display()))?;
-        std::fs::rename(&tmp, &self.path)
-            .with_context(|| format!("renaming {} into place", tmp.display()))
     }
 }
 
 /// Undoes what a previous agent left in `path`; returns how many threads were restored.
 pub fn recover(path: &Path) -> Result<usize> {
-    let text = match std::fs::read(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
-        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
-    };
-    let entries: BTreeMap<u32, Entry> = match serde_json::from_slice(&text) {
-        Ok(e) => e,
-        Err(e) => {
-            // Kept for a person to read; the next journal must not overwrite it.
-            let _ = std::fs::rename(path, path.with_extension("json.bad"));
-            return Err(e).with_context(|| format!("{}: not a journal", path.display()));
-        }
+    let Some(entries) = Ledger::previous(path, &FORMAT)? else {
+        return Ok(0);
     };
     let hierarchy = cgroup::Hierarchy::detect();
     let mut restored = 0;
-    for (tid, e) in entries {
+    for e in entries {
+        let tid = e.tid;
         let same = start_time(tid) == Some(e.start_time);
         if same {
             restore_thread(tid, &e);
@@ -140,7 +145,7 @@ pub fn recover(path: &Path) -> Result<usize> {
             info!(tid, entry = ?e, "journal: restored a vCPU thread a previous agent changed");
         }
     }
-    std::fs::remove_file(path).with_context(|| format!("removing {}", path.display()))?;
+    Ledger::fresh(path, &FORMAT).clear()?;
     Ok(restored)
 }
 
@@ -162,14 +167,20 @@ fn restore_thread(tid: u32, e: &Entry) {
         }
     }
     if let Some(cpus) = &e.mask {
-        let mut set = nix::sched::CpuSet::new();
-        for &c in cpus {
-            let _ = set.set(c);
-        }
-        if let Err(err) =
-            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid as i32), &set)
-        {
-            warn!(tid, "journal: could not restore the affinity: {err}");
+        match os_layer::get_cpus(tid) {
+            Ok(now) if now.len() == 1 && now != *cpus => {
+                if let Err(err) = os_layer::set_cpus(tid, cpus) {
+                    warn!(tid, "journal: could not restore the affinity: {err}");
+                }
+            }
+            Ok(now) if now != *cpus => {
+                info!(
+                    tid,
+                    ?now,
+                    "journal: affinity changed by somebody else since: left as is"
+                )
+            }
+            _ => {}
         }
     }
 }
@@ -178,25 +189,32 @@ fn restore_thread(tid: u32, e: &Entry) {
 mod tests {
     use super::*;
 
+    fn on_disk(path: &Path) -> Vec<Entry> {
+        Ledger::previous(path, &FORMAT).unwrap().unwrap_or_default()
+    }
+
     #[test]
     fn first_original_wins_and_file_follows() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal.json");
         let tid = nix::unistd::gettid().as_raw() as u32;
         let mut j = Journal::new(path.clone());
-        j.record(tid, |e| e.nice = Some(3)).unwrap();
-        j.record(tid, |e| {
+        assert!(!path.exists(), "nothing written before the first change");
+        j.record(tid, "test", |e| e.nice = Some(3)).unwrap();
+        j.record(tid, "test", |e| {
             e.nice = Some(-5);
             e.mask = Some(vec![0]);
         })
         .unwrap();
-        let on_disk: BTreeMap<u32, Entry> =
-            serde_json::from_slice(&std::fs::read(&path).unwrap()).unwrap();
-        assert_eq!(on_disk[&tid].nice, Some(3), "the first original must win");
-        assert_eq!(on_disk[&tid].mask, Some(vec![0]));
-        assert_eq!(on_disk[&tid].start_time, start_time(tid).unwrap());
+        let entries = on_disk(&path);
+        assert_eq!(entries.len(), 1);
+        assert_eq!(entries[0].nice, Some(3), "the first original must win");
+        assert_eq!(entries[0].mask, Some(vec![0]));
+        assert_eq!(entries[0].start_time, start_time(tid).unwrap());
         j.forget(tid);
-        assert!(!path.exists(), "an empty journal leaves no file");
+        assert!(on_disk(&path).is_empty());
+        j.clear();
+        assert!(!path.exists(), "a clean exit leaves no file");
     }
 
     #[test]
@@ -204,35 +222,39 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let me = nix::unistd::gettid().as_raw() as u32;
         let mut j = Journal::new(dir.path().join("gone/journal.json"));
-        assert!(j.record(me, |e| e.nice = Some(0)).is_err());
+        assert!(j.record(me, "test", |e| e.nice = Some(0)).is_err());
         // Asked again, it must try (and fail) again, not find the entry already there.
-        assert!(j.record(me, |e| e.nice = Some(0)).is_err());
+        assert!(j.record(me, "test", |e| e.nice = Some(0)).is_err());
         std::fs::create_dir(dir.path().join("gone")).unwrap();
-        j.record(me, |e| e.nice = Some(0)).unwrap();
+        j.record(me, "test", |e| e.nice = Some(0)).unwrap();
         assert!(dir.path().join("gone/journal.json").exists());
     }
 
     #[test]
-    fn recovery_skips_recycled_threads() {
+    fn recovery_skips_recycled_threads_and_reads_the_old_layout() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal.json");
         let tid = nix::unistd::gettid().as_raw() as u32;
-        let entries = BTreeMap::from([(
-            tid,
-            Entry {
+        // The layout of agents before the shared ledger: a bare map from tid to entry.
+        let old_layout = serde_json::json!({
+            tid.to_string(): {
                 // Not this thread's start time: a different thread with a recycled id.
-                start_time: start_time(tid).unwrap() + 1,
-                nice: Some(19),
-                ..Entry::default()
-            },
-        )]);
-        std::fs::write(&path, serde_json::to_vec(&entries).unwrap()).unwrap();
+                "start_time": start_time(tid).unwrap() + 1,
+                "nice": 19,
+                "runtime_ns": null,
+                "mask": null,
+                "cgroup": null,
+            }
+        });
+        std::fs::write(&path, old_layout.to_string()).unwrap();
+        assert_eq!(on_disk(&path)[0].tid, tid, "the old layout is read");
         assert_eq!(recover(&path).unwrap(), 0);
         assert_eq!(os_layer::sched::get_attr(tid).unwrap().sched_nice, 0);
         assert!(!path.exists());
         std::fs::write(&path, "{ nope").unwrap();
         let e = recover(&path).unwrap_err();
-        assert!(format!("{e:#}").contains("not a journal"), "{e:#}");
-        assert!(path.with_extension("json.bad").exists());
+        assert!(format!("{e:#}").contains("change journal"), "{e:#}");
+        assert!(format!("{e:#}").contains("corrupt"), "{e:#}");
+        assert!(path.with_extension("json.corrupt").exists());
     }
 }

@@ -305,6 +305,16 @@ impl AffinityExecutor {
                 return Outcome::Rejected;
             }
             m.journaled_move = true;
+            // Once per task, like every change a tuner makes to someone else's task: what,
+            // why, and where the undo is. Later moves of the same task are the metrics'.
+            info!(
+                tid,
+                cpu,
+                original = ?cpus_of(&m.original),
+                journal = %self.journal.path().display(),
+                "I/O-bound task taken over (its vCPU is descheduled or about to be): \
+                 moved to a running vCPU, its original mask is journaled"
+            );
         }
         match sched_setaffinity(pid, &target) {
             Ok(()) => {

@@ -18,17 +18,19 @@
 //! noticing (the executor checks the mask before every move and drops the task at once
 //! when it differs). We then restore the original mask over theirs.
 
+use ledger::{Format, Keyed, Ledger};
 use os_layer::Root;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 /// Where the daemon keeps its journal unless configured otherwise.
 pub const DEFAULT_PATH: &str = "/run/vmigrater/journal.json";
 
-const FORMAT_VERSION: u32 = 1;
+const FORMAT: Format<JournalEntry> = Format {
+    version: 1,
+    what: "affinity journal",
+    legacy: None,
+};
 
 /// Everything needed to give one task its mask back, and to be sure it is the same task.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -45,46 +47,15 @@ pub struct JournalEntry {
     pub last_set: Option<Vec<usize>>,
 }
 
-#[derive(Debug, Default, Serialize, Deserialize)]
-struct JournalFile {
-    version: u32,
-    entries: Vec<JournalEntry>,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum JournalError {
-    #[error("{action} {}: {source}", path.display())]
-    Io {
-        action: &'static str,
-        path: PathBuf,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error(
-        "the affinity journal {} is corrupt ({reason}); it was moved aside to {} so the \
-         original CPU masks it lists can still be restored by hand (taskset -pc LIST TID)",
-        path.display(),
-        aside.display()
-    )]
-    Corrupt {
-        path: PathBuf,
-        aside: PathBuf,
-        reason: String,
-    },
-}
-
-pub type Result<T> = std::result::Result<T, JournalError>;
-
-fn io_err<'a>(
-    action: &'static str,
-    path: &'a Path,
-) -> impl FnOnce(std::io::Error) -> JournalError + 'a {
-    move |source| JournalError::Io {
-        action,
-        path: path.to_path_buf(),
-        source,
+impl Keyed for JournalEntry {
+    fn tid(&self) -> u32 {
+        self.tid
     }
 }
+
+/// The file and its errors are the shared change ledger's (crates/ledger).
+pub type JournalError = ledger::LedgerError;
+pub type Result<T> = std::result::Result<T, JournalError>;
 
 /// What `recover` did with each entry of the previous run's journal (tids).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -103,88 +74,67 @@ pub struct RecoveryReport {
     pub failed: Vec<(u32, String)>,
 }
 
-/// The journal in memory, mirrored to `path` on every change.
+/// The journal in memory, mirrored to its file on every change.
 #[derive(Debug)]
 pub struct AffinityJournal {
-    path: PathBuf,
-    entries: BTreeMap<u32, JournalEntry>,
+    ledger: Ledger<JournalEntry>,
 }
 
 impl AffinityJournal {
     /// Opens (or starts) the journal at `path`, creating its directory. Entries already in
-    /// the file are kept, never dropped, so a later `recover` still sees them.
+    /// the file are kept, never dropped, so a later `recover` still sees them. It is
+    /// written once now, so a read-only or missing state dir fails at start, not mid-run.
     pub fn open(path: impl AsRef<Path>) -> Result<Self> {
-        let path = path.as_ref().to_path_buf();
-        if let Some(dir) = parent_dir(&path) {
-            fs::create_dir_all(dir).map_err(io_err("creating the journal directory", dir))?;
-        }
-        let entries = load(&path)?
-            .into_iter()
-            .map(|e| (e.tid, e))
-            .collect::<BTreeMap<_, _>>();
-        let journal = AffinityJournal { path, entries };
-        // Write once now, so a read-only or missing state dir fails at start, not mid-run.
-        journal.persist()?;
-        Ok(journal)
+        Ok(AffinityJournal {
+            ledger: Ledger::open(path, &FORMAT)?,
+        })
     }
 
     pub fn path(&self) -> &Path {
-        &self.path
+        self.ledger.path()
     }
 
     /// Records a task before its first change (replaces an entry with the same tid).
     pub fn record(&mut self, entry: JournalEntry) -> Result<()> {
-        let tid = entry.tid;
-        let old = self.entries.insert(tid, entry);
-        self.persist().inspect_err(|_| self.undo(tid, old))
+        self.ledger.insert(entry).map(drop)
     }
 
     /// Notes the mask we are about to set (or have set) for `tid`; a no-op for unknown
     /// tids or an unchanged mask.
     pub fn update_last_set(&mut self, tid: u32, mask: &[usize]) -> Result<()> {
-        let Some(e) = self.entries.get_mut(&tid) else {
+        let Some(e) = self.ledger.get(tid) else {
             return Ok(());
         };
         if e.last_set.as_deref() == Some(mask) {
             return Ok(());
         }
-        let before = e.last_set.replace(mask.to_vec());
-        self.persist().inspect_err(|_| {
-            if let Some(e) = self.entries.get_mut(&tid) {
-                e.last_set = before;
-            }
-        })
+        let changed = JournalEntry {
+            last_set: Some(mask.to_vec()),
+            ..e.clone()
+        };
+        self.ledger.insert(changed).map(drop)
     }
 
     /// Forgets a task (its mask was restored, or is no longer ours to restore).
     pub fn remove(&mut self, tid: u32) -> Result<Option<JournalEntry>> {
-        let Some(old) = self.entries.remove(&tid) else {
-            return Ok(None);
-        };
-        match self.persist() {
-            Ok(()) => Ok(Some(old)),
-            Err(e) => {
-                self.entries.insert(tid, old);
-                Err(e)
-            }
-        }
+        self.ledger.remove(tid)
     }
 
     pub fn get(&self, tid: u32) -> Option<&JournalEntry> {
-        self.entries.get(&tid)
+        self.ledger.get(tid)
     }
 
     /// All entries, by tid.
     pub fn entries(&self) -> impl Iterator<Item = &JournalEntry> {
-        self.entries.values()
+        self.ledger.entries()
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        self.ledger.len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        self.ledger.is_empty()
     }
 
     /// At daemon start: gives every task of a previous run its original mask back when it
@@ -200,42 +150,20 @@ impl AffinityJournal {
     pub fn recover_in(path: impl AsRef<Path>, root: &Root) -> Result<RecoveryReport> {
         let path = path.as_ref();
         let mut report = RecoveryReport::default();
-        if !path.exists() {
+        let Some(previous) = Ledger::previous(path, &FORMAT)? else {
             return Ok(report);
-        }
-        let journal = AffinityJournal {
-            path: path.to_path_buf(),
-            entries: BTreeMap::new(),
         };
-        for e in load(path)? {
+        for e in previous {
             recover_entry(&e, root, &mut report);
         }
-        journal.persist()?;
+        Ledger::empty_file(path, &FORMAT)?;
         Ok(report)
-    }
-
-    fn undo(&mut self, tid: u32, old: Option<JournalEntry>) {
-        // Called only right after an insert whose write failed: put back what was there,
-        // or nothing, so memory never holds an entry the file does not.
-        match old {
-            Some(old) => self.entries.insert(tid, old),
-            None => self.entries.remove(&tid),
-        };
-    }
-
-    fn persist(&self) -> Result<()> {
-        let file = JournalFile {
-            version: FORMAT_VERSION,
-            entries: self.entries.values().cloned().collect(),
-        };
-        let bytes = serde_json::to_vec_pretty(&file).expect("journal entries always serialize");
-        write_atomically(&self.path, &bytes)
     }
 }
 
 fn recover_entry(e: &JournalEntry, root: &Root, report: &mut RecoveryReport) {
     let stat = root.task(e.tgid, e.tid).join("stat");
-    let Ok(text) = fs::read_to_string(&stat) else {
+    let Ok(text) = std::fs::read_to_string(&stat) else {
         report.gone.push(e.tid);
         return;
     };
@@ -285,74 +213,10 @@ pub fn mask_is_ours(e: &JournalEntry, current: &[usize]) -> bool {
     }
 }
 
-fn parent_dir(path: &Path) -> Option<&Path> {
-    path.parent().filter(|p| !p.as_os_str().is_empty())
-}
-
-fn load(path: &Path) -> Result<Vec<JournalEntry>> {
-    let bytes = match fs::read(path) {
-        Ok(b) => b,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(io_err("reading the affinity journal", path)(e)),
-    };
-    let reason = match serde_json::from_slice::<JournalFile>(&bytes) {
-        Ok(f) if f.version == FORMAT_VERSION => return Ok(f.entries),
-        Ok(f) => format!("unknown format version {}", f.version),
-        Err(e) => e.to_string(),
-    };
-    let aside = corrupt_aside(path);
-    fs::rename(path, &aside).map_err(io_err("moving the corrupt journal aside", path))?;
-    Err(JournalError::Corrupt {
-        path: path.to_path_buf(),
-        aside,
-        reason,
-    })
-}
-
-/// `<path>.corrupt`, or `<path>.corrupt.N` when earlier ones are still there.
-fn corrupt_aside(path: &Path) -> PathBuf {
-    let base = path.as_os_str().to_owned();
-    let with = |suffix: String| {
-        let mut s = base.clone();
-        s.push(suffix);
-        PathBuf::from(s)
-    };
-    let first = with(".corrupt".into());
-    if !first.exists() {
-        return first;
-    }
-    (1..)
-        .map(|n| with(format!(".corrupt.{n}")))
-        .find(|p| !p.exists())
-        .expect("some suffix is free")
-}
-
-fn write_atomically(path: &Path, bytes: &[u8]) -> Result<()> {
-    let dir = parent_dir(path).unwrap_or(Path::new("."));
-    let mut tmp_name = path.file_name().unwrap_or_default().to_owned();
-    tmp_name.push(format!(".tmp.{}", std::process::id()));
-    let tmp = dir.join(tmp_name);
-    let write = || -> std::io::Result<()> {
-        let mut f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .open(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)?;
-        // The rename is durable only once the directory entry is.
-        File::open(dir)?.sync_all()
-    };
-    write().map_err(|e| {
-        let _ = fs::remove_file(&tmp);
-        io_err("writing the affinity journal", path)(e)
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
 
     fn entry(tid: u32) -> JournalEntry {
         JournalEntry {

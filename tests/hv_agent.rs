@@ -187,6 +187,64 @@ fn nice_is_back_after_sigterm() {
     );
 }
 
+/// The ledger's rule on the host: at exit the agent puts back only what still carries
+/// its own last change; a nice or a mask somebody else set after it stays theirs.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn restore_leaves_what_somebody_else_set_after_the_agent() {
+    use hv_agent::backend::{Backend, KvmQemu, Share};
+    use hv_agent::weights::Setting;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    assert_root();
+    let stop = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        for _ in 0..2 {
+            let (tx, stop) = (tx.clone(), &stop);
+            scope.spawn(move || {
+                tx.send(nix::unistd::gettid().as_raw() as u32).unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            });
+        }
+        let (ours, theirs) = (rx.recv().unwrap(), rx.recv().unwrap());
+        let original_mask = cpus_of(ours);
+        let mut kvm = KvmQemu::new(Share::Nice, None);
+        let weigh = Setting {
+            key: (0, 0),
+            nice: 3,
+            slice_ns: None,
+            iv_credit: 0.0,
+            cv_credit: 0.0,
+            boost: false,
+        };
+        for tid in [ours, theirs] {
+            assert!(kvm.apply("a", None, Some(tid), &weigh).unwrap());
+            assert!(kvm.place(tid, 0).unwrap());
+            assert_eq!((nice_of(tid), cpus_of(tid)), (3, vec![0]));
+        }
+        // Somebody else, after the agent: a nice of their own and another CPU.
+        let mut attr = os_layer::sched::get_attr(theirs).unwrap();
+        attr.sched_nice = 7;
+        os_layer::sched::set_attr(theirs, &attr).unwrap();
+        let elsewhere = *original_mask.last().unwrap();
+        pin(theirs, elsewhere);
+        kvm.restore();
+        stop.store(true, Ordering::Relaxed);
+        assert_eq!(
+            (nice_of(ours), cpus_of(ours)),
+            (0, original_mask),
+            "the agent's own changes are undone"
+        );
+        assert_eq!(
+            (nice_of(theirs), cpus_of(theirs)),
+            (7, vec![elsewhere]),
+            "a later change of somebody else was overwritten"
+        );
+    });
+}
+
 /// A guest that stops reading its replies must not stall the period loop (every VM's
 /// credits) or shutdown: its socket fills, it is disconnected, it may reconnect.
 #[test]

@@ -10,7 +10,7 @@ use proto::{Applied, Message, VcpuWeight};
 use sched_core::CreditParams;
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
@@ -85,7 +85,13 @@ impl Vm {
     /// (the socket is shut down), so stopping takes no period or timeout.
     fn signal_stop(&self) {
         self.stop.set();
-        if let Some(w) = self.guest.writer.lock().expect("guest writer").as_ref() {
+        if let Some(w) = self
+            .guest
+            .writer
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+        {
             let _ = w.shutdown(std::net::Shutdown::Both);
         }
     }
@@ -490,7 +496,7 @@ impl Agent {
                 })
                 .collect(),
         };
-        *self.status.lock().expect("status lock") = snapshot;
+        *self.status.lock().unwrap_or_else(PoisonError::into_inner) = snapshot;
     }
 
     /// Runs periods until `stop`, then restores every change.

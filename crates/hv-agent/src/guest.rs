@@ -13,7 +13,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
@@ -41,7 +41,7 @@ impl GuestState {
         let now = Instant::now();
         self.latest
             .lock()
-            .expect("guest state")
+            .unwrap_or_else(PoisonError::into_inner)
             .iter()
             .filter(|(_, (t, _))| now.duration_since(*t) <= max_age)
             .map(|(k, (_, r))| (*k, r.clone()))
@@ -53,7 +53,7 @@ impl GuestState {
     /// not fit whole (a partial line would break the framing) disconnects it, and the
     /// reader thread reconnects with a fresh session.
     pub fn reply(&self, vm: &str, msg: &Message) {
-        let mut writer = self.writer.lock().expect("guest writer");
+        let mut writer = self.writer.lock().unwrap_or_else(PoisonError::into_inner);
         let Some(w) = writer.as_ref() else {
             return;
         };
@@ -109,12 +109,12 @@ pub fn run(
         said = false;
         backoff = Duration::from_millis(100);
         let _ = stream.set_read_timeout(Some(Duration::from_millis(200)));
-        *state.writer.lock().expect("guest writer") = stream.try_clone().ok();
+        *state.writer.lock().unwrap_or_else(PoisonError::into_inner) = stream.try_clone().ok();
         state.connected.store(true, Ordering::Relaxed);
         serve(&vm, stream, min_interval, epoch, &state, &stop);
         state.connected.store(false, Ordering::Relaxed);
         state.vcpus.store(0, Ordering::Relaxed);
-        *state.writer.lock().expect("guest writer") = None;
+        *state.writer.lock().unwrap_or_else(PoisonError::into_inner) = None;
     }
 }
 
@@ -146,7 +146,11 @@ fn serve(
             match session.on_line(monotonic_ns(epoch), line) {
                 Ok(Accepted::Hello(h)) => {
                     info!(vm, agent = %h.agent, vcpus = h.vcpus, "guest said hello");
-                    state.latest.lock().expect("guest state").clear();
+                    state
+                        .latest
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .clear();
                     state.vcpus.store(h.vcpus, Ordering::Relaxed);
                     state.reply(
                         vm,
@@ -160,7 +164,7 @@ fn serve(
                     state.reports.fetch_add(1, Ordering::Relaxed);
                     state.last_seq.store(r.seq, Ordering::Relaxed);
                     let now = Instant::now();
-                    let mut latest = state.latest.lock().expect("guest state");
+                    let mut latest = state.latest.lock().unwrap_or_else(PoisonError::into_inner);
                     for v in r.vcpus {
                         latest.insert(v.cpu, (now, v));
                     }
@@ -177,5 +181,27 @@ fn serve(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A reader thread that panics while holding the guest's locks must not take the
+    /// period loop (every VM's credits) or shutdown down with it.
+    #[test]
+    fn poisoned_guest_locks_still_serve_the_period_loop() {
+        let state = Arc::new(GuestState::default());
+        let s = state.clone();
+        let _ = std::thread::spawn(move || {
+            let _latest = s.latest.lock().unwrap();
+            let _writer = s.writer.lock().unwrap();
+            panic!("a reader thread dies holding both locks");
+        })
+        .join();
+        assert!(state.latest.is_poisoned() && state.writer.is_poisoned());
+        assert!(state.fresh(Duration::from_secs(1)).is_empty());
+        state.reply("vm", &Message::Error { reason: "x".into() });
     }
 }

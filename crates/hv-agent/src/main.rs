@@ -6,7 +6,7 @@ use hv_agent::agent::Agent;
 use hv_agent::config::{Config, DEFAULT_CONFIG_PATH};
 use hv_agent::status::AgentStatus;
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 use tracing::{info, warn};
 
 /// Drives the host scheduler with ISACS credits from the I/O reports of vmigrater guests.
@@ -159,8 +159,13 @@ fn run(cfg: Config) -> Result<()> {
     let served = control::serve(
         "hv-agent-ctl",
         &endpoints,
-        move || serde_json::to_vec(&*status.lock().expect("status lock")).unwrap_or_default(),
-        move || hv_agent::metrics::encode(&for_metrics.lock().expect("status lock")),
+        move || {
+            serde_json::to_vec(&*status.lock().unwrap_or_else(PoisonError::into_inner))
+                .unwrap_or_default()
+        },
+        move || {
+            hv_agent::metrics::encode(&for_metrics.lock().unwrap_or_else(PoisonError::into_inner))
+        },
         async {
             tokio::select! {
                 sig = control::terminated() => info!("{sig}: shutting down"),

@@ -71,12 +71,34 @@ pub fn for_name(
 
 use os_layer::sched::{get_attr, set_attr};
 
+/// A thread's (nice, slice) as we asked for it and as the kernel then reported it. They
+/// differ: a kernel clamps the slice, and one before 6.12 ignores a fair thread's slice and
+/// reports 0, so only the readback says later whether the thread still carries our change.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Applied {
+    asked: (i32, u64),
+    got: (i32, u64),
+}
+
+impl Applied {
+    /// Whether a thread that now carries `now` needs `sched_setattr` to carry `asked`:
+    /// not when it has it, nor when it has what the kernel made of the same request.
+    fn needs_set(last: Option<&Applied>, asked: (i32, u64), now: (i32, u64)) -> bool {
+        now != asked && last.is_none_or(|a| (a.asked, a.got) != (asked, now))
+    }
+
+    /// Whether a thread that now carries `now` still carries this change.
+    fn still_ours(&self, now: (i32, u64)) -> bool {
+        self.got == now
+    }
+}
+
 pub struct KvmQemu {
     share: Share,
     originals: HashMap<u32, libc::sched_attr>,
-    /// (nice, slice) we last set per thread: at exit, a thread that carries anything else
-    /// was changed by somebody after us and is left as they set it.
-    last_set: HashMap<u32, (i32, u64)>,
+    /// Our last change of each thread's (nice, slice): at exit, a thread that carries
+    /// anything else was changed by somebody after us and is left as they set it.
+    last_set: HashMap<u32, Applied>,
     masks: HashMap<u32, nix::sched::CpuSet>,
     /// The host CPU each placed thread was pinned to, for the same check.
     placed: HashMap<u32, usize>,
@@ -112,11 +134,11 @@ impl KvmQemu {
     /// Gives `tid` its original nice and slice back unless somebody else changed them
     /// after our last change (then theirs stay). Ok(false): nothing was put back.
     fn put_back_attr(&mut self, tid: u32, original: &libc::sched_attr) -> std::io::Result<bool> {
-        let Some((nice, slice)) = self.last_set.remove(&tid) else {
+        let Some(applied) = self.last_set.remove(&tid) else {
             return Ok(false); // never changed
         };
         let mut now = get_attr(tid)?;
-        if (now.sched_nice, now.sched_runtime) != (nice, slice) {
+        if !applied.still_ours((now.sched_nice, now.sched_runtime)) {
             info!(
                 tid,
                 nice = now.sched_nice,
@@ -207,12 +229,14 @@ impl Backend for KvmQemu {
             }
         }
         want.sched_runtime = s.slice_ns.unwrap_or(original.sched_runtime);
-        if want.sched_nice == current.sched_nice && want.sched_runtime == current.sched_runtime {
+        let asked = (want.sched_nice, want.sched_runtime);
+        let now = (current.sched_nice, current.sched_runtime);
+        if !Applied::needs_set(self.last_set.get(&tid), asked, now) {
             return Ok(changed);
         }
         set_attr(tid, &want).with_context(|| format!("sched_setattr({tid})"))?;
-        self.last_set
-            .insert(tid, (want.sched_nice, want.sched_runtime));
+        let got = get_attr(tid).map_or(asked, |a| (a.sched_nice, a.sched_runtime));
+        self.last_set.insert(tid, Applied { asked, got });
         debug!(
             vm,
             vcpu = s.key.1,
@@ -438,6 +462,34 @@ mod tests {
             cv_credit: 0.0,
             boost: false,
         }
+    }
+
+    #[test]
+    fn a_change_is_ours_by_what_the_kernel_reported_after_it() {
+        // Linux 6.12+: the slice reads back as set.
+        let exact = Applied {
+            asked: (3, 500_000),
+            got: (3, 500_000),
+        };
+        assert!(exact.still_ours((3, 500_000)));
+        assert!(!exact.still_ours((0, 500_000)), "somebody renice'd it");
+        assert!(!Applied::needs_set(
+            Some(&exact),
+            (3, 500_000),
+            (3, 500_000)
+        ));
+        assert!(Applied::needs_set(Some(&exact), (3, 500_000), (0, 500_000)));
+        // Before 6.12 a fair thread's slice is ignored and reads back as 0: the thread still
+        // carries our nice (restored at exit), and the same request is not made every period.
+        let old_kernel = Applied {
+            asked: (3, 500_000),
+            got: (3, 0),
+        };
+        assert!(old_kernel.still_ours((3, 0)));
+        assert!(!Applied::needs_set(Some(&old_kernel), (3, 500_000), (3, 0)));
+        assert!(Applied::needs_set(Some(&old_kernel), (5, 500_000), (3, 0)));
+        assert!(Applied::needs_set(None, (3, 500_000), (3, 0)));
+        assert!(!Applied::needs_set(None, (0, 0), (0, 0)));
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! Env: VMIGRATER_BENCH_ROUNDS (default 6), VMIGRATER_BENCH_READS (default 20000).
 
 use anyhow::Result;
+use lab::summary::{bootstrap_ratio, median};
 use serde_json::json;
 use std::fs::OpenOptions;
 use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -44,11 +45,6 @@ fn reads(file: &std::fs::File, blocks: u64, n: u64, seed: u64) -> Result<f64> {
     unsafe { std::alloc::dealloc(ptr, layout) };
     res?;
     Ok(us)
-}
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
 }
 
 fn main() -> Result<()> {
@@ -98,7 +94,12 @@ fn main() -> Result<()> {
             }
         }
     }
-    let (m_off, m_on) = (median(&mut off), median(&mut on));
+    // Rounds stay in run order: round r's two values were measured side by side, and
+    // their ratio is the least noisy figure this shared machine gives.
+    let (m_off, m_on) = (median(off.clone()), median(on.clone()));
+    let paired: Vec<f64> = on.iter().zip(&off).map(|(a, b)| a / b).collect();
+    let paired_median = median(paired.clone());
+    let interval = bootstrap_ratio(&on, &off);
     let report = json!({
         "benchmark": "bpf_overhead",
         "attach_mode": mode,
@@ -106,11 +107,16 @@ fn main() -> Result<()> {
         "rounds": rounds,
         "us_per_read": {"detached": m_off, "attached": m_on},
         "ratio": m_on / m_off,
+        "ratio_ci95": interval,
+        "paired_ratio_median": paired_median,
         "overhead_us_per_read": m_on - m_off,
-        "all_rounds_us": {"detached": off, "attached": on},
+        "rounds_us": {"detached": off, "attached": on},
+        "paired_ratios": paired,
     });
+    let ci = interval.map_or("-".into(), |[lo, hi]| format!("[{lo:.3}, {hi:.3}]"));
     eprintln!(
-        "4 KiB O_DIRECT read: detached {m_off:.2} µs, attached ({mode}) {m_on:.2} µs, ratio {:.3}",
+        "4 KiB O_DIRECT read: detached {m_off:.2} µs, attached ({mode}) {m_on:.2} µs, ratio {:.3} \
+         (95% CI {ci}), median of per-round ratios {paired_median:.3}",
         m_on / m_off
     );
     let out = dir.join("bpf_overhead.json");

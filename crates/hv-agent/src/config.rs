@@ -17,7 +17,7 @@ pub struct Config {
     pub period_ms: u64,
     /// `kvm-qemu`, `xen` or `dry-run`.
     pub backend: BackendKind,
-    /// Sustained per-guest rate limit: one report per this interval, bursts of 32 tolerated.
+    /// Sustained per-guest rate limit: one report per this interval, bursts of 128 tolerated.
     pub min_report_interval_ms: u64,
     /// Nice range the CPU-BOOST weights may use (0 = never change weights).
     pub max_nice_delta: i32,

@@ -59,7 +59,7 @@ fn bench(c: &mut Criterion) {
 
 fn agent_period(c: &mut Criterion) {
     use hv_agent::placement::{plan_moves, Placed};
-    use hv_agent::weights::{plan, VcpuFigures};
+    use hv_agent::weights::{plan, Rules, VcpuFigures};
     let figures: Vec<VcpuFigures> = run_queues()
         .into_iter()
         .enumerate()
@@ -70,6 +70,7 @@ fn agent_period(c: &mut Criterion) {
                 events: v.events,
                 ema_ns: v.ema_interval_ns,
                 consumed_ns: v.consumed_ns,
+                carries_io: v.events > 0,
             })
         })
         .collect::<Vec<_>>();
@@ -77,9 +78,17 @@ fn agent_period(c: &mut Criterion) {
     let mut figures = figures;
     figures.sort_by_key(|f| f.key);
     let params = CreditParams::default();
+    // The agent's defaults: the vm-funded share rule, slices left alone.
+    let cfg = hv_agent::config::Config::default();
+    let rules = Rules {
+        share: cfg.share,
+        max_nice_delta: cfg.max_nice_delta,
+        io_boost_nice: cfg.io_boost_nice,
+        io_slice_ns: cfg.io_slice_us * 1_000,
+    };
     c.bench_function("agent_period_1000vm_x16vcpu", |b| {
         b.iter(|| {
-            let settings = plan(&params, 3, 500_000, black_box(&figures));
+            let settings = plan(&params, &rules, black_box(&figures));
             // Each VM may use 4 neighbouring host CPUs (its NUMA node, say).
             let placed: Vec<Placed> = figures
                 .iter()

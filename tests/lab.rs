@@ -72,10 +72,12 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     for &t in vcpus.iter().chain(&hogs.tids) {
         lab::host::set_slice(t, HOST_SLICE_NS).unwrap();
     }
+    // The EEVDF slice (off by default) so that the agent visibly acts on the threads QMP
+    // named: there is no second VM here for the default share rule to trade with.
     let agent = Agent::start(
         &dir,
         &format!(
-            "[[vm]]\nname = \"lab\"\nhint_socket = {:?}\nqmp_socket = {:?}\n",
+            "io_slice_us = 500\n\n[[vm]]\nname = \"lab\"\nhint_socket = {:?}\nqmp_socket = {:?}\n",
             vm.hint.display().to_string(),
             vm.qmp.display().to_string()
         ),

@@ -461,6 +461,7 @@ mod tests {
             iv_credit: 0.0,
             cv_credit: 0.0,
             boost: false,
+            held: false,
         }
     }
 

@@ -19,9 +19,19 @@ pub struct Config {
     pub backend: BackendKind,
     /// Sustained per-guest rate limit: one report per this interval, bursts of 128 tolerated.
     pub min_report_interval_ms: u64,
-    /// Nice range the CPU-BOOST weights may use (0 = never change weights).
+    /// Nice range the agent's weights may use (0 = never change weights).
     pub max_nice_delta: i32,
-    /// EEVDF slice for I/O-intensive vCPU threads (0 = never change slices).
+    /// How shares move: `vm-funded` (the vCPUs carrying a VM's I/O get weight from the
+    /// same VM's other vCPUs) or `isacs` (the paper's CPU-BOOST compensation).
+    pub share: ShareRule,
+    /// Weight steps (nice) a vCPU carrying I/O gets under `vm-funded` (never more than
+    /// `max_nice_delta`).
+    pub io_boost_nice: i32,
+    /// EEVDF slice for I/O-intensive vCPU threads (0, the default, = never change slices).
+    /// Off by default because it hurt where it was meant to help: in the nested-VM lab's
+    /// main scenario a 500 µs slice on the I/O vCPU gave 0.78× vanilla's 4 KiB IOPS alone
+    /// and took the share rule's gain away with it (0.80× with it, 1.24× without; 4
+    /// interleaved runs each, `benches/results/lab-issue12-slice-ablation.json`).
     pub io_slice_us: u64,
     /// How a vCPU thread's share is changed: `nice` (setpriority-equivalent) or `cgroup`
     /// (`cpu.shares` on v1, `cpu.weight` on v2).
@@ -79,6 +89,25 @@ impl std::fmt::Display for WeightKind {
     }
 }
 
+/// How the agent moves CPU share between vCPU threads (see `weights`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ShareRule {
+    /// Within each VM: its I/O-carrying vCPUs gain what its other vCPUs give up.
+    VmFunded,
+    /// ISACS Eq. 4: CVCredit weights for the CPU-BOOST group, paid by I/O vCPUs.
+    Isacs,
+}
+
+impl std::fmt::Display for ShareRule {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ShareRule::VmFunded => "vm-funded",
+            ShareRule::Isacs => "isacs",
+        })
+    }
+}
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MetricsConfig {
@@ -122,7 +151,9 @@ impl Default for Config {
             backend: BackendKind::KvmQemu,
             min_report_interval_ms: 20,
             max_nice_delta: 3,
-            io_slice_us: 500,
+            share: ShareRule::VmFunded,
+            io_boost_nice: 2,
+            io_slice_us: 0,
             weight: WeightKind::Nice,
             balance_io: true,
             observe_schedstat: true,
@@ -175,6 +206,7 @@ impl Config {
             60_000,
         )?;
         in_range("max_nice_delta", self.max_nice_delta, 0, 19)?;
+        in_range("io_boost_nice", self.io_boost_nice, 0, 19)?;
         // The kernel takes EEVDF slices of 0.1..100 ms; 0 leaves slices alone.
         if self.io_slice_us != 0 {
             in_range("io_slice_us", self.io_slice_us, 100, 100_000).map_err(|e| {
@@ -252,6 +284,7 @@ mod tests {
                 &["60001", "9223372036854775807"],
             ),
             ("max_nice_delta", "0", "19", &["-1", "20"]),
+            ("io_boost_nice", "0", "19", &["-1", "20"]),
             (
                 "io_slice_us",
                 "100",
@@ -298,6 +331,14 @@ mod tests {
         );
         assert!(
             e.starts_with("t:1:") && e.contains("`nice` or `cgroup`"),
+            "{e}"
+        );
+        let e = format!(
+            "{:#}",
+            Config::parse("share = \"fair\"\n", "t").unwrap_err()
+        );
+        assert!(
+            e.starts_with("t:1:") && e.contains("`vm-funded` or `isacs`"),
             "{e}"
         );
         let cfg = Config::parse("backend = \"xen\"\nweight = \"cgroup\"\n", "t").unwrap();

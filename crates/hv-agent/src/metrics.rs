@@ -59,6 +59,7 @@ pub fn encode(s: &AgentStatus) -> String {
     let weight = Family::<VcpuLabel, FloatGauge>::default();
     let nice = Family::<VcpuLabel, Gauge>::default();
     let boost = Family::<VcpuLabel, Gauge>::default();
+    let held = Family::<VcpuLabel, Gauge>::default();
     let slice = Family::<VcpuLabel, FloatGauge>::default();
     let events = Family::<VcpuLabel, Gauge>::default();
     let run = Family::<VcpuLabel, FloatGauge>::default();
@@ -89,6 +90,7 @@ pub fn encode(s: &AgentStatus) -> String {
             weight.get_or_create(&l).set(v.weight);
             nice.get_or_create(&l).set(v.nice as i64);
             boost.get_or_create(&l).set(v.boost as i64);
+            held.get_or_create(&l).set(v.held as i64);
             slice
                 .get_or_create(&l)
                 .set(v.slice_us.map_or(0.0, |u| u as f64 / 1e6));
@@ -137,6 +139,11 @@ pub fn encode(s: &AgentStatus) -> String {
         "vcpu_boost",
         "1 while the vCPU is in CPU-BOOST state",
         boost,
+    );
+    reg.register(
+        "vcpu_held",
+        "1 while the vCPU is favoured for its VM's I/O (vm-funded share rule)",
+        held,
     );
     reg.register_with_unit(
         "vcpu_slice",

@@ -49,6 +49,13 @@ pub struct VcpuStatus {
     pub weight: f64,
     /// Algorithm 2 moves of this vCPU so far.
     pub moves: u64,
+    /// The vCPU carries its VM's I/O now (guest report, else 3 of the last 4 periods
+    /// with I/O wake-ups of its thread).
+    #[serde(default)]
+    pub carries_io: bool,
+    /// Favoured for the VM's I/O by the `vm-funded` rule (the guest is told `held`).
+    #[serde(default)]
+    pub held: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -101,7 +108,7 @@ pub fn render(s: &AgentStatus) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9} {:>8} {:>8} {:>9} {:>9} {:>5} {:>4} {:>8} {:>5}",
+            "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9} {:>8} {:>8} {:>9} {:>9} {:>5} {:>4} {:>8} {:>5} {:>4}",
             "vcpu",
             "tid",
             "cpu",
@@ -115,12 +122,13 @@ pub fn render(s: &AgentStatus) -> String {
             "boost",
             "nice",
             "slice_us",
-            "moves"
+            "moves",
+            "io"
         );
         for v in &vm.vcpus {
             let _ = writeln!(
                 out,
-                "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9.1} {:>8.1} {:>8.1} {:>9.0} {:>9.0} {:>5} {:>4} {:>8} {:>5}",
+                "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9.1} {:>8.1} {:>8.1} {:>9.0} {:>9.0} {:>5} {:>4} {:>8} {:>5} {:>4}",
                 v.vcpu,
                 v.tid.map_or("-".into(), |t| t.to_string()),
                 v.host_cpu.map_or("-".into(), |c| c.to_string()),
@@ -134,7 +142,13 @@ pub fn render(s: &AgentStatus) -> String {
                 if v.boost { "yes" } else { "no" },
                 v.nice,
                 v.slice_us.map_or("-".into(), |t| t.to_string()),
-                v.moves
+                v.moves,
+                // held: favoured for the VM's I/O; io: carries I/O, nobody of its VM to pay.
+                match (v.held, v.carries_io) {
+                    (true, _) => "held",
+                    (false, true) => "io",
+                    _ => "-",
+                }
             );
         }
     }
@@ -160,6 +174,8 @@ mod tests {
                     tid: Some(4242),
                     source: Source::Guest,
                     slice_us: Some(500),
+                    carries_io: true,
+                    held: true,
                     ..Default::default()
                 }],
                 ..Default::default()
@@ -172,5 +188,6 @@ mod tests {
         assert!(table.contains("vm web (config): channel connected, 7 reports"));
         assert!(table.contains("4242"), "{table}");
         assert!(table.contains("guest"), "{table}");
+        assert!(table.contains(" held"), "{table}");
     }
 }

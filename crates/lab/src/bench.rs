@@ -43,6 +43,8 @@ pub enum Mode {
     /// The guest daemon with a configuration of its own (`--variant NAME=FILE`): for
     /// ablations measured interleaved with the other modes.
     Variant(&'static str),
+    /// The host agent with keys of its own (`--agent-variant NAME=FILE`), no guest daemon.
+    AgentVariant(&'static str),
 }
 
 impl Mode {
@@ -55,7 +57,7 @@ impl Mode {
             Mode::Agent => "agent",
             Mode::Both => "both",
             Mode::VmigraterOracle => "vmigrater_oracle",
-            Mode::Variant(name) => name,
+            Mode::Variant(name) | Mode::AgentVariant(name) => name,
         }
     }
     fn daemon(self) -> bool {
@@ -69,7 +71,7 @@ impl Mode {
         )
     }
     fn agent(self) -> bool {
-        matches!(self, Mode::Agent | Mode::Both)
+        matches!(self, Mode::Agent | Mode::Both | Mode::AgentVariant(_))
     }
 }
 
@@ -111,6 +113,8 @@ pub struct Options {
     /// Extra daemon modes, each with its own configuration: (name, config text). Every
     /// scenario runs them beside its own modes.
     pub variants: Vec<(&'static str, String)>,
+    /// Extra host-agent modes: (name, top-level agent configuration keys).
+    pub agent_variants: Vec<(&'static str, String)>,
 }
 
 pub struct Guest {
@@ -228,10 +232,11 @@ fn process_cpu_s(pid: u32) -> f64 {
         .unwrap_or(0.0)
 }
 
-pub fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path) -> Result<AgentProc> {
+/// Starts the agent for `guests`; `keys` are top-level configuration keys of a variant.
+pub fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path, keys: &str) -> Result<AgentProc> {
     std::fs::create_dir_all(dir)?;
     let mut cfg = format!(
-        "state_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
+        "{keys}\nstate_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
         dir.display().to_string()
     );
     for g in guests {
@@ -314,6 +319,9 @@ fn agent_view(samples: &[Value]) -> Vec<AgentVcpu> {
                 a.boosted += v["boost"].as_bool().unwrap_or(false) as u32;
                 a.iv_credited += (v["iv_credit"].as_f64().unwrap_or(0.0) > 0.0) as u32;
                 a.nice_sum += v["nice"].as_i64().unwrap_or(0);
+                a.events_sum += v["events"].as_u64().unwrap_or(0);
+                a.cpu_ms_sum += v["cpu_ms"].as_f64().unwrap_or(0.0);
+                a.wait_ms_sum += v["wait_ms"].as_f64().unwrap_or(0.0);
                 a.sliced += (!v["slice_us"].is_null()) as u32;
                 a.source = v["source"].as_str().unwrap_or("").to_string();
             }
@@ -491,7 +499,21 @@ fn run_once(
     let agent = if mode.agent() {
         let mut all: Vec<&Guest> = vec![&*a];
         all.extend(hogs.iter());
-        Some(start_agent(&all, &run_dir.join("agent"), &opts.bin_dir)?)
+        let keys = match mode {
+            Mode::AgentVariant(name) => opts
+                .agent_variants
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, k)| k.as_str())
+                .context("an agent variant without its keys")?,
+            _ => "",
+        };
+        Some(start_agent(
+            &all,
+            &run_dir.join("agent"),
+            &opts.bin_dir,
+            keys,
+        )?)
     } else {
         None
     };
@@ -710,6 +732,11 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
         .iter()
         .copied()
         .chain(opts.variants.iter().map(|(n, _)| Mode::Variant(n)))
+        .chain(
+            opts.agent_variants
+                .iter()
+                .map(|(n, _)| Mode::AgentVariant(n)),
+        )
         .filter(|m| opts.modes.is_empty() || opts.modes.iter().any(|o| o == m.name()))
         .collect();
     for rep in 0..opts.reps {

@@ -134,6 +134,7 @@ impl Lab {
             guest_config: Some(guest_config.to_string()),
             modes: vec![],
             variants: vec![],
+            agent_variants: vec![],
         };
         let mut guests = bench::boot(&scenario(), &opts, &kernel, &lab, name)?;
         let ms = workload.as_millis() + 60_000;
@@ -176,7 +177,7 @@ impl Lab {
         }
         self.starts += 1;
         let all: Vec<&Guest> = self.guests.iter().collect();
-        self.agent = Some(bench::start_agent(&all, &dir, &self.bin_dir)?);
+        self.agent = Some(bench::start_agent(&all, &dir, &self.bin_dir, "")?);
         Ok(())
     }
 

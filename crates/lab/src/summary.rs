@@ -68,6 +68,13 @@ pub struct AgentVcpu {
     pub sliced: u32,
     /// Sum of the nice values seen (mean = nice_sum / samples).
     pub nice_sum: i64,
+    /// Sums over the samples of the period's I/O events (E_n), CPU and wait time (ms).
+    #[serde(default)]
+    pub events_sum: u64,
+    #[serde(default)]
+    pub cpu_ms_sum: f64,
+    #[serde(default)]
+    pub wait_ms_sum: f64,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]

@@ -21,8 +21,13 @@
 //!
 //! Host → guest:
 //! - `{"type":"welcome","version":1,"host_slice_us":11000}` (`host_slice_us` optional).
-//! - `{"type":"applied","seq":7,"vcpus":[{"cpu":0,"weight":1.25}]}` — what the host did with
-//!   report `seq` (relative weights, 1.0 = fair share).
+//! - `{"type":"applied","seq":7,"vcpus":[{"cpu":0,"weight":1.56,"held":true},{"cpu":1,
+//!   "weight":0.64}]}` — what the host did with report `seq` (relative weights, 1.0 =
+//!   fair share). `held` (optional, absent = false; added after version 1 without a version
+//!   bump, since old peers ignore it): the host favours this vCPU because the guest said it
+//!   holds I/O-bound tasks, so the guest should keep them there rather than move them.
+//!   An agent that predates it sends no `held`; a guest that predates it ignores it; both
+//!   are tested below.
 //! - `{"type":"error","reason":"..."}` — a rejected line; the session goes on.
 //!
 //! Limits: a line is at most `MAX_LINE` bytes (longer ones are dropped whole), a report
@@ -92,6 +97,9 @@ pub struct Applied {
 pub struct VcpuWeight {
     pub cpu: u32,
     pub weight: f64,
+    /// The host favours this vCPU for the guest's I/O-bound tasks: keep them on it.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub held: bool,
 }
 
 /// Why a line was rejected; the text goes back to the peer in an `error` message.
@@ -249,10 +257,18 @@ mod tests {
             }),
             Message::Applied(Applied {
                 seq: 7,
-                vcpus: vec![VcpuWeight {
-                    cpu: 0,
-                    weight: 1.25,
-                }],
+                vcpus: vec![
+                    VcpuWeight {
+                        cpu: 0,
+                        weight: 1.25,
+                        held: true,
+                    },
+                    VcpuWeight {
+                        cpu: 1,
+                        weight: 0.8,
+                        held: false,
+                    },
+                ],
             }),
             Message::Error { reason: "x".into() },
         ] {
@@ -266,6 +282,54 @@ mod tests {
     fn the_documented_example_parses() {
         let line = br#"{"type":"report","seq":7,"period_ms":100,"vcpus":[{"cpu":0,"io_completions":1200,"io_interval_ema_us":85.5,"io_bound_tasks":1,"inactive_ratio":0.48,"slice_estimate_us":9900.0}]}"#;
         assert_eq!(Message::parse(line).unwrap(), report());
+    }
+
+    /// `held` came after version 1: an agent that predates it sends none (read as false),
+    /// and a guest that predates it reads a new agent's `applied` as before.
+    #[test]
+    fn held_is_compatible_both_ways() {
+        let old_agent = br#"{"type":"applied","seq":3,"vcpus":[{"cpu":0,"weight":1.25}]}"#;
+        match Message::parse(old_agent).unwrap() {
+            Message::Applied(a) => assert!(!a.vcpus[0].held),
+            m => panic!("{m:?}"),
+        }
+        let new_agent = Message::Applied(Applied {
+            seq: 3,
+            vcpus: vec![VcpuWeight {
+                cpu: 0,
+                weight: 1.5625,
+                held: true,
+            }],
+        })
+        .to_line();
+        assert!(new_agent.contains(r#""held":true"#), "{new_agent}");
+        // The version-1 shape, as a guest built before `held` has it.
+        #[derive(Deserialize)]
+        #[serde(tag = "type", rename_all = "snake_case")]
+        enum OldMessage {
+            Applied { seq: u64, vcpus: Vec<OldWeight> },
+        }
+        #[derive(Deserialize)]
+        struct OldWeight {
+            cpu: u32,
+            weight: f64,
+        }
+        let OldMessage::Applied { seq, vcpus } =
+            serde_json::from_str::<OldMessage>(new_agent.trim_end()).unwrap();
+        assert_eq!((seq, vcpus[0].cpu, vcpus[0].weight), (3, 0, 1.5625));
+        // And a weight that is not held is sent exactly as version 1 did.
+        let plain = Message::Applied(Applied {
+            seq: 4,
+            vcpus: vec![VcpuWeight {
+                cpu: 1,
+                weight: 0.64,
+                held: false,
+            }],
+        });
+        assert_eq!(
+            plain.to_line(),
+            "{\"type\":\"applied\",\"seq\":4,\"vcpus\":[{\"cpu\":1,\"weight\":0.64}]}\n"
+        );
     }
 
     #[test]

@@ -55,6 +55,10 @@ enum Cmd {
         /// ablations, interleaved with the scenario's modes.
         #[arg(long, value_name = "NAME=FILE")]
         variant: Vec<String>,
+        /// An extra host-agent mode NAME whose agent configuration starts with the
+        /// top-level keys of FILE (repeatable; no guest daemon): agent ablations.
+        #[arg(long, value_name = "NAME=FILE")]
+        agent_variant: Vec<String>,
         #[arg(long, default_value = "target/bench/lab.json")]
         out: PathBuf,
     },
@@ -132,18 +136,11 @@ fn run() -> Result<()> {
             modes,
             guest_config,
             variant,
+            agent_variant,
             out,
         } => {
-            let mut variants = Vec::new();
-            for v in variant {
-                let (name, file) = v
-                    .split_once('=')
-                    .with_context(|| format!("--variant {v:?}: expected NAME=FILE"))?;
-                let text = std::fs::read_to_string(file)
-                    .with_context(|| format!("--variant {name}: reading {file}"))?;
-                // A mode name lives as long as the benchmark: leaked once per variant.
-                variants.push((&*Box::leak(name.to_string().into_boxed_str()), text));
-            }
+            let variants = named_files("--variant", &variant)?;
+            let agent_variants = named_files("--agent-variant", &agent_variant)?;
             let guest_config = match guest_config {
                 Some(p) => std::fs::read_to_string(&p)
                     .with_context(|| format!("--guest-config {}", p.display()))?,
@@ -156,6 +153,7 @@ fn run() -> Result<()> {
                 guest_config: Some(guest_config),
                 modes,
                 variants,
+                agent_variants,
             };
             bench_all(opts, &only, &out)
         }
@@ -163,6 +161,21 @@ fn run() -> Result<()> {
 }
 
 use lab::GUEST_CONFIG as LAB_GUEST_CONFIG;
+
+/// `NAME=FILE` arguments of `flag` as (name, file text).
+fn named_files(flag: &str, args: &[String]) -> Result<Vec<(&'static str, String)>> {
+    let mut out = Vec::new();
+    for v in args {
+        let (name, file) = v
+            .split_once('=')
+            .with_context(|| format!("{flag} {v:?}: expected NAME=FILE"))?;
+        let text = std::fs::read_to_string(file)
+            .with_context(|| format!("{flag} {name}: reading {file}"))?;
+        // A mode name lives as long as the benchmark: leaked once per variant.
+        out.push((&*Box::leak(name.to_string().into_boxed_str()), text));
+    }
+    Ok(out)
+}
 
 fn scenarios() -> Vec<Scenario> {
     use Mode::*;
@@ -219,7 +232,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 0,
             hog_vcpus: 2,
             host_steal: &[],
-            modes: vec![Vanilla, Vmigrater, VmigraterDry, Both],
+            modes: vec![Vanilla, Vmigrater, VmigraterDry, Agent, Both],
         },
         Scenario {
             name: "sweep4",

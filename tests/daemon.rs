@@ -908,3 +908,100 @@ fn a_full_or_read_only_state_dir_never_leaves_a_task_pinned() {
     );
     fs.read_only(false);
 }
+
+/// Cooperation with the host agent (issue 12), on the real kernel: a pty plays the host
+/// end of the channel and answers every report with an `applied` that holds the last
+/// vCPU. The daemon anchors the I/O-bound reader there (its own mask, journaled) and moves
+/// nothing else; when the host stops holding, the reader gets its original mask back
+/// within a few report periods; at SIGTERM nothing is left pinned.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
+    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+    use std::os::fd::AsFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    assert_root();
+    assert_cpus(2);
+    let held_cpu = online_cpus() - 1;
+    let file = data_file();
+    let reader = Reader::start(&file);
+    let original = cpus_of(reader.tid());
+    let pty = nix::pty::openpty(None, None).expect("openpty");
+    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
+    cfmakeraw(&mut raw);
+    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
+    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    // Every request tracked, so the reader is found in the first windows.
+    let config = format!(
+        "{SLEEPERS}\n[detector]\nsample_every_ms = 0\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
+        slave.display().to_string()
+    );
+    let mut daemon =
+        Daemon::start_with_config(tempfile::tempdir().unwrap(), &config, &["--no-metrics"]);
+    // The host: an `applied` per report, holding `held_cpu` while `hold` is set.
+    let hold = Arc::new(AtomicBool::new(true));
+    let done = Arc::new(AtomicBool::new(false));
+    let host = {
+        let (hold, done) = (hold.clone(), done.clone());
+        let mut master = std::fs::File::from(pty.master);
+        std::thread::spawn(move || {
+            let mut reader = proto::LineReader::new();
+            let mut buf = [0u8; 4096];
+            while !done.load(Ordering::Relaxed) {
+                let n = match master.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => n,
+                };
+                for line in reader.push(&buf[..n]) {
+                    let Ok(proto::Message::Report(r)) = proto::Message::parse(&line.unwrap())
+                    else {
+                        continue;
+                    };
+                    let vcpus = r
+                        .vcpus
+                        .iter()
+                        .map(|v| proto::VcpuWeight {
+                            cpu: v.cpu,
+                            weight: 1.0,
+                            held: hold.load(Ordering::Relaxed) && v.cpu as usize == held_cpu,
+                        })
+                        .collect();
+                    let reply = proto::Message::Applied(proto::Applied { seq: r.seq, vcpus });
+                    let _ = master.write_all(reply.to_line().as_bytes());
+                }
+            }
+        })
+    };
+    let s = daemon.wait_for(
+        Duration::from_secs(20),
+        "the reader anchored on the held vCPU",
+        |s| s["host_holds"] == true && cpus_of(reader.tid()) == [held_cpu],
+    );
+    eprintln!(
+        "anchored: migrations {} moves_allowed {}",
+        s["migrations"], s["moves_allowed"]
+    );
+    assert_eq!(s["moves_allowed"], false, "no moves of its own while held");
+    // Held for a while: it stays there (nothing chases running vCPUs).
+    for _ in 0..10 {
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(cpus_of(reader.tid()), [held_cpu], "moved off the held vCPU");
+    }
+    hold.store(false, Ordering::Relaxed);
+    daemon.wait_for(Duration::from_secs(10), "the hold to end", |s| {
+        s["host_holds"] == false && cpus_of(reader.tid()) == original
+    });
+    hold.store(true, Ordering::Relaxed);
+    daemon.wait_for(Duration::from_secs(20), "anchored again", |_| {
+        cpus_of(reader.tid()) == [held_cpu]
+    });
+    let log = daemon.terminate();
+    done.store(true, Ordering::Relaxed);
+    assert_eq!(cpus_of(reader.tid()), original, "left pinned:\n{log}");
+    assert!(
+        log.contains("the host agent favours these vCPUs"),
+        "the hold is not logged:\n{log}"
+    );
+    drop(host);
+}

@@ -13,7 +13,7 @@ use vcpu_monitor::{TickEvent, TickHook, VcpuBoard, VcpuSnapshot};
 
 use crate::affinity::{AffinityExecutor, Outcome};
 use crate::metrics::Metrics;
-use crate::planner::{Move, Planner, TaskView, Trigger, VcpuView};
+use crate::planner::{Move, Planner, Reason, TaskView, Trigger, VcpuView};
 
 /// An I/O-bound task the daemon is allowed to move (already journaled unless dry-run).
 #[derive(Clone, Debug, PartialEq)]
@@ -197,12 +197,58 @@ impl TickHook for MigrationHook {
             .collect();
         let moves = self.planner.plan(trigger, &vcpus, &views);
         for mv in moves {
-            apply(&self.shared, &mut placement, &tasks, mv);
+            let start_time = tasks.iter().find(|t| t.tid == mv.tid).map(|t| t.start_time);
+            apply(&self.shared, &mut placement, start_time, mv);
         }
     }
 }
 
-fn apply(shared: &Shared, placement: &mut Placement, tasks: &[TaskEntry], mv: Move) {
+/// While the host agent favours the `held` vCPUs: each of `tasks` (tid, tgid, start time)
+/// pinned to one of them (`anchor::moves`; taken over through the executor like any move,
+/// so journaled and restored the same way). Returns the tids that sit on a held vCPU now.
+pub fn anchor_on_held(
+    shared: &Shared,
+    placement: &mut Placement,
+    tasks: &[(u32, u32, u64)],
+    held: &[usize],
+) -> Vec<u32> {
+    let own: Vec<(u32, u32, u64)> = tasks
+        .iter()
+        .copied()
+        .filter(|&(tid, _, start)| !placement.hands_off.contains(&(tid, start)))
+        .collect();
+    let now: Vec<(u32, Option<usize>)> = own
+        .iter()
+        .map(|&(tid, _, _)| (tid, placement.placed_on(tid)))
+        .collect();
+    for (tid, to) in crate::anchor::moves(&now, held) {
+        let Some(&(_, tgid, start_time)) = own.iter().find(|t| t.0 == tid) else {
+            continue;
+        };
+        if let Some(ex) = placement.executor.as_mut() {
+            if !ex.is_managed(tid) {
+                if let Err(e) = ex.manage(tid, tgid, start_time) {
+                    debug!(tid, "not anchoring: {e:#}");
+                    continue;
+                }
+            }
+        }
+        let from = placement.placed_on(tid);
+        let mv = Move {
+            tid,
+            from,
+            to,
+            reason: Reason::Held,
+        };
+        apply(shared, placement, Some(start_time), mv);
+    }
+    own.iter()
+        .map(|t| t.0)
+        .filter(|&tid| placement.placed_on(tid).is_some_and(|c| held.contains(&c)))
+        .collect()
+}
+
+fn apply(shared: &Shared, placement: &mut Placement, start_time: Option<u64>, mv: Move) {
     let Move {
         tid,
         from,
@@ -237,8 +283,8 @@ fn apply(shared: &Shared, placement: &mut Placement, tasks: &[TaskEntry], mv: Mo
             );
         }
         Outcome::External => {
-            if let Some(t) = tasks.iter().find(|t| t.tid == tid) {
-                placement.hands_off.insert((tid, t.start_time));
+            if let Some(start_time) = start_time {
+                placement.hands_off.insert((tid, start_time));
             }
             debug!(tid, "mask changed by someone else: no longer managed");
         }

@@ -1,10 +1,12 @@
 //! The migration engine of the guest daemon: which I/O-bound tasks to manage
 //! (`admission`), where each goes (`planner`), whether moves pay (`guard`), and the
 //! affinity executor with its crash-safe journal of original masks. Decided on the
-//! monitor thread of the vCPU whose state changed (`hook`). The `vmigrater` crate wires it
+//! monitor thread of the vCPU whose state changed (`hook`); while the host agent favours
+//! vCPUs, tasks are anchored on those instead (`anchor`). The `vmigrater` crate wires it
 //! to the monitor, the detector, the host channel and the control plane.
 pub mod admission;
 pub mod affinity;
+pub mod anchor;
 pub mod guard;
 pub mod hook;
 pub mod journal;

@@ -81,6 +81,7 @@ pub struct Metrics {
     monitor_source: Family<SourceLabel, Gauge>,
     /// 1 while the move guard lets tasks move (or it is off), 0 while moves are on hold.
     pub moves_allowed: Gauge,
+    pub host_holds: Gauge,
     guard_verdicts: Family<VerdictLabel, Counter>,
     /// 1 while the block programs track requests, 0 between samples.
     pub block_tracking: Gauge,
@@ -107,6 +108,7 @@ impl Metrics {
             journal_errors: Counter::default(),
             monitor_source: Family::default(),
             moves_allowed: Gauge::default(),
+            host_holds: Gauge::default(),
             block_tracking: Gauge::default(),
             guard_verdicts: Family::default(),
             registry: Registry::with_prefix("vmigrater"),
@@ -213,6 +215,11 @@ impl Metrics {
             "moves_allowed",
             "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
             m.moves_allowed.clone(),
+        );
+        r.register(
+            "host_holds",
+            "1 while the host agent favours the vCPUs holding I/O-bound tasks and the daemon leaves them there (no moves)",
+            m.host_holds.clone(),
         );
         m.block_tracking.set(1);
         r.register(

@@ -71,6 +71,8 @@ pub enum Reason {
     Pull,
     /// Between two running vCPUs, for the weighted balance or the load cap.
     Balance,
+    /// Onto a vCPU the host agent favours for our I/O (`anchor`).
+    Held,
 }
 
 impl Reason {
@@ -79,6 +81,7 @@ impl Reason {
             Reason::Push => "push",
             Reason::Pull => "pull",
             Reason::Balance => "balance",
+            Reason::Held => "held",
         }
     }
 }

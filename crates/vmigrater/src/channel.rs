@@ -33,7 +33,42 @@ pub struct ChannelStats {
     pub reports_sent: AtomicU64,
     pub reports_dropped: AtomicU64,
     pub replies: AtomicU64,
+    /// Until when (monotonic ns) the host's last `applied` favoured a vCPU (`held`).
+    pub host_holds_until_ns: AtomicU64,
+    /// The vCPUs it favoured, one bit each (vCPUs from 64 on are not anchored to).
+    pub held_mask: AtomicU64,
 }
+
+impl ChannelStats {
+    /// The vCPUs the host favours for our I/O-bound tasks, as of its latest replies
+    /// (empty once they are older than a few report periods).
+    pub fn held_vcpus(&self, now_ns: u64) -> Vec<usize> {
+        if now_ns >= self.host_holds_until_ns.load(Ordering::Relaxed) {
+            return Vec::new();
+        }
+        let mask = self.held_mask.load(Ordering::Relaxed);
+        (0..64).filter(|c| mask & (1 << c) != 0).collect()
+    }
+
+    /// Takes the host's `applied`: the vCPUs it favours now, good for `for_ns`.
+    pub fn on_applied(&self, a: &proto::Applied, now_ns: u64, for_ns: u64) {
+        let mask = a
+            .vcpus
+            .iter()
+            .filter(|v| v.held && v.cpu < 64)
+            .fold(0u64, |m, v| m | (1 << v.cpu));
+        if mask != 0 {
+            self.held_mask.store(mask, Ordering::Relaxed);
+            self.host_holds_until_ns
+                .store(now_ns + for_ns, Ordering::Relaxed);
+        }
+    }
+}
+
+/// A host's `held` stands this many report periods: long enough to ride out a reply or
+/// two lost or late, short enough that a host that stops favouring (or an agent that
+/// goes away) gives the daemon its moves back within a few hundred milliseconds.
+const HELD_PERIODS: u32 = 3;
 
 /// Turns two consecutive samples into a report (pure): completions and inactive time are
 /// deltas over the period.
@@ -238,6 +273,13 @@ fn session(
                         match line.and_then(|l| Message::parse(&l)) {
                             Ok(m) => {
                                 stats.replies.fetch_add(1, Ordering::Relaxed);
+                                if let Message::Applied(a) = &m {
+                                    stats.on_applied(
+                                        a,
+                                        vcpu_monitor::monotonic_ns(),
+                                        (period * HELD_PERIODS).as_nanos() as u64,
+                                    );
+                                }
                                 debug!(?m, "host says");
                             }
                             Err(e) => warn!("bad line from the host: {e}"),
@@ -254,6 +296,35 @@ fn session(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn held_vcpus_last_a_few_periods_and_old_agents_hold_none() {
+        let stats = ChannelStats::default();
+        let weight = |cpu, held| proto::VcpuWeight {
+            cpu,
+            weight: 1.0,
+            held,
+        };
+        // An agent that predates `held` (or holds nothing) leaves the daemon its moves.
+        let plain = proto::Applied {
+            seq: 1,
+            vcpus: vec![weight(0, false), weight(1, false)],
+        };
+        stats.on_applied(&plain, 1_000, 300);
+        assert!(stats.held_vcpus(1_000).is_empty());
+        let held = proto::Applied {
+            seq: 2,
+            vcpus: vec![weight(0, false), weight(1, true), weight(99, true)],
+        };
+        stats.on_applied(&held, 2_000, 300);
+        assert_eq!(stats.held_vcpus(2_100), vec![1], "vCPU 99 is past the mask");
+        // A reply that holds nothing does not cut the hold short (one report without
+        // the reader must not start a round of moves)...
+        stats.on_applied(&plain, 2_200, 300);
+        assert_eq!(stats.held_vcpus(2_250), vec![1]);
+        // ...but the hold ends when the host stops renewing it.
+        assert!(stats.held_vcpus(2_300).is_empty());
+    }
 
     #[test]
     fn report_is_deltas_over_the_period() {

@@ -68,22 +68,26 @@ struct Running {
     dry_run: bool,
     started: Instant,
     channel: Arc<ChannelStats>,
+    /// Every I/O-bound task found, managed or not: (tid, CPU it last ran on).
+    io_seen: Arc<ArcSwap<Vec<(u32, usize)>>>,
 }
 
 impl Running {
     /// Cumulative per-vCPU figures for the host channel.
     fn channel_sample(&self) -> Vec<VcpuSample> {
         let now = monotonic_ns();
-        let tasks = self.shared.tasks.load();
+        // Every I/O-bound task counts, also while moves are on hold: the host favours
+        // the vCPUs that hold them, whoever placed them there.
+        let tasks = self.io_seen.load();
         let cpu_io = self.cpu_io.load();
         // try_lock: the channel must never hold up the planner; a busy lock only means
         // this period's per-vCPU task counts use the tasks' last CPU instead.
         let placement = try_lock_placement(&self.shared.placement);
-        let on = |t: &TaskEntry| {
+        let on = |&(tid, last_cpu): &(u32, usize)| {
             placement
                 .as_ref()
-                .and_then(|p| p.placed_on(t.tid))
-                .unwrap_or(t.last_cpu)
+                .and_then(|p| p.placed_on(tid))
+                .unwrap_or(last_cpu)
         };
         self.board
             .snapshot(now)
@@ -138,6 +142,7 @@ impl Running {
             attach_mode: self.attach_mode.clone(),
             monitor_source: self.monitor_source.into(),
             moves_allowed: self.shared.metrics.moves_allowed.get() != 0,
+            host_holds: self.shared.metrics.host_holds.get() != 0,
             block_tracking: self.shared.metrics.block_tracking.get() != 0,
             guard_pays: self.shared.metrics.guard_verdicts().0,
             guard_holds: self.shared.metrics.guard_verdicts().1,
@@ -335,12 +340,14 @@ pub fn run(cfg: Config) -> Result<()> {
     // them at once, whatever the configured periods.
     let stop = Arc::new(control::Stop::default());
     let cpu_io = Arc::new(ArcSwap::from_pointee(Vec::new()));
+    let io_seen = Arc::new(ArcSwap::from_pointee(Vec::new()));
     let channel_stats = Arc::new(ChannelStats::default());
     let detect_thread = detector.map(|d| {
         d.start(DetectStart {
             shared: shared.clone(),
             board: board.clone(),
             cpu_io: cpu_io.clone(),
+            io_seen: io_seen.clone(),
             stop: stop.clone(),
             channel: channel_stats.clone(),
             cfg: cfg.clone(),
@@ -359,6 +366,7 @@ pub fn run(cfg: Config) -> Result<()> {
         dry_run: cfg.dry_run,
         started: Instant::now(),
         channel: channel_stats,
+        io_seen,
     });
     let channel_thread = if cfg.channel.enabled {
         let (running, stop, path) = (running.clone(), stop.clone(), cfg.channel.path.clone());
@@ -444,6 +452,7 @@ struct DetectStart {
     shared: Arc<Shared>,
     board: Arc<VcpuBoard>,
     cpu_io: Arc<ArcSwap<Vec<CpuIoSample>>>,
+    io_seen: Arc<ArcSwap<Vec<(u32, usize)>>>,
     stop: Arc<control::Stop>,
     channel: Arc<ChannelStats>,
     cfg: Config,
@@ -475,6 +484,7 @@ impl DetectorThread {
                     shared: &s.shared,
                     board: &s.board,
                     cpu_io: &s.cpu_io,
+                    io_tasks: &s.io_seen,
                     stop: &s.stop,
                     channel: &s.channel,
                     measures_contention: s.measures_contention,
@@ -515,6 +525,8 @@ struct DetectEnv<'a> {
     shared: &'a Shared,
     board: &'a VcpuBoard,
     cpu_io: &'a ArcSwap<Vec<CpuIoSample>>,
+    /// Every I/O-bound task found (for the host's per-vCPU figures).
+    io_tasks: &'a ArcSwap<Vec<(u32, usize)>>,
     stop: &'a control::Stop,
     /// Whether a host agent answers (it wants per-vCPU I/O figures).
     channel: &'a ChannelStats,
@@ -535,10 +547,14 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
         shared,
         board,
         cpu_io,
+        io_tasks,
         stop,
         channel,
         measures_contention,
     } = *env;
+    let mut host_held = false;
+    // I/O-bound tasks anchored on vCPUs the host agent holds: (tid, comm).
+    let mut anchored: Vec<(u32, String)> = Vec::new();
     let own_pid = std::process::id();
     let window = Duration::from_millis(cfg.detector.window_ms);
     let idle = Duration::from_millis(cfg.detector.idle_poll_ms.max(cfg.detector.window_ms));
@@ -700,13 +716,37 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
 
         let current = shared.tasks.load();
         let mut next: Vec<TaskEntry> = Vec::with_capacity(found.len());
-        let candidates = admission::eligible(&found, own_pid, &cfg.migration.exclude_comm).len();
+        let eligible = admission::eligible(&found, own_pid, &cfg.migration.exclude_comm);
+        let candidates = eligible.len();
+        io_tasks.store(Arc::new(
+            eligible
+                .iter()
+                .map(|i| (i.task.tid, i.task.last_cpu as usize))
+                .collect(),
+        ));
         let now = monotonic_ns();
-        let moves_allowed = match guard.as_mut() {
-            Some(g) => {
-                if let Some(v) = g.observe(now, progress, candidates > 0 && contended) {
-                    shared.metrics.record_guard_verdict(v.pays);
-                    info!(
+        // The host agent favours vCPUs for our I/O (issue 12): chasing running vCPUs
+        // would undo its help, so the I/O-bound tasks are anchored on the held vCPUs
+        // instead (below) and nothing else moves them.
+        let held = channel.held_vcpus(now);
+        let host_holds = !held.is_empty();
+        if host_holds != host_held {
+            host_held = host_holds;
+            shared.metrics.host_holds.set(i64::from(host_holds));
+            if host_holds {
+                info!(?held, "the host agent favours these vCPUs for our I/O: I/O-bound tasks anchored there, no other moves");
+            } else {
+                info!("the host agent no longer favours vCPUs: moves as the guard and the contention gate allow");
+            }
+        }
+        let moves_allowed = !host_holds
+            && match guard.as_mut() {
+                Some(g) => {
+                    if let Some(v) =
+                        g.observe(now, progress, candidates > 0 && contended && !host_holds)
+                    {
+                        shared.metrics.record_guard_verdict(v.pays);
+                        info!(
                         pays = v.pays,
                         with_moves = format!("{:.0}/s", v.with_moves),
                         without_moves = format!("{:.0}/s", v.without_moves),
@@ -718,12 +758,12 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
                             "— moves do not pay, holding tasks on their own masks"
                         }
                     );
+                    }
+                    contended && g.moves_allowed()
                 }
-                contended && g.moves_allowed()
-            }
-            // Guard off: always; dry run with the guard on: where it would move.
-            None => contended,
-        };
+                // Guard off: always; dry run with the guard on: where it would move.
+                None => contended,
+            };
         shared.metrics.moves_allowed.set(i64::from(moves_allowed));
         if moves_allowed {
             let mut placement = lock_placement(&shared.placement);
@@ -776,16 +816,45 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
                 });
             }
         }
+        let anchored_now: Vec<(u32, String)> = if host_holds {
+            let mut placement = lock_placement(&shared.placement);
+            let tasks: Vec<(u32, u32, u64)> = eligible
+                .iter()
+                .map(|i| (i.task.tid, i.task.tgid, i.start_time))
+                .collect();
+            let on_held = migrater::hook::anchor_on_held(shared, &mut placement, &tasks, &held);
+            eligible
+                .iter()
+                .filter(|i| on_held.contains(&i.task.tid))
+                .map(|i| (i.task.tid, i.comm.clone()))
+                .collect()
+        } else {
+            Vec::new()
+        };
         {
             let mut placement = lock_placement(&shared.placement);
-            for gone in admission::leaving(&current, &next) {
-                placement.simulated.remove(&gone.tid);
+            let kept = |tid: u32| {
+                next.iter().any(|n| n.tid == tid) || anchored_now.iter().any(|a| a.0 == tid)
+            };
+            // Tasks anchored before and neither anchored nor managed now: the host stopped
+            // holding, or they are no longer I/O-bound.
+            let unanchored: Vec<(u32, String)> = anchored
+                .iter()
+                .filter(|(tid, _)| !kept(*tid) && !current.iter().any(|e| e.tid == *tid))
+                .cloned()
+                .collect();
+            let leaving = admission::leaving(&current, &next)
+                .into_iter()
+                .filter(|e| !kept(e.tid))
+                .map(|e| (e.tid, e.comm.clone()));
+            for (tid, comm) in leaving.chain(unanchored) {
+                placement.simulated.remove(&tid);
                 if let Some(ex) = placement.executor.as_mut() {
-                    let outcome = ex.release(gone.tid);
+                    let outcome = ex.release(tid);
                     shared.metrics.releases.inc();
                     info!(
-                        tid = gone.tid,
-                        comm = %gone.comm,
+                        tid,
+                        comm = %comm,
                         result = migrater::metrics::outcome_label(&outcome),
                         "{}: original affinity restored",
                         if moves_allowed { "task no longer I/O-bound" } else { "moves on hold" }
@@ -806,6 +875,7 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
         };
         shared.metrics.io_bound_tasks.set(io_bound as i64);
         shared.tasks.store(Arc::new(next));
+        anchored = anchored_now;
         board.set_demand(if active { Demand::Active } else { Demand::Idle });
         // On hold nothing is decided per window: the guard needs only an epoch's count.
         let nap = if detector.tracking() && (active || io_seen) && moves_allowed {

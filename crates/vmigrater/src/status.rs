@@ -64,6 +64,10 @@ pub struct StatusReport {
     /// False while the move guard holds tasks on their own masks.
     #[serde(default)]
     pub moves_allowed: bool,
+    /// True while the host agent favours the vCPUs holding I/O-bound tasks (`held` in
+    /// its replies): the daemon then leaves the tasks where they are.
+    #[serde(default)]
+    pub host_holds: bool,
     /// Whether the block programs track requests now (false between samples).
     pub block_tracking: bool,
     /// Probes of the move guard that found moves paying / not paying.

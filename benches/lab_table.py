@@ -3,7 +3,13 @@
 every run, each ratio to vanilla with its 95% percentile-bootstrap interval (runs of both
 modes resampled independently, 4000 times, fixed seed), and the daemon's guest CPU.
 
-    benches/lab_table.py benches/results/lab-issue10.json [more.json ...] [--clean-only]
+    benches/lab_table.py benches/results/lab-issue10.json [more.json ...] [--clean-only] [--pool]
+
+--pool merges the runs of a scenario across the files (batches run at different times).
+The "paired" column is the median of per-repetition ratios (each mode against the vanilla
+run of the same repetition, which ran minutes apart, interleaved), with a bootstrap
+interval of that median: it cancels drift between batches that the ratio of medians
+does not.
 
 All runs are used unless --clean-only: in runs recorded before `machine_steal_s` existed,
 the noise flag counted this machine's own steal time (its hypervisor's, which interleaved
@@ -31,6 +37,16 @@ def ci(a, b, seed=1):
     return rs[round(0.025 * (len(rs) - 1))], rs[round(0.975 * (len(rs) - 1))]
 
 
+def paired(ratios, seed=1):
+    if len(ratios) < 2:
+        return "–"
+    rng = random.Random(seed)
+    ms = sorted(statistics.median(rng.choice(ratios) for _ in ratios) for _ in range(RESAMPLES))
+    lo, hi = ms[round(0.025 * (len(ms) - 1))], ms[round(0.975 * (len(ms) - 1))]
+    mark = " ✔" if lo > 1.0 else (" ✘" if hi < 1.0 else "")
+    return f"{statistics.median(ratios):.2f}× [{lo:.2f}, {hi:.2f}]{mark}"
+
+
 def fmt_ratio(a, b):
     if not a or not b:
         return "–"
@@ -45,29 +61,45 @@ def fmt_ratio(a, b):
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     clean_only = "--clean-only" in sys.argv
+    pool = "--pool" in sys.argv
+    groups = {}  # (scenario, source) -> (what, runs tagged with their batch)
     for path in args:
         doc = json.load(open(path))
         for sc in doc["scenarios"]:
-            runs = [r for r in sc["runs"] if not (clean_only and r["noisy"])]
-            modes = []
-            for r in runs:
-                if r["mode"] not in modes:
-                    modes.append(r["mode"])
-            get = lambda m, k: [r[k] for r in runs if r["mode"] == m]
-            van = lambda k: get("vanilla", k)
-            print(f"\n{sc['name']}: {sc['what']} ({path})\n")
-            print("| mode | runs | 4 KiB IOPS | vs vanilla [95% CI] | 1 MiB MB/s | vs vanilla [95% CI] | VM A hogs vs vanilla [95% CI] | daemon guest CPU-s/run | migrations/run |")
-            print("|---|---|---|---|---|---|---|---|---|")
-            for m in modes:
-                iops, seq, hog = get(m, "iops_4k"), get(m, "seq_mbps"), get(m, "hog_a_units_s")
-                cpu = get(m, "daemon_cpu_s")
-                mig = get(m, "migrations")
-                print(
-                    f"| {m} | {len(iops)} | {statistics.median(iops):.0f} | {fmt_ratio(iops, van('iops_4k'))} "
-                    f"| {statistics.median(seq):.0f} | {fmt_ratio(seq, van('seq_mbps'))} "
-                    f"| {fmt_ratio(hog, van('hog_a_units_s'))} "
-                    f"| {max(0.0, statistics.median(cpu)):.2f} | {statistics.median(mig):.0f} |"
-                )
+            key = (sc["name"], "pooled" if pool else path)
+            what, runs = groups.setdefault(key, (sc["what"], []))
+            runs.extend((path, r) for r in sc["runs"] if not (clean_only and r["noisy"]))
+    for (name, source), (what, tagged) in groups.items():
+        runs = [r for _, r in tagged]
+        modes = []
+        for r in runs:
+            if r["mode"] not in modes:
+                modes.append(r["mode"])
+        get = lambda m, k: [r[k] for r in runs if r["mode"] == m]
+        van = lambda k: get("vanilla", k)
+        base = {(p, r["rep"]): r["iops_4k"] for p, r in tagged if r["mode"] == "vanilla"}
+        pairs = lambda m: [
+            r["iops_4k"] / base[(p, r["rep"])]
+            for p, r in tagged
+            if r["mode"] == m and base.get((p, r["rep"]), 0) > 0
+        ]
+        files = sorted({p for p, _ in tagged})
+        print(f"\n{name}: {what} ({', '.join(files)})\n")
+        print("| mode | runs | 4 KiB IOPS | vs vanilla [95% CI] | paired [95% CI] | 1 MiB MB/s | vs vanilla [95% CI] | VM A hogs vs vanilla [95% CI] | VM B CPU share | daemon guest CPU-s/run | migrations/run |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
+        for m in modes:
+            iops, seq, hog = get(m, "iops_4k"), get(m, "seq_mbps"), get(m, "hog_a_units_s")
+            cpu = get(m, "daemon_cpu_s")
+            mig = get(m, "migrations")
+            bshare = get(m, "b_cpu_share")
+            print(
+                f"| {m} | {len(iops)} | {statistics.median(iops):.0f} | {fmt_ratio(iops, van('iops_4k'))} "
+                f"| {paired(pairs(m)) if m != 'vanilla' else '–'} "
+                f"| {statistics.median(seq):.0f} | {fmt_ratio(seq, van('seq_mbps'))} "
+                f"| {fmt_ratio(hog, van('hog_a_units_s'))} "
+                f"| {statistics.median(bshare):.3f} "
+                f"| {max(0.0, statistics.median(cpu)):.2f} | {statistics.median(mig):.0f} |"
+            )
 
 
 if __name__ == "__main__":

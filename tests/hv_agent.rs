@@ -770,10 +770,13 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
     relay(std::fs::File::from(pty.master), host_end);
     let config = guest_dir.join("vmigrater.toml");
+    // The sleeper source: the kernel source would gate block tracking on this machine's
+    // own deschedules (an agent can give nothing where no vCPU is out), and this test is
+    // about real reports driving the agent, whatever this machine's host does.
     std::fs::write(
         &config,
         format!(
-            "[channel]\npath = {:?}\nperiod_ms = 50\n",
+            "[monitor]\nsource = \"sleepers\"\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
             slave.display().to_string()
         ),
     )

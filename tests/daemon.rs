@@ -624,19 +624,26 @@ fn check_fails_on_an_invalid_config() {
     }
 }
 
-/// A pty stands in for the virtio port: the daemon opens the slave like
-/// /dev/virtio-ports/org.vmigrater.hint.0, the test plays the host on the master.
-#[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
-fn reports_reach_the_host_end_of_the_channel() {
+/// A pty in raw mode standing in for the virtio port, and the path of its slave (the
+/// daemon's `channel.path`); the caller keeps both ends open.
+fn raw_pty() -> (nix::pty::OpenptyResult, PathBuf) {
     use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
     use std::os::fd::AsFd;
-    assert_root();
     let pty = nix::pty::openpty(None, None).expect("openpty");
     let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
     cfmakeraw(&mut raw);
     tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
     let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    (pty, slave)
+}
+
+/// A pty stands in for the virtio port: the daemon opens the slave like
+/// /dev/virtio-ports/org.vmigrater.hint.0, the test plays the host on the master.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn reports_reach_the_host_end_of_the_channel() {
+    assert_root();
+    let (pty, slave) = raw_pty();
     let config = format!(
         "[channel]\npath = {:?}\nperiod_ms = 50\n",
         slave.display().to_string()
@@ -917,8 +924,6 @@ fn a_full_or_read_only_state_dir_never_leaves_a_task_pinned() {
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
-    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
-    use std::os::fd::AsFd;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     assert_root();
@@ -927,11 +932,7 @@ fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
     let file = data_file();
     let reader = Reader::start(&file);
     let original = cpus_of(reader.tid());
-    let pty = nix::pty::openpty(None, None).expect("openpty");
-    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
-    cfmakeraw(&mut raw);
-    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
-    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    let (pty, slave) = raw_pty();
     // Every request tracked, so the reader is found in the first windows.
     let config = format!(
         "{SLEEPERS}\n[detector]\nsample_every_ms = 0\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",

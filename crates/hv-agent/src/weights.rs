@@ -298,13 +298,17 @@ mod tests {
         }
     }
 
-    fn funded(vcpus: &[VcpuFigures]) -> Vec<i32> {
-        let rules = Rules {
+    fn vm_funded() -> Rules {
+        Rules {
             share: ShareRule::VmFunded,
             max_nice_delta: 3,
             io_boost_nice: 2,
             io_slice_ns: 500_000,
-        };
+        }
+    }
+
+    fn funded(vcpus: &[VcpuFigures]) -> Vec<i32> {
+        let rules = vm_funded();
         plan(&CreditParams::default(), &rules, vcpus)
             .iter()
             .map(|s| s.nice)
@@ -332,12 +336,7 @@ mod tests {
         ];
         let nice = funded(&v);
         assert_eq!(nice, vec![-2, 2, 2, -2]);
-        let rules = Rules {
-            share: ShareRule::VmFunded,
-            max_nice_delta: 3,
-            io_boost_nice: 2,
-            io_slice_ns: 500_000,
-        };
+        let rules = vm_funded();
         let held: Vec<bool> = plan(&CreditParams::default(), &rules, &v)
             .iter()
             .map(|s| s.held)
@@ -402,12 +401,7 @@ mod tests {
     #[test]
     fn vm_funded_keeps_the_slice_and_drops_the_compensation() {
         let v = [vcpu(0, 0, 0, true), vcpu(1, 0, 0, false)];
-        let rules = Rules {
-            share: ShareRule::VmFunded,
-            max_nice_delta: 3,
-            io_boost_nice: 2,
-            io_slice_ns: 500_000,
-        };
+        let rules = vm_funded();
         let s = plan(&CreditParams::default(), &rules, &v);
         assert_eq!(s[0].slice_ns, Some(500_000));
         assert!(s[1].boost, "the credit core still runs: {s:?}");

@@ -12,6 +12,7 @@ use crate::summary::{self, AgentVcpu, Run};
 use crate::vm::{Vm, VmSpec};
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 use std::time::{Duration, Instant};
@@ -249,15 +250,24 @@ pub fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path, keys: &str) ->
     }
     let path = dir.join("agent.toml");
     std::fs::write(&path, cfg)?;
-    let agent = AgentProc(Some(
-        Command::new(bin_dir.join("vmigrater-hv-agent"))
-            .arg("--config")
+    let agent = AgentProc(Some({
+        let mut c = Command::new(bin_dir.join("vmigrater-hv-agent"));
+        c.arg("--config")
             .arg(&path)
             .arg("run")
-            .stderr(std::fs::File::create(dir.join("agent.log"))?)
-            .spawn()
-            .context("starting vmigrater-hv-agent")?,
-    ));
+            .stderr(std::fs::File::create(dir.join("agent.log"))?);
+        // An agent that outlived a killed benchmark kept weighting the next
+        // benchmark's VMs (same socket paths) and spoiled every mode's runs: it gets
+        // SIGTERM (and restores its changes) when the benchmark goes.
+        // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+        unsafe {
+            c.pre_exec(|| {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM);
+                Ok(())
+            });
+        }
+        c.spawn().context("starting vmigrater-hv-agent")?
+    }));
     // Running once its status socket answers with every VM's vCPUs mapped.
     let t0 = Instant::now();
     loop {

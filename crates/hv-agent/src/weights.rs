@@ -75,6 +75,10 @@ pub struct Setting {
     pub held: bool,
 }
 
+/// A vCPU that used less than 1/BUSY_DIVISOR of the period is not busy enough to pay (see
+/// [`fund`]). In the lab a paying vCPU at +2 nice still used ~22% of its period.
+const BUSY_DIVISOR: u64 = 10;
+
 /// One nice step is a factor 1.25 of CFS weight (the kernel's prio_to_weight table).
 const NICE_STEP: f64 = 1.25;
 
@@ -126,7 +130,9 @@ pub fn plan(params: &CreditParams, rules: &Rules, vcpus: &[VcpuFigures]) -> Vec<
         let steps = rules.io_boost_nice.clamp(0, max_nice_delta.max(0));
         let mut ordered: Vec<&VcpuFigures> = vcpus.iter().collect();
         ordered.sort_by_key(|v| v.key);
-        for ((s, d), f) in out.iter_mut().zip(fund(&ordered, steps)).zip(&ordered) {
+        let min_busy_ns = params.period_ns / BUSY_DIVISOR;
+        let deltas = fund(&ordered, steps, min_busy_ns);
+        for ((s, d), f) in out.iter_mut().zip(deltas).zip(&ordered) {
             s.nice = -d;
             // The other VM's vCPU that gets its steps back in an exchange is not favoured
             // for any I/O: only the vCPU that carries it is held.
@@ -146,7 +152,12 @@ pub fn plan(params: &CreditParams, rules: &Rules, vcpus: &[VcpuFigures]) -> Vec<
 ///
 /// Each vCPU takes part in one exchange at most; where none is possible (a one-vCPU VM, a
 /// VM whose every vCPU claims I/O — a liar's way to ask for more), nothing changes.
-pub fn fund(vcpus: &[&VcpuFigures], steps: i32) -> Vec<i32> {
+///
+/// Only a vCPU that used at least `min_busy_ns` of CPU in the period pays, and only one
+/// that did gets steps back in an exchange: weight taken from a halted vCPU costs it
+/// nothing (its CPU goes to the others anyway), so a guest could otherwise claim I/O on
+/// one vCPU, "pay" with an idle one and win share from its neighbours.
+pub fn fund(vcpus: &[&VcpuFigures], steps: i32, min_busy_ns: u64) -> Vec<i32> {
     let n = vcpus.len();
     let mut delta = vec![0i32; n];
     if steps == 0 {
@@ -165,7 +176,8 @@ pub fn fund(vcpus: &[&VcpuFigures], steps: i32) -> Vec<i32> {
     let mut used = vec![false; n];
     let vm = |i: usize| vcpus[i].key.0;
     let rq = |i: usize| vcpus[i].run_queue;
-    let payer = |i: usize, used: &[bool]| !used[i] && !vcpus[i].carries_io;
+    let busy = |i: usize| vcpus[i].consumed_ns >= min_busy_ns;
+    let payer = |i: usize, used: &[bool]| !used[i] && !vcpus[i].carries_io && busy(i);
     for v in 0..n {
         if !vcpus[v].carries_io || used[v] {
             continue;
@@ -188,7 +200,7 @@ pub fn fund(vcpus: &[&VcpuFigures], steps: i32) -> Vec<i32> {
                     .find_map(|&v2| {
                         by_vm_rq
                             .get(&(vm(u), rq(v2)))
-                            .and_then(|l| l.iter().find(|&&u2| !used[u2]))
+                            .and_then(|l| l.iter().find(|&&u2| !used[u2] && busy(u2)))
                             .map(|&u2| (u, v2, u2))
                     })
             });
@@ -376,6 +388,33 @@ mod tests {
             funded(&[vcpu(0, 0, 0, true), vcpu(1, 0, 0, false)]),
             vec![0, 0]
         );
+    }
+
+    #[test]
+    fn a_halted_vcpu_cannot_pay() {
+        // VM 0 claims I/O on vCPU 0 and offers its halted vCPU 1 as the payer: that would
+        // take CPU 0 from VM 1 for a payment that costs VM 0 nothing on CPU 1.
+        let mut v = [
+            vcpu(0, 0, 0, true),
+            vcpu(0, 1, 1, false),
+            vcpu(1, 0, 0, false),
+            vcpu(1, 1, 1, false),
+        ];
+        v[1].consumed_ns = MS / 10;
+        assert_eq!(funded(&v), vec![0, 0, 0, 0]);
+        // Nor can the other VM's vCPU that would get the steps back be idle.
+        v[1].consumed_ns = 50 * MS;
+        v[3].consumed_ns = 0;
+        assert_eq!(funded(&v), vec![0, 0, 0, 0]);
+        // Same run queue: an idle sibling does not pay either.
+        let q = [
+            vcpu(0, 0, 0, true),
+            vcpu(0, 1, 0, false),
+            vcpu(1, 0, 0, false),
+        ];
+        let mut q = q;
+        q[1].consumed_ns = 0;
+        assert_eq!(funded(&q), vec![0, 0, 0]);
     }
 
     #[test]

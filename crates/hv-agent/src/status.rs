@@ -143,7 +143,7 @@ pub fn render(s: &AgentStatus) -> String {
                 v.nice,
                 v.slice_us.map_or("-".into(), |t| t.to_string()),
                 v.moves,
-                // held: favoured for the VM's I/O; io: carries I/O, nobody of its VM to pay.
+                // held: favoured for the VM's I/O; io: carries I/O but is not held.
                 match (v.held, v.carries_io) {
                     (true, _) => "held",
                     (false, true) => "io",

@@ -218,7 +218,7 @@ impl Metrics {
         );
         r.register(
             "host_holds",
-            "1 while the host agent favours the vCPUs holding I/O-bound tasks and the daemon leaves them there (no moves)",
+            "1 while the host agent favours vCPUs for our I/O: I/O-bound tasks are anchored there and nothing else moves",
             m.host_holds.clone(),
         );
         m.block_tracking.set(1);

@@ -87,6 +87,9 @@ pub struct Scenario {
     /// (`CPU:BUSY_US:IDLE_US:PHASE_US`), invisible to the guest like a hypervisor's other
     /// work, on a schedule the lab knows exactly (the oracle mode's truth).
     pub host_steal: &'static [&'static str],
+    /// Pin vCPU i to host CPU i mod 2 (false: every vCPU thread may run on both host CPUs,
+    /// so the host's own balancer and the agent's Algorithm 2 place them).
+    pub pinned: bool,
     pub modes: Vec<Mode>,
 }
 
@@ -167,7 +170,9 @@ pub fn boot(
         vm.wait_ready(Duration::from_secs(300))?;
         let tids = vm.vcpu_threads()?;
         for (v, &t) in tids.iter().enumerate() {
-            host::pin(t, v % HOST_CPUS)?;
+            if sc.pinned {
+                host::pin(t, v % HOST_CPUS)?;
+            }
             host::set_slice(t, HOST_SLICE_NS)?;
         }
         // Under TCG the guest's timer and completion interrupts are delivered by QEMU's
@@ -234,7 +239,16 @@ fn process_cpu_s(pid: u32) -> f64 {
 }
 
 /// Starts the agent for `guests`; `keys` are top-level configuration keys of a variant.
-pub fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path, keys: &str) -> Result<AgentProc> {
+/// With `place`, every VM may use both host CPUs (`host_cpus`): the agent pins its vCPU
+/// threads and moves them by I/O load (ISACS Algorithm 2, on unless a variant sets
+/// `balance_io = false`).
+pub fn start_agent(
+    guests: &[&Guest],
+    dir: &Path,
+    bin_dir: &Path,
+    keys: &str,
+    place: bool,
+) -> Result<AgentProc> {
     std::fs::create_dir_all(dir)?;
     let mut cfg = format!(
         "{keys}\nstate_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n",
@@ -247,6 +261,10 @@ pub fn start_agent(guests: &[&Guest], dir: &Path, bin_dir: &Path, keys: &str) ->
             g.vm.hint.display().to_string(),
             g.vm.qmp.display().to_string()
         ));
+        if place {
+            let cpus: Vec<usize> = (0..HOST_CPUS).collect();
+            cfg.push_str(&format!("host_cpus = {cpus:?}\n"));
+        }
     }
     let path = dir.join("agent.toml");
     std::fs::write(&path, cfg)?;
@@ -334,6 +352,12 @@ fn agent_view(samples: &[Value]) -> Vec<AgentVcpu> {
                 a.wait_ms_sum += v["wait_ms"].as_f64().unwrap_or(0.0);
                 a.sliced += (!v["slice_us"].is_null()) as u32;
                 a.source = v["source"].as_str().unwrap_or("").to_string();
+                a.moves = a.moves.max(v["moves"].as_u64().unwrap_or(0));
+                if let Some(c) = v["host_cpu"].as_u64().map(|c| c as usize) {
+                    if !a.host_cpus.contains(&c) {
+                        a.host_cpus.push(c);
+                    }
+                }
             }
         }
     }
@@ -523,6 +547,7 @@ fn run_once(
             &run_dir.join("agent"),
             &opts.bin_dir,
             keys,
+            !sc.pinned,
         )?)
     } else {
         None
@@ -686,6 +711,14 @@ fn run_once(
         host_stolen_s: stolen_s,
         oracle_clock_drift_us: clock_drift_us,
         agent: agent_view(&agent_samples),
+        readers: [&r4k, &seq]
+            .iter()
+            .map(|r| summary::ReaderPlace {
+                pattern: r["pattern"].as_str().unwrap_or("").into(),
+                last_cpu: r["last_cpu"].as_u64(),
+                migrations: r["migrations"].as_u64(),
+            })
+            .collect(),
     })
 }
 

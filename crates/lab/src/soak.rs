@@ -109,6 +109,7 @@ fn scenario() -> Scenario {
         hog_vms: 1,
         hog_vcpus: 2,
         host_steal: &[],
+        pinned: true,
         modes: vec![Mode::Both],
     }
 }
@@ -177,7 +178,7 @@ impl Lab {
         }
         self.starts += 1;
         let all: Vec<&Guest> = self.guests.iter().collect();
-        self.agent = Some(bench::start_agent(&all, &dir, &self.bin_dir, "")?);
+        self.agent = Some(bench::start_agent(&all, &dir, &self.bin_dir, "", false)?);
         Ok(())
     }
 

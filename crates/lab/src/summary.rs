@@ -52,6 +52,18 @@ pub struct Run {
     pub oracle_clock_drift_us: Option<(f64, f64, f64)>,
     /// What the host agent did to each vCPU (modes with the agent).
     pub agent: Vec<AgentVcpu>,
+    /// VM A's two readers at the end of the run, as the workload saw them: the vCPU each
+    /// last ran on and how often the guest moved it (which vCPU carried the 4 KiB reads
+    /// tells whether the agent favoured the right one).
+    #[serde(default)]
+    pub readers: Vec<ReaderPlace>,
+}
+
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+pub struct ReaderPlace {
+    pub pattern: String,
+    pub last_cpu: Option<u64>,
+    pub migrations: Option<u64>,
 }
 
 /// One vCPU as the host agent treated it during a run, from its status once a second.
@@ -75,6 +87,12 @@ pub struct AgentVcpu {
     pub cpu_ms_sum: f64,
     #[serde(default)]
     pub wait_ms_sum: f64,
+    /// Algorithm 2: moves of its thread by the last sample, and the host CPUs it was
+    /// pinned to at some sample (empty: never pinned by the agent or the lab's own pin).
+    #[serde(default)]
+    pub moves: u64,
+    #[serde(default)]
+    pub host_cpus: Vec<usize>,
 }
 
 #[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]

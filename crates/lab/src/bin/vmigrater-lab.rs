@@ -42,7 +42,7 @@ enum Cmd {
         /// Repetitions of every mode.
         #[arg(long, default_value_t = 3)]
         reps: u32,
-        /// Only these scenarios (comma-separated names: steal, steal_inphase, main, four, quad, sweep1, sweep4).
+        /// Only these scenarios (comma-separated names: steal, steal_inphase, main, four, quad, sweep1, sweep4, free).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
         /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both).
@@ -187,6 +187,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 0,
             hog_vcpus: 2,
             host_steal: &["0:11000:11000:0", "1:11000:11000:5500"],
+            pinned: true,
             modes: vec![Vanilla, Vmigrater, VmigraterDry, VmigraterOracle],
         },
         Scenario {
@@ -196,6 +197,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 0,
             hog_vcpus: 2,
             host_steal: &["0:11000:11000:0", "1:11000:11000:0"],
+            pinned: true,
             modes: vec![Vanilla, Vmigrater, VmigraterOracle],
         },
         Scenario {
@@ -205,6 +207,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 1,
             hog_vcpus: 2,
             host_steal: &[],
+            pinned: true,
             modes: vec![NoSharing, Vanilla, Vmigrater, VmigraterDry, Agent, Both],
         },
         Scenario {
@@ -214,6 +217,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 1,
             hog_vcpus: 4,
             host_steal: &[],
+            pinned: true,
             modes: vec![Vanilla, Vmigrater, VmigraterDry, Agent, Both],
         },
         Scenario {
@@ -223,6 +227,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 0,
             hog_vcpus: 2,
             host_steal: &[],
+            pinned: true,
             modes: vec![Vanilla, Vmigrater, Agent, Both],
         },
         Scenario {
@@ -232,6 +237,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 0,
             hog_vcpus: 2,
             host_steal: &[],
+            pinned: true,
             modes: vec![Vanilla, Vmigrater, VmigraterDry, Agent, Both],
         },
         Scenario {
@@ -241,7 +247,18 @@ fn scenarios() -> Vec<Scenario> {
             hog_vms: 3,
             hog_vcpus: 2,
             host_steal: &[],
+            pinned: true,
             modes: vec![Vanilla, Vmigrater, Both],
+        },
+        Scenario {
+            name: "free",
+            what: "VM A 2 vCPUs + hog VM B 2 vCPUs on 2 host CPUs, no vCPU thread pinned (the host balances them; the agent's Algorithm 2 may place I/O vCPUs)",
+            a_vcpus: 2,
+            hog_vms: 1,
+            hog_vcpus: 2,
+            host_steal: &[],
+            pinned: false,
+            modes: vec![Vanilla, Agent, Both],
         },
     ]
 }

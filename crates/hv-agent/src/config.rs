@@ -42,6 +42,9 @@ pub struct Config {
     /// For VMs without guest reports, infer I/O from the vCPU threads' wake-ups
     /// (`/proc/<tid>/status` voluntary switches) and run/wait time (`schedstat`).
     pub observe_schedstat: bool,
+    /// Among those host-side figures, prefer device kicks (the vCPU thread's write system
+    /// calls above its VM's quietest vCPU) to wake-ups where they single out a vCPU.
+    pub observe_kicks: bool,
     /// Where the status socket lives.
     pub state_dir: PathBuf,
     pub metrics: MetricsConfig,
@@ -157,6 +160,7 @@ impl Default for Config {
             weight: WeightKind::Nice,
             balance_io: true,
             observe_schedstat: true,
+            observe_kicks: true,
             state_dir: DEFAULT_STATE_DIR.into(),
             metrics: MetricsConfig::default(),
             libvirt: LibvirtConfig::default(),

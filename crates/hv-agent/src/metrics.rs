@@ -35,6 +35,7 @@ fn source(s: crate::status::Source) -> &'static str {
     match s {
         crate::status::Source::Guest => "guest",
         crate::status::Source::Schedstat => "schedstat",
+        crate::status::Source::Kicks => "kicks",
         crate::status::Source::None => "none",
     }
 }
@@ -170,7 +171,7 @@ pub fn encode(s: &AgentStatus) -> String {
     );
     reg.register(
         "vcpu_source",
-        "Where the vCPU's I/O figures come from (guest report, host schedstat, none); always 1",
+        "Where the vCPU's I/O figures come from (guest report, host kicks, host schedstat wake-ups, none); always 1",
         sources,
     );
     reg.register(

@@ -19,6 +19,9 @@ pub enum Source {
     Guest,
     /// Host-side wake-ups of the vCPU thread (`/proc/<tid>/status`).
     Schedstat,
+    /// Host-side device kicks of the vCPU thread above its VM's quietest vCPU
+    /// (`/proc/<tid>/io` writes; see `observe`).
+    Kicks,
     #[default]
     None,
 }

@@ -337,30 +337,22 @@ impl Agent {
                 track.tid = vm.tids.get(cpu).copied();
                 let sample = track.tid.and_then(observe::sample);
                 let d = match (&track.prev, &sample) {
-                    (Some(p), Some(s)) => (
-                        s.run_ns.saturating_sub(p.run_ns),
-                        s.wait_ns.saturating_sub(p.wait_ns),
-                        s.wakeups.saturating_sub(p.wakeups),
-                        s.kicks.zip(p.kicks).map(|(s, p)| s.saturating_sub(p)),
-                    ),
-                    _ => (0, 0, 0, None),
+                    (Some(p), Some(s)) => s.since(p),
+                    _ => observe::Delta::default(),
                 };
                 let first = track.prev.is_none();
                 track.prev = sample;
                 deltas.push((d, first));
             }
-            let kicks: Vec<Option<u64>> = if self.cfg.observe_kicks {
-                deltas.iter().map(|(d, _)| d.3).collect()
-            } else {
-                vec![None; deltas.len()]
-            };
-            let (host_events, by_kicks) = observe::host_io_events(
-                &kicks,
-                &deltas.iter().map(|(d, _)| d.2).collect::<Vec<_>>(),
-                period_ns,
-            );
+            let kicks: Vec<Option<u64>> = deltas
+                .iter()
+                .map(|(d, _)| d.kicks.filter(|_| self.cfg.observe_kicks))
+                .collect();
+            let wakeups: Vec<u64> = deltas.iter().map(|(d, _)| d.wakeups).collect();
+            let (host_events, by_kicks) = observe::host_io_events(&kicks, &wakeups, period_ns);
             for (cpu, track) in vm.tracks.iter_mut().enumerate() {
-                let ((run, wait, _, _), first) = deltas[cpu];
+                let (d, first) = deltas[cpu];
+                let (run, wait) = (d.run_ns, d.wait_ns);
                 track.run_total += run;
                 track.wait_total += wait;
                 let observed = track.ema.on_period(host_events[cpu], period_ns);

@@ -53,6 +53,27 @@ pub fn sample(tid: u32) -> Option<ThreadSample> {
     })
 }
 
+/// What a thread did between two samples.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Delta {
+    pub run_ns: u64,
+    pub wait_ns: u64,
+    pub wakeups: u64,
+    /// None unless both samples could read `/proc/<tid>/io`.
+    pub kicks: Option<u64>,
+}
+
+impl ThreadSample {
+    pub fn since(&self, prev: &ThreadSample) -> Delta {
+        Delta {
+            run_ns: self.run_ns.saturating_sub(prev.run_ns),
+            wait_ns: self.wait_ns.saturating_sub(prev.wait_ns),
+            wakeups: self.wakeups.saturating_sub(prev.wakeups),
+            kicks: self.kicks.zip(prev.kicks).map(|(s, p)| s.saturating_sub(p)),
+        }
+    }
+}
+
 fn syscw(io: &str) -> Option<u64> {
     io.lines()
         .find_map(|l| l.strip_prefix("syscw:"))

@@ -407,12 +407,11 @@ mod tests {
         v[3].consumed_ns = 0;
         assert_eq!(funded(&v), vec![0, 0, 0, 0]);
         // Same run queue: an idle sibling does not pay either.
-        let q = [
+        let mut q = [
             vcpu(0, 0, 0, true),
             vcpu(0, 1, 0, false),
             vcpu(1, 0, 0, false),
         ];
-        let mut q = q;
         q[1].consumed_ns = 0;
         assert_eq!(funded(&q), vec![0, 0, 0]);
     }

@@ -25,6 +25,8 @@ pub struct GuestState {
     pub rejected: AtomicU64,
     /// `seq` of the latest accepted report, echoed in `applied`.
     pub last_seq: AtomicU64,
+    /// `reports` when the last `applied` went out: one answer per report.
+    pub answered: AtomicU64,
     /// Latest report per guest vCPU, with when it arrived.
     pub latest: Mutex<BTreeMap<u32, (Instant, VcpuReport)>>,
     /// Writer for replies (`applied`), when connected.

@@ -14,7 +14,8 @@
 //!   session.
 //! - `{"type":"report","seq":7,"period_ms":100,"vcpus":[{"cpu":0,"io_completions":1200,
 //!   "io_interval_ema_us":85.5,"io_bound_tasks":1,"inactive_ratio":0.48,
-//!   "slice_estimate_us":9900.0}]}` — per period; `seq` strictly increases;
+//!   "slice_estimate_us":9900.0}]}` — per period while the guest has I/O to report,
+//!   else as a heartbeat (vmigrater: every 20th period); `seq` strictly increases;
 //!   `io_completions` counts completions in this period (ISACS E_n), `io_interval_ema_us`
 //!   is Eq. 1's EMA, `inactive_ratio` the share of the period the vCPU was seen
 //!   descheduled.
@@ -23,7 +24,7 @@
 //! - `{"type":"welcome","version":1,"host_slice_us":11000}` (`host_slice_us` optional).
 //! - `{"type":"applied","seq":7,"vcpus":[{"cpu":0,"weight":1.56,"held":true},{"cpu":1,
 //!   "weight":0.64}]}` — what the host did with report `seq` (relative weights, 1.0 =
-//!   fair share). `held` (optional, absent = false; added after version 1 without a version
+//!   fair share); one per report, so a guest that reports seldom is answered seldom. `held` (optional, absent = false; added after version 1 without a version
 //!   bump, since old peers ignore it): the host favours this vCPU because the guest said it
 //!   holds I/O-bound tasks, so the guest should keep them there rather than move them.
 //!   An agent that predates it sends no `held`; a guest that predates it ignores it; both

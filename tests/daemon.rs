@@ -419,6 +419,7 @@ fn metrics_expose_vcpu_and_build_figures() {
         "vmigrater_io_bound_tasks ",
         "vmigrater_bpf_attach_mode{mode=",
         "vmigrater_block_tracking ",
+        "vmigrater_block_programs_attached ",
         "vmigrater_build_info{",
         // The classic text format for everyone else: counters named with `_total`.
         "# TYPE vmigrater_vcpu_deschedules_total counter",
@@ -705,6 +706,30 @@ fn reports_reach_the_host_end_of_the_channel() {
     daemon.terminate();
 }
 
+/// Where nothing is to gain the block programs come off their tracepoints, and status says
+/// so. This machine's own host takes a few percent of its CPUs (LAB-NOTES), well under the
+/// contention gate's 15%, so the kernel source sees nothing to gain here; the kernel side
+/// of detaching is checked in tests/detector.rs.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn with_nothing_to_gain_the_block_programs_come_off() {
+    assert_root();
+    let mut daemon = Daemon::start_with_config(
+        tempfile::tempdir().unwrap(),
+        "[detector]\ndetach_after_ms = 1000\n[channel]\nenabled = false\n",
+        &["--no-metrics"],
+    );
+    let s = daemon.wait_for(
+        Duration::from_secs(60),
+        "the block programs to come off their tracepoints",
+        |s| s["block_attached"] == false,
+    );
+    assert_eq!(s["monitor_source"], "kernel", "{s:#}");
+    assert_eq!(s["block_tracking"], false, "{s:#}");
+    assert_eq!(s["moves_allowed"], false, "{s:#}");
+    daemon.terminate();
+}
+
 /// A log level that turns `info` off must not change what the daemon does: it once exited
 /// 0 at start under `--log warn`, because the shutdown signal was awaited inside an
 /// `info!` call whose arguments tracing never evaluated.
@@ -918,29 +943,54 @@ fn a_full_or_read_only_state_dir_never_leaves_a_task_pinned() {
 
 /// Cooperation with the host agent (issue 12), on the real kernel: a pty plays the host
 /// end of the channel and answers every report with an `applied` that holds the last
-/// vCPU. The daemon anchors the I/O-bound reader there (its own mask, journaled) and moves
-/// nothing else; when the host stops holding, the reader gets its original mask back
-/// within a few report periods; at SIGTERM nothing is left pinned.
+/// vCPU. With `anchor = "gather"` (the default) the daemon anchors the I/O-bound reader there (its own
+/// mask, journaled) and moves nothing else; when the host stops holding, the reader gets
+/// its original mask back within a few report periods; at SIGTERM nothing is left pinned.
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
     assert_root();
     assert_cpus(2);
-    let held_cpu = online_cpus() - 1;
+    host_hold_anchors("gather", Some(online_cpus() - 1));
+}
+
+/// `anchor = "stay"`: the host holds the vCPU the reader runs on (as the
+/// agent does, following the device kicks); the daemon pins it there and gives the
+/// original mask back when the hold ends. (That it leaves a task on another vCPU alone is
+/// `migrater::anchor`'s unit test.)
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_host_hold_keeps_the_io_bound_task_where_it_runs() {
+    assert_root();
+    assert_cpus(2);
+    host_hold_anchors("stay", None);
+}
+
+/// The CPU `tid` last ran on.
+fn last_cpu(tid: u32) -> usize {
+    let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).expect("stat");
+    os_layer::TaskStat::parse(&stat)
+        .and_then(|s| s.last_cpu)
+        .expect("last cpu") as usize
+}
+
+/// The host holds `fixed`, or where the reader last ran when None.
+fn host_hold_anchors(anchor: &str, fixed: Option<usize>) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
     let file = data_file();
     let reader = Reader::start(&file);
-    let original = cpus_of(reader.tid());
+    let tid = reader.tid();
+    let original = cpus_of(tid);
     let (pty, slave) = raw_pty();
     // Every request tracked, so the reader is found in the first windows.
     let config = format!(
-        "{SLEEPERS}\n[detector]\nsample_every_ms = 0\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
+        "{SLEEPERS}\n[detector]\nsample_every_ms = 0\n\n[migration]\nanchor = {anchor:?}\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
         slave.display().to_string()
     );
     let mut daemon =
         Daemon::start_with_config(tempfile::tempdir().unwrap(), &config, &["--no-metrics"]);
-    // The host: an `applied` per report, holding `held_cpu` while `hold` is set.
+    // The host: an `applied` per report, holding one vCPU while `hold` is set.
     let hold = Arc::new(AtomicBool::new(true));
     let done = Arc::new(AtomicBool::new(false));
     let host = {
@@ -959,6 +1009,7 @@ fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
                     else {
                         continue;
                     };
+                    let held_cpu = fixed.unwrap_or_else(|| last_cpu(tid));
                     let vcpus = r
                         .vcpus
                         .iter()
@@ -974,35 +1025,39 @@ fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
             }
         })
     };
+    let anchored = |_: &serde_json::Value| {
+        let on = cpus_of(tid);
+        on.len() == 1 && fixed.is_none_or(|c| on == [c])
+    };
     let s = daemon.wait_for(
         Duration::from_secs(20),
         "the reader anchored on the held vCPU",
-        |s| s["host_holds"] == true && cpus_of(reader.tid()) == [held_cpu],
+        |s| s["host_holds"] == true && anchored(s),
     );
+    let pinned = cpus_of(tid);
     eprintln!(
-        "anchored: migrations {} moves_allowed {}",
+        "anchored on {pinned:?}: migrations {} moves_allowed {}",
         s["migrations"], s["moves_allowed"]
     );
     assert_eq!(s["moves_allowed"], false, "no moves of its own while held");
     // Held for a while: it stays there (nothing chases running vCPUs).
     for _ in 0..10 {
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(cpus_of(reader.tid()), [held_cpu], "moved off the held vCPU");
+        assert_eq!(cpus_of(tid), pinned, "moved off the held vCPU");
     }
     hold.store(false, Ordering::Relaxed);
     daemon.wait_for(Duration::from_secs(10), "the hold to end", |s| {
-        s["host_holds"] == false && cpus_of(reader.tid()) == original
+        s["host_holds"] == false && cpus_of(tid) == original
     });
     hold.store(true, Ordering::Relaxed);
-    daemon.wait_for(Duration::from_secs(20), "anchored again", |_| {
-        cpus_of(reader.tid()) == [held_cpu]
-    });
+    daemon.wait_for(Duration::from_secs(20), "anchored again", |s| anchored(s));
     let log = daemon.terminate();
     done.store(true, Ordering::Relaxed);
-    assert_eq!(cpus_of(reader.tid()), original, "left pinned:\n{log}");
+    assert_eq!(cpus_of(tid), original, "left pinned:\n{log}");
     assert!(
         log.contains("the host agent favours these vCPUs"),
         "the hold is not logged:\n{log}"
     );
+    drop(reader);
     drop(host);
 }

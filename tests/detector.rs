@@ -392,6 +392,71 @@ fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
     );
 }
 
+/// Links the kernel holds for these programs: what says they are on their tracepoints.
+fn kernel_links_of(prog_ids: &[u32]) -> usize {
+    libbpf_rs::query::LinkInfoIter::default()
+        .filter(|l| prog_ids.contains(&l.prog_id))
+        .count()
+}
+
+/// Detached, the programs are off their tracepoints in the kernel (no link left) and count
+/// nothing; `resume` puts them back and they count again.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn detached_programs_leave_the_tracepoints_and_come_back() {
+    assert_root();
+    let _serial = serial();
+    let file = data_file();
+    let mut storage = TrackerStorage::new();
+    let tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
+    let ids = tracker.program_ids();
+    let hooks = tracker.hooks().len();
+    assert_eq!(ids.len(), hooks, "one loaded program per hook");
+    assert_eq!(kernel_links_of(&ids), hooks, "attached: one link per hook");
+    let mut det = Detector::new(tracker, ClassifierConfig::default());
+    let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
+    std::thread::sleep(Duration::from_millis(200));
+    let ios = |det: &mut Detector<'_>| -> u64 {
+        det.poll()
+            .expect("poll")
+            .cpus
+            .iter()
+            .map(|c| c.completions)
+            .sum()
+    };
+    let before = ios(&mut det);
+    det.detach().expect("detach");
+    assert!(!det.attached() && !det.tracking());
+    assert_eq!(kernel_links_of(&ids), 0, "detached programs still linked");
+    let reads0 = reader.count();
+    std::thread::sleep(Duration::from_millis(300));
+    let during = reader.count() - reads0;
+    assert!(
+        during > 20,
+        "the reader did not run while detached: {during} reads"
+    );
+    det.resume().expect("resume");
+    assert!(det.attached() && det.tracking());
+    assert_eq!(
+        kernel_links_of(&ids),
+        hooks,
+        "not linked again after resume"
+    );
+    let after_resume = ios(&mut det);
+    std::thread::sleep(Duration::from_millis(200));
+    let later = ios(&mut det);
+    eprintln!("completions: {before} before, {after_resume} right after {during} detached reads, {later} 200 ms later");
+    assert!(
+        after_resume < before + during / 2,
+        "detached programs counted the reads: {before} -> {after_resume} over {during} reads"
+    );
+    assert!(
+        later > after_resume + 20,
+        "no counting after resume: {after_resume} -> {later}"
+    );
+    reader.stop().expect("reader");
+}
+
 /// The classifier lives on tracked time: a pause is neither idle time nor CPU time, so a
 /// reader classified before a pause is measured right after it as the reader it is.
 #[test]

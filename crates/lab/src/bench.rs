@@ -46,6 +46,9 @@ pub enum Mode {
     Variant(&'static str),
     /// The host agent with keys of its own (`--agent-variant NAME=FILE`), no guest daemon.
     AgentVariant(&'static str),
+    /// Both programs, the guest daemon with a configuration of its own
+    /// (`--both-variant NAME=FILE`).
+    BothVariant(&'static str),
 }
 
 impl Mode {
@@ -58,7 +61,7 @@ impl Mode {
             Mode::Agent => "agent",
             Mode::Both => "both",
             Mode::VmigraterOracle => "vmigrater_oracle",
-            Mode::Variant(name) | Mode::AgentVariant(name) => name,
+            Mode::Variant(name) | Mode::AgentVariant(name) | Mode::BothVariant(name) => name,
         }
     }
     fn daemon(self) -> bool {
@@ -69,10 +72,14 @@ impl Mode {
                 | Mode::Both
                 | Mode::VmigraterOracle
                 | Mode::Variant(_)
+                | Mode::BothVariant(_)
         )
     }
     fn agent(self) -> bool {
-        matches!(self, Mode::Agent | Mode::Both | Mode::AgentVariant(_))
+        matches!(
+            self,
+            Mode::Agent | Mode::Both | Mode::AgentVariant(_) | Mode::BothVariant(_)
+        )
     }
 }
 
@@ -119,6 +126,8 @@ pub struct Options {
     pub variants: Vec<(&'static str, String)>,
     /// Extra host-agent modes: (name, top-level agent configuration keys).
     pub agent_variants: Vec<(&'static str, String)>,
+    /// Extra modes of both programs, the daemon with its own configuration: (name, text).
+    pub both_variants: Vec<(&'static str, String)>,
 }
 
 pub struct Guest {
@@ -516,10 +525,11 @@ fn run_once(
             guest::start_daemon_with(&mut a.vm, "--config /tmp/oracle.toml")?;
             oracle_offset = Some((offset, err));
         }
-        Mode::Variant(name) => {
+        Mode::Variant(name) | Mode::BothVariant(name) => {
             let cfg = opts
                 .variants
                 .iter()
+                .chain(opts.both_variants.iter())
                 .find(|(n, _)| *n == name)
                 .map(|(_, c)| c)
                 .context("a variant without its configuration")?;
@@ -780,6 +790,7 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
                 .iter()
                 .map(|(n, _)| Mode::AgentVariant(n)),
         )
+        .chain(opts.both_variants.iter().map(|(n, _)| Mode::BothVariant(n)))
         .filter(|m| opts.modes.is_empty() || opts.modes.iter().any(|o| o == m.name()))
         .collect();
     for rep in 0..opts.reps {

@@ -136,6 +136,7 @@ impl Lab {
             modes: vec![],
             variants: vec![],
             agent_variants: vec![],
+            both_variants: vec![],
         };
         let mut guests = bench::boot(&scenario(), &opts, &kernel, &lab, name)?;
         let ms = workload.as_millis() + 60_000;

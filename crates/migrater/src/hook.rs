@@ -203,26 +203,28 @@ impl TickHook for MigrationHook {
     }
 }
 
-/// While the host agent favours the `held` vCPUs: each of `tasks` (tid, tgid, start time)
-/// pinned to one of them (`anchor::moves`; taken over through the executor like any move,
-/// so journaled and restored the same way). Returns the tids that sit on a held vCPU now.
+/// While the host agent favours the `held` vCPUs: `tasks` (tid, tgid, start time, last
+/// CPU) pinned to them as `policy` says (`anchor::moves`; taken over through the executor
+/// like any move, so journaled and restored the same way). Returns the tids that sit on a
+/// held vCPU now.
 pub fn anchor_on_held(
     shared: &Shared,
     placement: &mut Placement,
-    tasks: &[(u32, u32, u64)],
+    tasks: &[(u32, u32, u64, usize)],
     held: &[usize],
+    policy: crate::anchor::Policy,
 ) -> Vec<u32> {
-    let own: Vec<(u32, u32, u64)> = tasks
+    let own: Vec<(u32, u32, u64, usize)> = tasks
         .iter()
         .copied()
-        .filter(|&(tid, _, start)| !placement.hands_off.contains(&(tid, start)))
+        .filter(|&(tid, _, start, _)| !placement.hands_off.contains(&(tid, start)))
         .collect();
-    let now: Vec<(u32, Option<usize>)> = own
+    let now: Vec<(u32, Option<usize>, usize)> = own
         .iter()
-        .map(|&(tid, _, _)| (tid, placement.placed_on(tid)))
+        .map(|&(tid, _, _, last)| (tid, placement.placed_on(tid), last))
         .collect();
-    for (tid, to) in crate::anchor::moves(&now, held) {
-        let Some(&(_, tgid, start_time)) = own.iter().find(|t| t.0 == tid) else {
+    for (tid, to) in crate::anchor::moves(&now, held, policy) {
+        let Some(&(_, tgid, start_time, _)) = own.iter().find(|t| t.0 == tid) else {
             continue;
         };
         if let Some(ex) = placement.executor.as_mut() {

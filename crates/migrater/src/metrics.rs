@@ -85,6 +85,7 @@ pub struct Metrics {
     guard_verdicts: Family<VerdictLabel, Counter>,
     /// 1 while the block programs track requests, 0 between samples.
     pub block_tracking: Gauge,
+    pub block_attached: Gauge,
 }
 
 impl Metrics {
@@ -110,6 +111,7 @@ impl Metrics {
             moves_allowed: Gauge::default(),
             host_holds: Gauge::default(),
             block_tracking: Gauge::default(),
+            block_attached: Gauge::default(),
             guard_verdicts: Family::default(),
             registry: Registry::with_prefix("vmigrater"),
         };
@@ -226,6 +228,12 @@ impl Metrics {
             "block_tracking",
             "1 while the block I/O programs track requests, 0 between samples (detector.sample_ms of every detector.sample_every_ms)",
             m.block_tracking.clone(),
+        );
+        m.block_attached.set(1);
+        r.register(
+            "block_programs_attached",
+            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain",
+            m.block_attached.clone(),
         );
         for pays in ["true", "false"] {
             let _ = m.guard_verdicts.get_or_create(&VerdictLabel { pays });

@@ -123,7 +123,19 @@ impl<'obj> Detector<'obj> {
         Ok(())
     }
 
-    /// Tracks block I/O again after `pause`.
+    /// Whether the programs are on their tracepoints (see `detach`).
+    pub fn attached(&self) -> bool {
+        self.tracker.attached()
+    }
+
+    /// `pause`, and the programs off their tracepoints until `resume`: for long pauses,
+    /// where even a program that returns at once costs every request something.
+    pub fn detach(&mut self) -> Result<()> {
+        self.pause()?;
+        self.tracker.detach(vcpu_clock())
+    }
+
+    /// Tracks block I/O again after `pause` or `detach`.
     pub fn resume(&mut self) -> Result<()> {
         let Some(at) = self.paused_at else {
             return Ok(());

@@ -66,8 +66,8 @@ impl Default for TrackerStorage {
 /// that opened them, so a daemon opens its tracker on the thread that polls it.
 pub struct IoTracker<'obj> {
     // Field order is drop order: links detach first, then the skeleton closes its
-    // programs and maps; the storage it borrows outlives both.
-    _links: Vec<Link>,
+    // programs and maps; the storage it borrows outlives both. Empty while detached.
+    links: Vec<Link>,
     skel: IotrackSkel<'obj>,
     mode: AttachMode,
     hooks: Vec<&'static str>,
@@ -175,7 +175,7 @@ impl<'obj> IoTracker<'obj> {
             .unwrap_or(1)
             .min(MAX_CPUS as usize) as u32;
         Ok(IoTracker {
-            _links: links,
+            links,
             paused: false,
             skel,
             mode,
@@ -265,11 +265,57 @@ impl<'obj> IoTracker<'obj> {
         Ok(())
     }
 
-    /// Tracks again after `pause`.
+    /// Tracks again after `pause` (attaching first if detached).
     pub fn resume(&mut self) -> Result<()> {
+        self.attach()?;
         if self.paused {
             self.set_paused(false)?;
         }
+        Ok(())
+    }
+
+    /// Whether the programs sit on their tracepoints (paused or not).
+    pub fn attached(&self) -> bool {
+        !self.links.is_empty()
+    }
+
+    /// Pauses, then takes the programs off their tracepoints: while paused each request
+    /// still runs a program that returns at once (~1-2 µs under TCG, on the issuing
+    /// path and in the completion interrupt); detached, none. Detaching and attaching
+    /// patch kernel text (static keys, IPIs to every CPU), so this is for long pauses
+    /// only; maps and what the classifier knows stay.
+    pub fn detach(&mut self, now_ns: u64) -> Result<()> {
+        self.pause(now_ns)?;
+        self.links.clear();
+        Ok(())
+    }
+
+    /// The kernel ids of the loaded programs (`bpftool prog show id N`; the links the
+    /// kernel holds for them say whether they are attached).
+    pub fn program_ids(&self) -> Vec<u32> {
+        use std::os::fd::AsFd;
+        self.skel
+            .object()
+            .progs()
+            .filter(|p| p.autoload())
+            .filter_map(|p| libbpf_rs::Program::id_from_fd(p.as_fd()).ok())
+            .collect()
+    }
+
+    /// Puts detached programs back on their tracepoints, still paused.
+    pub fn attach(&mut self) -> Result<()> {
+        if self.attached() {
+            return Ok(());
+        }
+        let wanted: Vec<String> = self.hooks.iter().map(|h| prog_name(self.mode, h)).collect();
+        let mut links = Vec::new();
+        for prog in self.skel.object().progs_mut() {
+            let name = prog.name().to_string_lossy().to_string();
+            if wanted.contains(&name) {
+                links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
+            }
+        }
+        self.links = links;
         Ok(())
     }
 

@@ -102,6 +102,27 @@ pub enum MonitorSource {
     Oracle,
 }
 
+/// `migration.anchor`: what the daemon does with I/O-bound tasks while the host agent
+/// favours vCPUs (`migrater::anchor::Policy`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum AnchorSetting {
+    /// Pin every I/O-bound task to a favoured vCPU.
+    #[default]
+    Gather,
+    /// Pin a task that runs on a favoured vCPU there; leave the others alone.
+    Stay,
+}
+
+impl From<AnchorSetting> for migrater::anchor::Policy {
+    fn from(a: AnchorSetting) -> Self {
+        match a {
+            AnchorSetting::Stay => migrater::anchor::Policy::Stay,
+            AnchorSetting::Gather => migrater::anchor::Policy::Gather,
+        }
+    }
+}
+
 /// `detector.attach_mode`: the best mode the kernel offers, or one insisted on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -170,6 +191,12 @@ pub struct DetectorSection {
     /// them (under QEMU TCG each tracked request paid ~56 us). 0: track every request.
     pub sample_ms: u64,
     pub sample_every_ms: u64,
+    /// With nothing to gain (no vCPU descheduled while another runs, no host agent that
+    /// could use our figures) for this long, the block programs come off their
+    /// tracepoints; paused, each request still runs two that return at once. Attaching
+    /// again patches kernel text, so not much shorter than a few contention windows (2 s).
+    /// 0: never detach.
+    pub detach_after_ms: u64,
 }
 
 impl Default for DetectorSection {
@@ -180,6 +207,7 @@ impl Default for DetectorSection {
             idle_poll_ms: 40,
             sample_ms: 250,
             sample_every_ms: 2_500,
+            detach_after_ms: 10_000,
         }
     }
 }
@@ -199,6 +227,9 @@ pub struct MigrationSection {
     pub guard: bool,
     /// Length of one guard epoch.
     pub guard_epoch_ms: u64,
+    /// While the host agent favours vCPUs: "gather" pins every I/O-bound task to one,
+    /// "stay" only a task found on one, there.
+    pub anchor: AnchorSetting,
 }
 
 impl Default for MigrationSection {
@@ -209,6 +240,7 @@ impl Default for MigrationSection {
             exclude_comm: Vec::new(),
             guard: true,
             guard_epoch_ms: 1_000,
+            anchor: AnchorSetting::Gather,
         }
     }
 }
@@ -339,6 +371,15 @@ impl Config {
         let d = &self.detector;
         in_range("detector.window_ms", d.window_ms, 1, 1_000)?;
         in_range("detector.idle_poll_ms", d.idle_poll_ms, 1, 60_000)?;
+        if d.detach_after_ms != 0 {
+            in_range(
+                "detector.detach_after_ms",
+                d.detach_after_ms,
+                1_000,
+                3_600_000,
+            )
+            .map_err(|e| Invalid::new(&e.key, format!("{}, or 0 never to detach", e.message)))?;
+        }
         // 0 tracks every request; sample_ms is unused then.
         if d.sample_every_ms != 0 {
             in_range("detector.sample_ms", d.sample_ms, d.window_ms, 60_000).map_err(|e| {
@@ -593,6 +634,13 @@ mod tests {
         assert!(
             ok("[detector]\nwindow_ms = 200\nsample_ms = 400\nsample_every_ms = 4000\n").is_ok()
         );
+        assert_eq!(
+            ok("[detector]\ndetach_after_ms = 0\n")
+                .unwrap()
+                .detach_after_ms,
+            0,
+            "0 never detaches"
+        );
         for (text, key) in [
             (
                 "[detector]\nwindow_ms = 50\nsample_ms = 20\n",
@@ -613,6 +661,10 @@ mod tests {
             (
                 "[detector]\nidle_poll_ms = 60001\n",
                 "detector.idle_poll_ms",
+            ),
+            (
+                "[detector]\ndetach_after_ms = 500\n",
+                "detector.detach_after_ms",
             ),
         ] {
             let err = format!("{:#}", ok(text).unwrap_err());

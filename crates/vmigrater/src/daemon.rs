@@ -144,6 +144,7 @@ impl Running {
             moves_allowed: self.shared.metrics.moves_allowed.get() != 0,
             host_holds: self.shared.metrics.host_holds.get() != 0,
             block_tracking: self.shared.metrics.block_tracking.get() != 0,
+            block_attached: self.shared.metrics.block_attached.get() != 0,
             guard_pays: self.shared.metrics.guard_verdicts().0,
             guard_holds: self.shared.metrics.guard_verdicts().1,
             demand: if tasks.is_empty() { "idle" } else { "active" }.into(),
@@ -583,6 +584,12 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
     );
     let mut contended = false;
     let mut wanted_tracking = true;
+    // With nothing to gain for `detach_after` the block programs come off their
+    // tracepoints; the first window that could gain puts them back.
+    let detach_after = (cfg.detector.detach_after_ms > 0)
+        .then(|| Duration::from_millis(cfg.detector.detach_after_ms));
+    // Since when nothing could gain (None while something could).
+    let mut quiet_since: Option<Instant> = None;
     let mut guard = (cfg.migration.guard && !cfg.dry_run).then(|| {
         MoveGuard::new(GuardConfig {
             epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
@@ -636,6 +643,31 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
             }
         }
         wanted_tracking = wants_tracking;
+        if wants_tracking {
+            quiet_since = None;
+            if !detector.attached() {
+                info!("something to gain again: the block programs go back on their tracepoints");
+            }
+        } else if detach_after.is_some_and(|after| {
+            detector.attached() && quiet_since.get_or_insert_with(Instant::now).elapsed() >= after
+        }) {
+            match detector.detach() {
+                Ok(()) => {
+                    // What the last sample found goes stale with no sample to come; the
+                    // per-vCPU counts stand still too (below), so the host is told nothing
+                    // and the channel goes quiet until something could gain.
+                    found.clear();
+                    info!(
+                        after_ms = cfg.detector.detach_after_ms,
+                        "nothing to gain: the block programs come off their tracepoints"
+                    )
+                }
+                Err(e) => {
+                    shared.metrics.detector_errors.inc();
+                    warn!("detaching the block programs failed: {e:#}");
+                }
+            }
+        }
         if schedule.is_none() && wants_tracking != detector.tracking() {
             let switched = if wants_tracking {
                 detector.resume()
@@ -687,6 +719,10 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
             .metrics
             .block_tracking
             .set(i64::from(detector.tracking()));
+        shared
+            .metrics
+            .block_attached
+            .set(i64::from(detector.attached()));
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let disk = if guard.is_some() || schedule.is_some() {
@@ -715,7 +751,7 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
             cpu_io.store(Arc::new(cpus));
             sampled_cpus = out.cpus;
             found = out.tasks;
-        } else if let Some(d) = disk {
+        } else if let Some(d) = disk.filter(|_| detector.attached()) {
             cpu_io.store(Arc::new(estimate.update(&sampled_cpus, d)));
         }
         let progress = disk.unwrap_or(last_completions);
@@ -824,11 +860,24 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
         }
         let anchored_now: Vec<(u32, String)> = if host_holds {
             let mut placement = lock_placement(&shared.placement);
-            let tasks: Vec<(u32, u32, u64)> = eligible
+            let tasks: Vec<(u32, u32, u64, usize)> = eligible
                 .iter()
-                .map(|i| (i.task.tid, i.task.tgid, i.start_time))
+                .map(|i| {
+                    (
+                        i.task.tid,
+                        i.task.tgid,
+                        i.start_time,
+                        i.task.last_cpu as usize,
+                    )
+                })
                 .collect();
-            let on_held = migrater::hook::anchor_on_held(shared, &mut placement, &tasks, &held);
+            let on_held = migrater::hook::anchor_on_held(
+                shared,
+                &mut placement,
+                &tasks,
+                &held,
+                cfg.migration.anchor.into(),
+            );
             eligible
                 .iter()
                 .filter(|i| on_held.contains(&i.task.tid))
@@ -886,8 +935,12 @@ fn detect_loop(mut detector: Detector<'_>, cfg: &Config, env: &DetectEnv<'_>) {
         // On hold nothing is decided per window: the guard needs only an epoch's count.
         let nap = if detector.tracking() && (active || io_seen) && moves_allowed {
             window
-        } else if !detector.tracking() && guard.as_ref().is_none_or(|g| !g.probing()) {
-            // Paused with nothing to measure: wake for the next sample only.
+        } else if !detector.tracking()
+            && (!contended || guard.as_ref().is_none_or(|g| !g.probing()))
+        {
+            // Paused with nothing to measure (a guard probe needs contention too): wake
+            // for the next sample or contention check only; the guard's 200 ms epochs
+            // had woken this thread ~5 times a second in sweep1 for nothing.
             nap_limit
         } else {
             idle

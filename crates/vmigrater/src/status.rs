@@ -70,6 +70,10 @@ pub struct StatusReport {
     pub host_holds: bool,
     /// Whether the block programs track requests now (false between samples).
     pub block_tracking: bool,
+    /// Whether the block programs are on their tracepoints (false once detached after a
+    /// long time with nothing to gain).
+    #[serde(default = "yes")]
+    pub block_attached: bool,
     /// Probes of the move guard that found moves paying / not paying.
     #[serde(default)]
     pub guard_pays: u64,
@@ -99,17 +103,26 @@ pub fn query(state_dir: &Path) -> Result<StatusReport> {
 }
 
 /// Human-readable rendering of a report.
+fn yes() -> bool {
+    true
+}
+
 pub fn render(r: &StatusReport) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
-        "vmigrater {} pid {} up {:.0}s  attach={}  monitor={}  demand={}{}",
+        "vmigrater {} pid {} up {:.0}s  attach={}  monitor={}  demand={}  block programs {}{}",
         r.version,
         r.pid,
         r.uptime_s,
         r.attach_mode,
         r.monitor_source,
         r.demand,
+        match (r.block_attached, r.block_tracking) {
+            (false, _) => "detached",
+            (true, true) => "tracking",
+            (true, false) => "paused",
+        },
         if r.dry_run { "  DRY-RUN" } else { "" }
     );
     let l = &r.migration_latency_us;

@@ -59,6 +59,10 @@ enum Cmd {
         /// top-level keys of FILE (repeatable; no guest daemon): agent ablations.
         #[arg(long, value_name = "NAME=FILE")]
         agent_variant: Vec<String>,
+        /// An extra mode NAME of both programs, the guest daemon with the configuration
+        /// FILE (repeatable): `both` ablations.
+        #[arg(long, value_name = "NAME=FILE")]
+        both_variant: Vec<String>,
         #[arg(long, default_value = "target/bench/lab.json")]
         out: PathBuf,
     },
@@ -137,10 +141,12 @@ fn run() -> Result<()> {
             guest_config,
             variant,
             agent_variant,
+            both_variant,
             out,
         } => {
             let variants = named_files("--variant", &variant)?;
             let agent_variants = named_files("--agent-variant", &agent_variant)?;
+            let both_variants = named_files("--both-variant", &both_variant)?;
             let guest_config = match guest_config {
                 Some(p) => std::fs::read_to_string(&p)
                     .with_context(|| format!("--guest-config {}", p.display()))?,
@@ -154,6 +160,7 @@ fn run() -> Result<()> {
                 modes,
                 variants,
                 agent_variants,
+                both_variants,
             };
             bench_all(opts, &only, &out)
         }

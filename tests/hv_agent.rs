@@ -279,57 +279,6 @@ fn io_share_is_paid_for_by_the_same_vm() {
     assert_eq!(nices(&t), vec![0, 0, 0, 0], "nice not restored:\n{log}");
 }
 
-/// A vCPU alone on its host CPU has nothing to take a favour from but the VMM's own
-/// threads (its I/O path): one VM, one vCPU thread per CPU, a guest that says vCPU 0 holds
-/// its I/O — nothing is changed. The same report with a second VM sharing the CPUs is
-/// `io_share_is_paid_for_by_the_same_vm`.
-#[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
-fn a_vm_alone_on_its_cpus_gets_no_favour() {
-    assert_root();
-    if std::thread::available_parallelism().unwrap().get() < 2 {
-        eprintln!(
-            "\n******** SKIPPED a_vm_alone_on_its_cpus_gets_no_favour: needs 2 CPUs ********\n"
-        );
-        return;
-    }
-    let hogs = Hogs::start(&[0, 1]);
-    let t = hogs.tids.clone();
-    let dir = tempfile::tempdir().unwrap();
-    let sock = dir.path().join("solo.sock");
-    let listener = UnixListener::bind(&sock).unwrap();
-    let agent = Agent::start(
-        dir.path(),
-        &format!(
-            "[[vm]]\nname = \"solo\"\nhint_socket = {:?}\nvcpu_threads = [{}, {}]\n",
-            sock.display().to_string(),
-            t[0],
-            t[1]
-        ),
-    );
-    let mut g = guest(&listener, 2);
-    let t0 = Instant::now();
-    let mut seq = 0;
-    let mut seen = Vec::new();
-    while t0.elapsed() < Duration::from_millis(1500) {
-        seq += 1;
-        g.write_all(report_tasks(seq, &[(0, 1), (1, 0)]).as_bytes())
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(25));
-        seen.push((nice_of(t[0]), nice_of(t[1])));
-    }
-    let s = agent.status().expect("agent status");
-    let log = agent.terminate();
-    let vcpu0 = &s["vms"][0]["vcpus"][0];
-    assert_eq!(vcpu0["source"], "guest", "{s:#}");
-    assert_eq!(vcpu0["host_cpu"], 0, "{s:#}");
-    assert_eq!(vcpu0["carries_io"], false, "{s:#}");
-    assert!(
-        seen.iter().all(|&n| n == (0, 0)),
-        "a vCPU alone on its CPU was favoured: nices over time {seen:?}\n{log}"
-    );
-}
-
 /// The ledger's rule on the host: at exit the agent puts back only what still carries
 /// its own last change; a nice or a mask somebody else set after it stays theirs.
 #[test]

@@ -172,22 +172,6 @@ fn alive(tid: u32) -> bool {
 }
 
 /// The CPU a thread is pinned to, if exactly one.
-/// Which vCPUs sit alone on their host CPU (pure; `usize::MAX` = not pinned, unknown).
-/// A favour takes CPU time from whatever shares the favoured thread's CPU; with no other
-/// vCPU there, that is the VMM's own threads — the I/O path itself — so it buys the I/O
-/// nothing: in the lab's sweep1 (one vCPU per host CPU) the agent read 0.96× vanilla,
-/// paired 0.99× [0.90, 1.04] over 14 runs, favouring a vCPU each run. Where any vCPU's CPU
-/// is unknown (not pinned), nobody is judged alone: it could run anywhere.
-fn alone_on_their_cpu(run_queues: &[usize]) -> Vec<bool> {
-    if run_queues.contains(&usize::MAX) {
-        return vec![false; run_queues.len()];
-    }
-    run_queues
-        .iter()
-        .map(|q| run_queues.iter().filter(|o| *o == q).count() == 1)
-        .collect()
-}
-
 fn pinned_cpu(tid: u32) -> Option<usize> {
     let cpus = os_layer::get_cpus(tid).ok()?;
     (cpus.len() == 1).then(|| cpus[0])
@@ -429,13 +413,6 @@ impl Agent {
                 }
             }
         }
-        let queues: Vec<usize> = figures.iter().map(|f| f.run_queue).collect();
-        for (f, alone) in figures.iter_mut().zip(alone_on_their_cpu(&queues)) {
-            if alone && f.carries_io {
-                f.carries_io = false;
-                self.vms[f.key.0].tracks[f.key.1 as usize].status.carries_io = false;
-            }
-        }
         figures
     }
 
@@ -673,20 +650,6 @@ mod tests {
         assert!(carries_io(None, 0b1011));
         assert!(!carries_io(None, 0b0101), "stray wake-ups");
         assert!(!carries_io(None, 0b1111_0000), "older than four periods");
-    }
-
-    #[test]
-    fn a_vcpu_alone_on_its_cpu_has_nobody_to_take_from() {
-        const UNPINNED: usize = usize::MAX;
-        // sweep1: one vCPU per host CPU.
-        assert_eq!(alone_on_their_cpu(&[0, 1]), vec![true, true]);
-        // main: VM A's and VM B's vCPUs share each CPU.
-        assert_eq!(alone_on_their_cpu(&[0, 1, 0, 1]), vec![false; 4]);
-        // A third CPU with one vCPU on it, beside a shared one.
-        assert_eq!(alone_on_their_cpu(&[0, 0, 2]), vec![false, false, true]);
-        // An unpinned thread may run anywhere: nobody is alone.
-        assert_eq!(alone_on_their_cpu(&[0, UNPINNED]), vec![false, false]);
-        assert!(alone_on_their_cpu(&[]).is_empty());
     }
 
     #[test]

@@ -111,6 +111,12 @@ impl MoveGuard {
         matches!(self.phase, Phase::Probing { .. })
     }
 
+    /// Whether moves stay on hold past `t_ns`: until then nothing is decided or measured,
+    /// so nothing needs to be tracked either.
+    pub fn holds_past(&self, t_ns: u64) -> bool {
+        matches!(self.phase, Phase::Holding { until_ns } if until_ns > t_ns)
+    }
+
     /// Whether the daemon may move tasks now.
     pub fn moves_allowed(&self) -> bool {
         match self.phase {
@@ -306,6 +312,29 @@ mod tests {
                 return v;
             }
         }
+    }
+
+    #[test]
+    fn a_hold_is_seen_until_its_end_and_never_while_probing_or_trusting() {
+        let mut g = guard();
+        let (mut t, mut c) = (0, 0);
+        assert!(!g.holds_past(t), "a new guard probes first");
+        let v = probe(&mut g, &mut t, &mut c, |_| 100);
+        assert!(!v.pays);
+        let end = t + v.for_ns;
+        assert!(g.holds_past(t) && g.holds_past(end - 1));
+        assert!(!g.holds_past(end), "the hold ends when its probe is due");
+        // The next probe starts at the end of the hold; moves that pay end the hold.
+        t = end;
+        g.observe(t, c, true);
+        let v = probe(
+            &mut g,
+            &mut t,
+            &mut c,
+            |moves| if moves { 200 } else { 100 },
+        );
+        assert!(v.pays);
+        assert!(!g.holds_past(t));
     }
 
     #[test]

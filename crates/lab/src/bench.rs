@@ -117,6 +117,9 @@ pub struct Options {
     pub bin_dir: PathBuf,
     pub secs: u64,
     pub reps: u32,
+    /// VM A's workload runs this long before the measured one, with the mode's programs
+    /// started: a warm run (0: cold, the programs start with the measured workload).
+    pub warmup_secs: u64,
     /// The guest daemon's /etc/vmigrater/vmigrater.toml (None: its built-in defaults).
     pub guest_config: Option<String>,
     /// Only these modes (empty: the scenario's).
@@ -456,6 +459,16 @@ fn units_per_s(w: &Value) -> f64 {
     }
 }
 
+/// The shell line that starts VM A's workload for `secs` in the background, its JSON
+/// to `out`.
+fn a_workload(a: &Guest, out: &str, secs: u64) -> Result<String> {
+    Ok(format!(
+        "rm -f {out}; setsid vmigrater-workload --file /dev/vda --readers 1 --seq-readers 1 --hogs {} --duration-ms {} </dev/null >{out} 2>{out}.err &",
+        a.vcpus.len(),
+        secs * 1000
+    ))
+}
+
 /// One run of `mode`; VM A's workload lasts `opts.secs`.
 fn run_once(
     sc: &Scenario,
@@ -570,7 +583,7 @@ fn run_once(
             &format!(
                 "rm -f /tmp/w.json; setsid vmigrater-workload --file /dev/null --readers 0 --hogs {} --duration-ms {} </dev/null >/tmp/w.json 2>/tmp/w.json.err &",
                 h.vcpus.len(),
-                (secs + 4) * 1000
+                (opts.warmup_secs + secs + 4) * 1000
             ),
             Duration::from_secs(60),
         )?;
@@ -593,6 +606,17 @@ fn run_once(
             .map(|&t| host::cpu_seconds(g.vm.pid(), t))
             .sum()
     };
+    if opts.warmup_secs > 0 {
+        let w = a_workload(a, "/tmp/warm.json", opts.warmup_secs)?;
+        a.vm.sh(&w, Duration::from_secs(60))?;
+        // Polled only once it should be done: the polls are guest work too.
+        std::thread::sleep(Duration::from_secs(opts.warmup_secs));
+        guest::read_json(
+            &mut a.vm,
+            "/tmp/warm.json",
+            Duration::from_secs(opts.warmup_secs + 120),
+        )?;
+    }
     let (migrations0, daemon0) = if mode.daemon() {
         (guest_migrations(&mut a.vm), daemon_threads_cpu(&mut a.vm))
     } else {
@@ -602,11 +626,7 @@ fn run_once(
     let b0: f64 = hogs.iter().map(vcpu_cpu).sum();
     let t0 = Instant::now();
     a.vm.sh(
-        &format!(
-            "rm -f /tmp/w.json; setsid vmigrater-workload --file /dev/vda --readers 1 --seq-readers 1 --hogs {} --duration-ms {} </dev/null >/tmp/w.json 2>/tmp/w.json.err &",
-            a.vcpus.len(),
-            secs * 1000
-        ),
+        &a_workload(a, "/tmp/w.json", secs)?,
         Duration::from_secs(60),
     )?;
     let mut agent_samples = Vec::new();
@@ -640,6 +660,7 @@ fn run_once(
             "pays": v["guard_pays"],
             "holds": v["guard_holds"],
             "monitor_source": v["monitor_source"],
+            "block_attached": v["block_attached"],
         })
     });
     let mut daemon_cpu = Vec::new();

@@ -132,6 +132,7 @@ impl Lab {
             bin_dir: bin_dir.to_path_buf(),
             secs: workload.as_secs(),
             reps: 1,
+            warmup_secs: 0,
             guest_config: Some(guest_config.to_string()),
             modes: vec![],
             variants: vec![],

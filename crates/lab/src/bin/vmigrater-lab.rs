@@ -42,6 +42,11 @@ enum Cmd {
         /// Repetitions of every mode.
         #[arg(long, default_value_t = 3)]
         reps: u32,
+        /// Seconds of VM A's workload run before the measured one, with the programs
+        /// already started (0: they start with the measured workload, cold). A daemon
+        /// lives for days: a warm run measures it after its first verdicts, not its start.
+        #[arg(long, default_value_t = 0)]
+        warmup_secs: u64,
         /// Only these scenarios (comma-separated names: steal, steal_inphase, main, four, quad, sweep1, sweep4, free).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
@@ -136,6 +141,7 @@ fn run() -> Result<()> {
             bin_dir,
             secs,
             reps,
+            warmup_secs,
             only,
             modes,
             guest_config,
@@ -156,6 +162,7 @@ fn run() -> Result<()> {
                 bin_dir,
                 secs,
                 reps,
+                warmup_secs,
                 guest_config: Some(guest_config),
                 modes,
                 variants,
@@ -255,7 +262,7 @@ fn scenarios() -> Vec<Scenario> {
             hog_vcpus: 2,
             host_steal: &[],
             pinned: true,
-            modes: vec![Vanilla, Vmigrater, Both],
+            modes: vec![Vanilla, Vmigrater, Agent, Both],
         },
         Scenario {
             name: "free",
@@ -348,6 +355,7 @@ fn write(out: &PathBuf, opts: &Options, results: &[serde_json::Value]) -> Result
         },
         "params": {
             "secs_per_run": opts.secs,
+            "warmup_secs": opts.warmup_secs,
             "reps": opts.reps,
             "host_slice_ms": bench::HOST_SLICE_NS as f64 / 1e6,
             "vcpu_scheduling": "every vCPU thread a peer (autogroups off), vCPU i pinned to host CPU i mod 2",

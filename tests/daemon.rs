@@ -1009,7 +1009,14 @@ fn host_hold_anchors(anchor: &str, fixed: Option<usize>) {
                     else {
                         continue;
                     };
-                    let held_cpu = fixed.unwrap_or_else(|| last_cpu(tid));
+                    // Where the reader is pinned once it is (a real agent keeps holding
+                    // the vCPU its I/O comes from), else where it last ran: following
+                    // `last_cpu` alone flipped the hold to the reader's previous vCPU for a
+                    // reply after the pin, before the blocked reader had moved.
+                    let held_cpu = fixed.unwrap_or_else(|| match cpus_of(tid)[..] {
+                        [on] => on,
+                        _ => last_cpu(tid),
+                    });
                     let vcpus = r
                         .vcpus
                         .iter()

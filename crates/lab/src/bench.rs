@@ -461,12 +461,12 @@ fn units_per_s(w: &Value) -> f64 {
 
 /// The shell line that starts VM A's workload for `secs` in the background, its JSON
 /// to `out`.
-fn a_workload(a: &Guest, out: &str, secs: u64) -> Result<String> {
-    Ok(format!(
+fn a_workload(a: &Guest, out: &str, secs: u64) -> String {
+    format!(
         "rm -f {out}; setsid vmigrater-workload --file /dev/vda --readers 1 --seq-readers 1 --hogs {} --duration-ms {} </dev/null >{out} 2>{out}.err &",
         a.vcpus.len(),
         secs * 1000
-    ))
+    )
 }
 
 /// One run of `mode`; VM A's workload lasts `opts.secs`.
@@ -607,7 +607,7 @@ fn run_once(
             .sum()
     };
     if opts.warmup_secs > 0 {
-        let w = a_workload(a, "/tmp/warm.json", opts.warmup_secs)?;
+        let w = a_workload(a, "/tmp/warm.json", opts.warmup_secs);
         a.vm.sh(&w, Duration::from_secs(60))?;
         // Polled only once it should be done: the polls are guest work too.
         std::thread::sleep(Duration::from_secs(opts.warmup_secs));
@@ -625,10 +625,7 @@ fn run_once(
     let (busy0, lab0, a0, steal0) = (host_busy_s(), lab_cpu(), vcpu_cpu(a), host_steal_s());
     let b0: f64 = hogs.iter().map(vcpu_cpu).sum();
     let t0 = Instant::now();
-    a.vm.sh(
-        &a_workload(a, "/tmp/w.json", secs)?,
-        Duration::from_secs(60),
-    )?;
+    a.vm.sh(&a_workload(a, "/tmp/w.json", secs), Duration::from_secs(60))?;
     let mut agent_samples = Vec::new();
     let end = t0 + Duration::from_secs(secs);
     while Instant::now() < end {

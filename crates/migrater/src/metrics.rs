@@ -232,7 +232,7 @@ impl Metrics {
         m.block_attached.set(1);
         r.register(
             "block_programs_attached",
-            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain",
+            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain or while the move guard holds",
             m.block_attached.clone(),
         );
         for pays in ["true", "false"] {

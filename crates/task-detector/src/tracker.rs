@@ -77,6 +77,18 @@ pub struct IoTracker<'obj> {
 }
 
 /// The BPF program implementing `hook` in `mode` (see bpf/iotrack.bpf.c).
+/// The `wanted` programs of `skel` put on their tracepoints.
+fn attach_links(skel: &IotrackSkel<'_>, wanted: &[String]) -> Result<Vec<Link>> {
+    let mut links = Vec::new();
+    for prog in skel.object().progs_mut() {
+        let name = prog.name().to_string_lossy().to_string();
+        if wanted.contains(&name) {
+            links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
+        }
+    }
+    Ok(links)
+}
+
 fn prog_name(mode: AttachMode, hook: &str) -> String {
     let prefix = match mode {
         AttachMode::TpBtf => "btf",
@@ -200,13 +212,7 @@ impl<'obj> IoTracker<'obj> {
         let skel = open
             .load()
             .with_context(|| format!("loading the {mode} programs"))?;
-        let mut links = Vec::new();
-        for prog in skel.object().progs_mut() {
-            let name = prog.name().to_string_lossy().to_string();
-            if wanted.contains(&name) {
-                links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
-            }
-        }
+        let links = attach_links(&skel, wanted)?;
         Ok((skel, links))
     }
 
@@ -308,14 +314,7 @@ impl<'obj> IoTracker<'obj> {
             return Ok(());
         }
         let wanted: Vec<String> = self.hooks.iter().map(|h| prog_name(self.mode, h)).collect();
-        let mut links = Vec::new();
-        for prog in self.skel.object().progs_mut() {
-            let name = prog.name().to_string_lossy().to_string();
-            if wanted.contains(&name) {
-                links.push(prog.attach().with_context(|| format!("attaching {name}"))?);
-            }
-        }
-        self.links = links;
+        self.links = attach_links(&self.skel, &wanted)?;
         Ok(())
     }
 

@@ -71,7 +71,7 @@ pub struct StatusReport {
     /// Whether the block programs track requests now (false between samples).
     pub block_tracking: bool,
     /// Whether the block programs are on their tracepoints (false once detached after a
-    /// long time with nothing to gain).
+    /// long time with nothing to gain, or while the move guard holds).
     #[serde(default = "yes")]
     pub block_attached: bool,
     /// Probes of the move guard that found moves paying / not paying.
@@ -102,11 +102,12 @@ pub fn query(state_dir: &Path) -> Result<StatusReport> {
     control::query(&socket_path(state_dir), "vmigrater")
 }
 
-/// Human-readable rendering of a report.
+/// Serde default of fields that older daemons did not report.
 fn yes() -> bool {
     true
 }
 
+/// Human-readable rendering of a report.
 pub fn render(r: &StatusReport) -> String {
     let mut s = String::new();
     let _ = writeln!(

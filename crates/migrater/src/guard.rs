@@ -12,7 +12,9 @@
 //! `min_gain` and moves won every pair of epochs (one lucky epoch is not a gain: in the
 //! lab, on a VM with nothing to gain, 1 s rates vary by more than `min_gain`, and a
 //! median-only rule trusted moves there by chance); otherwise the daemon holds (tasks back on their original masks, the monitor
-//! idle) for a back-off that doubles up to `max_hold_ns`, then probes again.
+//! idle) for a back-off that doubles up to `max_hold_ns`, then probes again. The first
+//! pair that moves do not win ends the probe at once: the verdict cannot change, and where
+//! moves cost (every contended lab scenario) the rest of the probe was pure cost.
 //!
 //! Pure: time and counters come in as plain values, so every verdict is reproducible.
 
@@ -157,7 +159,11 @@ impl MoveGuard {
                     self.without.push(rate);
                 }
                 self.epoch_start = Some((now_ns, completed));
-                if epoch + 1 < 2 * self.cfg.probe_pairs {
+                // A pair that moves did not win settles the verdict (every pair must
+                // win): stop there rather than pay for the rest of the probe's moves.
+                let lost_a_pair = self.with.len() == self.without.len()
+                    && self.with.last() <= self.without.last();
+                if epoch + 1 < 2 * self.cfg.probe_pairs && !lost_a_pair {
                     self.phase = Phase::Probing { epoch: epoch + 1 };
                     return None;
                 }
@@ -391,6 +397,48 @@ mod tests {
         c += 1000;
         g.observe(62 * S, c, true);
         assert_eq!(g.phase(), &Phase::Probing { epoch: 1 });
+    }
+
+    #[test]
+    fn a_lost_pair_ends_the_probe_at_once() {
+        let (mut g, mut t, mut c) = (guard(), 0, 0);
+        let mut epochs = 0;
+        let v = probe(&mut g, &mut t, &mut c, |m| {
+            epochs += 1;
+            if m {
+                900
+            } else {
+                1000
+            }
+        });
+        assert!(!v.pays);
+        assert_eq!(epochs, 2, "one pair decides: moves lost it");
+        assert_eq!((v.with_moves, v.without_moves), (900.0, 1000.0));
+        assert!(matches!(g.phase(), Phase::Holding { .. }));
+        // A tie is not a win either.
+        t += v.for_ns;
+        g.observe(t, c, true);
+        let mut epochs = 0;
+        let v = probe(&mut g, &mut t, &mut c, |_| {
+            epochs += 1;
+            1000
+        });
+        assert!(!v.pays);
+        assert_eq!(epochs, 2);
+        // Pairs that moves win go on to the end of the probe.
+        t += v.for_ns;
+        g.observe(t, c, true);
+        let mut epochs = 0;
+        let v = probe(&mut g, &mut t, &mut c, |m| {
+            epochs += 1;
+            if m {
+                1500
+            } else {
+                1000
+            }
+        });
+        assert!(v.pays);
+        assert_eq!(epochs, 6);
     }
 
     #[test]

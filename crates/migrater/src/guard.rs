@@ -402,41 +402,33 @@ mod tests {
     #[test]
     fn a_lost_pair_ends_the_probe_at_once() {
         let (mut g, mut t, mut c) = (guard(), 0, 0);
-        let mut epochs = 0;
-        let v = probe(&mut g, &mut t, &mut c, |m| {
-            epochs += 1;
-            if m {
-                900
-            } else {
-                1000
-            }
-        });
+        // One probe at fixed rates with and without moves: its verdict and its epochs.
+        let mut run = |g: &mut MoveGuard, with: u64, without: u64| {
+            let mut epochs = 0;
+            let v = probe(g, &mut t, &mut c, |m| {
+                epochs += 1;
+                if m {
+                    with
+                } else {
+                    without
+                }
+            });
+            t += v.for_ns;
+            g.observe(t, c, true);
+            (v, epochs)
+        };
+        let (v, epochs) = run(&mut g, 900, 1000);
         assert!(!v.pays);
         assert_eq!(epochs, 2, "one pair decides: moves lost it");
         assert_eq!((v.with_moves, v.without_moves), (900.0, 1000.0));
-        assert!(matches!(g.phase(), Phase::Holding { .. }));
+        assert_eq!(v.for_ns, 30 * S, "a hold, as after a whole probe");
         // A tie is not a win either.
-        t += v.for_ns;
-        g.observe(t, c, true);
-        let mut epochs = 0;
-        let v = probe(&mut g, &mut t, &mut c, |_| {
-            epochs += 1;
-            1000
-        });
+        let (v, epochs) = run(&mut g, 1000, 1000);
         assert!(!v.pays);
         assert_eq!(epochs, 2);
+        assert_eq!(v.for_ns, 60 * S, "the back-off doubles as before");
         // Pairs that moves win go on to the end of the probe.
-        t += v.for_ns;
-        g.observe(t, c, true);
-        let mut epochs = 0;
-        let v = probe(&mut g, &mut t, &mut c, |m| {
-            epochs += 1;
-            if m {
-                1500
-            } else {
-                1000
-            }
-        });
+        let (v, epochs) = run(&mut g, 1500, 1000);
         assert!(v.pays);
         assert_eq!(epochs, 6);
     }

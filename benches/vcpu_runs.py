@@ -19,24 +19,20 @@ Why the threads leave the CPU, from one QEMU process's switch-outs with their st
 A run counts from switch-in to switch-out, however short the preemption that ended it:
 that is what the guest sees as time it could not run (a guest timer due in the gap fires
 late). Gaps are the host time between two runs of the same thread: perf's "wait time"
-(asleep, or preempted and waiting) plus the time it waited
-for a CPU once woken ("sch delay").
+(asleep, or preempted and waiting) plus the time it waited for a CPU once woken ("sch
+delay").
 """
 import argparse
 import json
 import re
 import statistics
 import sys
+from collections import Counter
 
 LINE = re.compile(
     r"\s*([\d.]+)\s+\[(\d+)\]\s+(.*?)\[(\d+)(?:/(\d+))?\]\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)"
     r"(?:\s+(\S+))?"
 )
-
-
-def pct(v, q):
-    return v[min(len(v) - 1, int(len(v) * q))]
-
 
 SWITCH = re.compile(
     r"prev_comm=(.*?) prev_pid=(\d+) prev_prio=(\d+) prev_state=(\S+) ==> "
@@ -44,10 +40,14 @@ SWITCH = re.compile(
 )
 
 
+def pct(v, q):
+    return v[min(len(v) - 1, int(len(v) * q))]
+
+
 def switches(path):
     """Tallies the vCPU threads' switch-outs: preempted (still runnable) or asleep, and
     for a sleep, in what (a futex wait in `lll_lock_wait` is a QEMU mutex)."""
-    why, by_next, n = {}, {}, 0
+    why, by_next, n = Counter(), Counter(), 0
     with open(path) as f:
         events = f.read().split("\n\n")
     for e in events:
@@ -67,35 +67,24 @@ def switches(path):
             w = "asleep in poll"
         else:
             w = "asleep, other"
-        why[w] = why.get(w, 0) + 1
+        why[w] += 1
         nice = int(m.group(7)) - 120
         nxt = f"{m.group(5)} (nice {nice})" if "TCG" in m.group(5) else f"a thread at nice {nice}"
-        k = (w.split(" ")[0], nxt)
-        by_next[k] = by_next.get(k, 0) + 1
+        by_next[(w.split(" ")[0], nxt)] += 1
     print(f"{n} vCPU switch-outs")
-    for w, c in sorted(why.items(), key=lambda x: -x[1]):
+    for w, c in why.most_common():
         print(f"{c:7} {100 * c / n:5.1f}%  {w}")
     print("then the CPU went to:")
-    for (w, nxt), c in sorted(by_next.items(), key=lambda x: -x[1])[:8]:
+    for (w, nxt), c in by_next.most_common(8):
         print(f"{c:7}  {w:9} -> {nxt}")
-    return {"switch_outs": n, "why": why}
+    return {"switch_outs": n, "why": dict(why)}
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("timehist", help="perf sched timehist output (or perf script output with --switches)")
-    ap.add_argument("--json")
-    ap.add_argument("--switches", action="store_true")
-    args = ap.parse_args()
-    if args.switches:
-        out = switches(args.timehist)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-        return
+def runs_and_gaps(path):
+    """Per vCPU thread of a `perf sched timehist` record: its runs and its gaps."""
     # thread -> list of (switch-out time, run ms, off-CPU ms before it, state at switch-out)
     runs = {}
-    with open(args.timehist) as f:
+    with open(path) as f:
         for line in f:
             m = LINE.match(line)
             if not m or "TCG" not in m.group(3):
@@ -152,11 +141,21 @@ def main():
                 for st, a in row.get("gaps_ge_1ms_after_state", {}).items()
             )
         )
+    if not out:
+        sys.exit("no QEMU TCG vCPU thread in the record")
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("record", help="perf sched timehist output, or perf script output with --switches")
+    ap.add_argument("--json")
+    ap.add_argument("--switches", action="store_true")
+    args = ap.parse_args()
+    out = switches(args.record) if args.switches else runs_and_gaps(args.record)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)
-    if not out:
-        sys.exit("no QEMU TCG vCPU thread in the record")
 
 
 if __name__ == "__main__":

@@ -1050,7 +1050,11 @@ fn host_hold_anchors(anchor: &str, fixed: Option<usize>) {
     // Held for a while: it stays there (nothing chases running vCPUs).
     for _ in 0..10 {
         std::thread::sleep(Duration::from_millis(100));
-        assert_eq!(cpus_of(tid), pinned, "moved off the held vCPU");
+        let on = cpus_of(tid);
+        if on != pinned {
+            let log = daemon.terminate();
+            panic!("moved off the held vCPU {pinned:?} to {on:?}:\n{log}");
+        }
     }
     hold.store(false, Ordering::Relaxed);
     daemon.wait_for(Duration::from_secs(10), "the hold to end", |s| {

@@ -34,34 +34,43 @@ pub struct ChannelStats {
     pub reports_sent: AtomicU64,
     pub reports_dropped: AtomicU64,
     pub replies: AtomicU64,
-    /// Until when (monotonic ns) the host's last `applied` favoured a vCPU (`held`).
-    pub host_holds_until_ns: AtomicU64,
-    /// The vCPUs it favoured, one bit each (vCPUs from 64 on are not anchored to).
-    pub held_mask: AtomicU64,
+    /// Until when (monotonic ns) the host's replies favoured each vCPU (`held`).
+    pub held_until_ns: HeldUntil,
+}
+
+/// vCPUs from this number on are never anchored to (the agent's `held` for them is
+/// ignored).
+pub const MAX_HELD_VCPUS: usize = 64;
+
+/// One deadline per vCPU: a hold stands for a while after the last reply that gave it.
+#[derive(Debug)]
+pub struct HeldUntil([AtomicU64; MAX_HELD_VCPUS]);
+
+impl Default for HeldUntil {
+    fn default() -> Self {
+        HeldUntil(std::array::from_fn(|_| AtomicU64::new(0)))
+    }
 }
 
 impl ChannelStats {
-    /// The vCPUs the host favours for our I/O-bound tasks, as of its latest replies
-    /// (empty once they are older than a few report periods).
+    /// The vCPUs the host favours for our I/O-bound tasks: each vCPU that one of its
+    /// replies of the last few report periods held. Per vCPU, not the latest reply's set,
+    /// because each reply answers a report sent a period earlier: after the daemon anchors
+    /// a task, the reply already on its way still names the vCPU the task ran on before,
+    /// and taking it as the new truth unpinned and re-pinned the task every period
+    /// (tests/daemon.rs `a_host_hold_keeps_the_io_bound_task_where_it_runs`, 1 run in 4).
     pub fn held_vcpus(&self, now_ns: u64) -> Vec<usize> {
-        if now_ns >= self.host_holds_until_ns.load(Ordering::Relaxed) {
-            return Vec::new();
-        }
-        let mask = self.held_mask.load(Ordering::Relaxed);
-        (0..64).filter(|c| mask & (1 << c) != 0).collect()
+        (0..MAX_HELD_VCPUS)
+            .filter(|&c| now_ns < self.held_until_ns.0[c].load(Ordering::Relaxed))
+            .collect()
     }
 
-    /// Takes the host's `applied`: the vCPUs it favours now, good for `for_ns`.
+    /// Takes the host's `applied`: each vCPU it holds is favoured for `for_ns` from now.
     pub fn on_applied(&self, a: &proto::Applied, now_ns: u64, for_ns: u64) {
-        let mask = a
-            .vcpus
-            .iter()
-            .filter(|v| v.held && v.cpu < 64)
-            .fold(0u64, |m, v| m | (1 << v.cpu));
-        if mask != 0 {
-            self.held_mask.store(mask, Ordering::Relaxed);
-            self.host_holds_until_ns
-                .store(now_ns + for_ns, Ordering::Relaxed);
+        for v in a.vcpus.iter().filter(|v| v.held) {
+            if let Some(until) = self.held_until_ns.0.get(v.cpu as usize) {
+                until.store(now_ns + for_ns, Ordering::Relaxed);
+            }
         }
     }
 }
@@ -353,6 +362,17 @@ mod tests {
         assert_eq!(stats.held_vcpus(2_250), vec![1]);
         // ...but the hold ends when the host stops renewing it.
         assert!(stats.held_vcpus(2_300).is_empty());
+        // A host that moves its hold: the old vCPU stands until its own deadline (a late
+        // reply must not unpin a task just anchored), the new one from its first reply.
+        let on = |seq, cpu| proto::Applied {
+            seq,
+            vcpus: vec![weight(0, cpu == 0), weight(1, cpu == 1)],
+        };
+        stats.on_applied(&on(3, 0), 3_000, 300);
+        stats.on_applied(&on(4, 1), 3_100, 300);
+        assert_eq!(stats.held_vcpus(3_200), vec![0, 1]);
+        assert_eq!(stats.held_vcpus(3_300), vec![1]);
+        assert!(stats.held_vcpus(3_400).is_empty());
     }
 
     #[test]

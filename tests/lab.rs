@@ -57,8 +57,7 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
         kernel_args: String::new(),
     };
     let t0 = Instant::now();
-    let mut vm = Vm::start(&spec, &img, &dir).unwrap();
-    vm.wait_ready(Duration::from_secs(300)).unwrap();
+    let mut vm = Vm::boot(&spec, &img, &dir, Duration::from_secs(300)).unwrap();
     let vcpus = vm.vcpu_threads().unwrap();
     eprintln!("booted in {:.1?}; vCPU threads {vcpus:?}", t0.elapsed());
     assert_eq!(vcpus.len(), 2);

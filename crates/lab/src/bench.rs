@@ -178,8 +178,7 @@ pub fn boot(
             disk,
             kernel_args: String::new(),
         };
-        let mut vm = Vm::start(&spec, &img, &run.join(&name))?;
-        vm.wait_ready(Duration::from_secs(300))?;
+        let vm = Vm::boot(&spec, &img, &run.join(&name), Duration::from_secs(300))?;
         let tids = vm.vcpu_threads()?;
         for (v, &t) in tids.iter().enumerate() {
             if sc.pinned {

@@ -408,8 +408,7 @@ fn shell(bins: PathBuf, commands: &[String]) -> Result<()> {
         kernel_args: String::new(),
     };
     let t0 = std::time::Instant::now();
-    let mut vm = Vm::start(&spec, &img, &dir)?;
-    vm.wait_ready(Duration::from_secs(120))?;
+    let mut vm = Vm::boot(&spec, &img, &dir, Duration::from_secs(120))?;
     eprintln!(
         "ready after {:?}; vCPU threads {:?}",
         t0.elapsed(),

@@ -718,6 +718,10 @@ fn run_once(
         iops_4k: r4k["reads"].as_f64().unwrap_or(0.0) / elapsed,
         p50_4k_us: r4k["p50_us"].as_f64().unwrap_or(f64::NAN),
         p99_4k_us: r4k["p99_us"].as_f64().unwrap_or(f64::NAN),
+        reads_4k_per_s: r4k["reads_per_s"]
+            .as_array()
+            .map(|a| a.iter().filter_map(Value::as_u64).collect())
+            .unwrap_or_default(),
         seq_mbps: seq["bytes"].as_f64().unwrap_or(0.0) / elapsed / 1e6,
         hog_a_units_s: units_per_s(&wa),
         hog_b_units_s: hog_b,

@@ -15,6 +15,9 @@ pub struct Run {
     pub iops_4k: f64,
     pub p50_4k_us: f64,
     pub p99_4k_us: f64,
+    /// 4 KiB reads in each whole second of the run: where in the run a cost falls.
+    #[serde(default)]
+    pub reads_4k_per_s: Vec<u64>,
     /// 1 MiB sequential O_DIRECT reads, MB/s.
     pub seq_mbps: f64,
     /// CPU hog progress inside VM A and inside the co-located VMs (work units per second).

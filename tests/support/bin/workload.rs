@@ -9,7 +9,8 @@ use vmigrater_testbed::workload::{self, ReadPattern};
 const USAGE: &str = "usage: vmigrater-workload --file F [--pattern random4k|seq1m] [--readers N] [--seq-readers N] [--hogs N] [--pin-hogs] [--duration-ms MS]
   Runs N O_DIRECT readers of F (plus --seq-readers 1 MiB sequential ones) and N CPU hogs for
   MS milliseconds (default: until killed), then prints {\"elapsed_s\", \"readers\": [{\"tid\",
-  \"pattern\", \"reads\", \"bytes\", \"p50_us\", \"p99_us\", \"cpu_s\", \"migrations\", \"last_cpu\"}],
+  \"pattern\", \"reads\", \"bytes\", \"p50_us\", \"p99_us\", \"cpu_s\", \"migrations\", \"last_cpu\",
+  \"reads_per_s\": reads in each whole second}],
   \"hogs\": [{\"tid\", \"units\", \"cpu_s\", \"migrations\", \"last_cpu\"}]} (migrations: the kernel's
   se.nr_migrations of the thread, whoever moved it).";
 
@@ -65,16 +66,32 @@ fn run() -> anyhow::Result<()> {
         .chain((0..seq_readers).map(|_| ReadPattern::Seq1m))
         .map(|p| Ok((p, workload::spawn_reader(&file, p)?)))
         .collect::<anyhow::Result<Vec<_>>>()?;
-    match duration {
-        Some(d) => std::thread::sleep(d),
-        None => loop {
-            std::thread::park();
-        },
+    // Each reader's reads per whole second of the run: where in the run a cost falls (a
+    // daemon's start, say) is not in the totals.
+    let mut per_s: Vec<Vec<u64>> = vec![Vec::new(); reader_workers.len()];
+    let mut last: Vec<u64> = vec![0; reader_workers.len()];
+    let mut next = t0 + Duration::from_secs(1);
+    let end = duration.map(|d| t0 + d);
+    loop {
+        let wake = end.map_or(next, |e| e.min(next));
+        std::thread::sleep(wake.saturating_duration_since(Instant::now()));
+        if Instant::now() >= next {
+            for (i, (_, w)) in reader_workers.iter().enumerate() {
+                let n = w.count();
+                per_s[i].push(n - last[i]);
+                last[i] = n;
+            }
+            next += Duration::from_secs(1);
+        }
+        if end.is_some_and(|e| Instant::now() >= e) {
+            break;
+        }
     }
     let elapsed = t0.elapsed().as_secs_f64();
     let readers: Vec<_> = reader_workers
         .into_iter()
-        .map(|(p, w)| {
+        .zip(per_s)
+        .map(|((p, w), per_s)| {
             let (tid, cpu_s, sched) = (w.tid, thread_cpu_s(w.tid), thread_sched(w.tid));
             let latency = w.latency_us.clone();
             w.stop().map(|n| {
@@ -82,7 +99,8 @@ fn run() -> anyhow::Result<()> {
                 let q = |q: f64| (!h.is_empty()).then(|| h.value_at_quantile(q));
                 serde_json::json!({"tid": tid, "pattern": format!("{p:?}"), "reads": n,
                     "bytes": n * p.block_size() as u64, "p50_us": q(0.5), "p99_us": q(0.99),
-                    "cpu_s": cpu_s, "migrations": sched.0, "last_cpu": sched.1})
+                    "cpu_s": cpu_s, "migrations": sched.0, "last_cpu": sched.1,
+                    "reads_per_s": per_s})
             })
         })
         .collect::<anyhow::Result<_>>()?;

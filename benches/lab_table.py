@@ -11,6 +11,11 @@ run of the same repetition, which ran minutes apart, interleaved), with a bootst
 interval of that median: it cancels drift between batches that the ratio of medians
 does not.
 
+--timeline adds, for runs that recorded it (`reads_4k_per_s`, from session 19 on), the
+median 4 KiB reads of each whole second of the run per mode, each mode's ratio to vanilla
+per second, and the ratio over the first EARLY_S seconds against the rest, with intervals:
+where in a run a cost falls (a daemon's start or all along).
+
 All runs are used unless --clean-only: in runs recorded before `machine_steal_s` existed,
 the noise flag counted this machine's own steal time (its hypervisor's, which interleaved
 modes share alike) as foreign load, and flagged most runs.
@@ -58,6 +63,35 @@ def fmt_ratio(a, b):
     return f"{r:.2f}× [{c[0]:.2f}, {c[1]:.2f}]{mark}"
 
 
+EARLY_S = 4
+
+
+def timeline(runs, modes):
+    series = lambda m: [r["reads_4k_per_s"] for r in runs if r["mode"] == m and r.get("reads_4k_per_s")]
+    van = series("vanilla")
+    if not van:
+        return
+    n = min(len(x) for m in modes for x in series(m) or [[0] * 99])
+    print(f"\n4 KiB reads per second, median of runs (first {n} s), and vs vanilla:\n")
+    print("| mode | " + " | ".join(f"s{i}" for i in range(n)) + f" | first {EARLY_S} s vs vanilla | rest vs vanilla |")
+    print("|---|" + "---|" * n + "---|---|")
+    for m in modes:
+        ser = series(m)
+        if not ser:
+            continue
+        med = [statistics.median(x[i] for x in ser) for i in range(n)]
+        if m == "vanilla":
+            cells = [f"{v:.0f}" for v in med]
+        else:
+            vmed = [statistics.median(x[i] for x in van) for i in range(n)]
+            cells = [f"{v:.0f} ({v / b:.2f})" if b else f"{v:.0f}" for v, b in zip(med, vmed)]
+        early = lambda ss: [sum(x[:EARLY_S]) for x in ss]
+        rest = lambda ss: [sum(x[EARLY_S:n]) for x in ss]
+        tail = ("– | –" if m == "vanilla"
+                else f"{fmt_ratio(early(ser), early(van))} | {fmt_ratio(rest(ser), rest(van))}")
+        print(f"| {m} | " + " | ".join(cells) + f" | {tail} |")
+
+
 def main():
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     clean_only = "--clean-only" in sys.argv
@@ -100,6 +134,8 @@ def main():
                 f"| {statistics.median(bshare):.3f} "
                 f"| {max(0.0, statistics.median(cpu)):.2f} | {statistics.median(mig):.0f} |"
             )
+        if "--timeline" in sys.argv:
+            timeline(runs, modes)
 
 
 if __name__ == "__main__":

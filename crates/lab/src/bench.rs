@@ -131,6 +131,10 @@ pub struct Options {
     pub agent_variants: Vec<(&'static str, String)>,
     /// Extra modes of both programs, the daemon with its own configuration: (name, text).
     pub both_variants: Vec<(&'static str, String)>,
+    /// Variant modes (`variants`, `both_variants`) that run another build of the daemon:
+    /// (name, its `vmigrater` binary), installed in the guest as /bin/NAME/vmigrater. Two
+    /// builds measured interleaved in one batch, not in batches minutes apart.
+    pub daemon_bins: Vec<(&'static str, PathBuf)>,
 }
 
 pub struct Guest {
@@ -155,6 +159,11 @@ pub fn boot(
         binaries: ["vmigrater", "vmigrater-workload"]
             .iter()
             .map(|b| (opts.bin_dir.join(b), b.to_string()))
+            .chain(
+                opts.daemon_bins
+                    .iter()
+                    .map(|(n, p)| (p.clone(), format!("{n}/vmigrater"))),
+            )
             .collect(),
         files: opts
             .guest_config
@@ -163,6 +172,16 @@ pub fn boot(
             .collect(),
     };
     let img = image::build(kernel, &contents, &run.join("initrd.cpio"))?;
+    // The co-located VMs run only CPU hogs: an image without the daemon builds (an initrd
+    // larger than a 256 MB guest can unpack loses its last files).
+    let hog_contents = Contents {
+        binaries: vec![(
+            opts.bin_dir.join("vmigrater-workload"),
+            "vmigrater-workload".to_string(),
+        )],
+        files: vec![],
+    };
+    let hog_img = image::build(kernel, &hog_contents, &run.join("initrd-hog.cpio"))?;
     let mut guests = Vec::new();
     for i in 0..=sc.hog_vms {
         let (name, vcpus, disk_mb) = match i {
@@ -178,7 +197,8 @@ pub fn boot(
             disk,
             kernel_args: String::new(),
         };
-        let vm = Vm::boot(&spec, &img, &run.join(&name), Duration::from_secs(300))?;
+        let image = if i == 0 { &img } else { &hog_img };
+        let vm = Vm::boot(&spec, image, &run.join(&name), Duration::from_secs(300))?;
         let tids = vm.vcpu_threads()?;
         for (v, &t) in tids.iter().enumerate() {
             if sc.pinned {
@@ -547,7 +567,11 @@ fn run_once(
                 .context("a variant without its configuration")?;
             let path = format!("/tmp/variant-{name}.toml");
             guest::write_file(&mut a.vm, &path, cfg)?;
-            guest::start_daemon_with(&mut a.vm, &format!("--config {path}"))?;
+            let bin = match opts.daemon_bins.iter().any(|(n, _)| *n == name) {
+                true => format!("/bin/{name}/vmigrater"),
+                false => "vmigrater".to_string(),
+            };
+            guest::start_daemon_bin(&mut a.vm, &bin, &format!("--config {path}"))?;
         }
         m if m.daemon() => guest::start_daemon(&mut a.vm, mode == Mode::VmigraterDry)?,
         _ => {}

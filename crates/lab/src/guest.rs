@@ -16,8 +16,13 @@ pub fn start_daemon(vm: &mut Vm, dry_run: bool) -> Result<()> {
 
 /// `start_daemon` with extra arguments of `run` (e.g. `--config FILE`).
 pub fn start_daemon_with(vm: &mut Vm, args: &str) -> Result<()> {
+    start_daemon_bin(vm, "vmigrater", args)
+}
+
+/// `start_daemon_with` the daemon binary `bin` (another build, see `Options::daemon_bins`).
+pub fn start_daemon_bin(vm: &mut Vm, bin: &str, args: &str) -> Result<()> {
     vm.sh(
-        &format!("setsid vmigrater run {args} </dev/null >/tmp/vmigrater.log 2>&1 &"),
+        &format!("setsid {bin} run {args} </dev/null >/tmp/vmigrater.log 2>&1 &"),
         Duration::from_secs(20),
     )?;
     let t0 = Instant::now();

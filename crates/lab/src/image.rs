@@ -101,7 +101,8 @@ impl Kernel {
 /// What goes into the guest besides the fixed parts.
 #[derive(Default)]
 pub struct Contents {
-    /// Host binaries, copied to /bin/<name> with their shared libraries.
+    /// Host binaries, copied to /bin/<name> (a name may hold a directory) with their
+    /// shared libraries.
     pub binaries: Vec<(PathBuf, String)>,
     /// Extra files: (guest path, contents).
     pub files: Vec<(String, String)>,
@@ -158,7 +159,9 @@ pub fn build(kernel: &Kernel, contents: &Contents, out: &Path) -> Result<Image> 
     }
     let mut libs = BTreeSet::new();
     for (bin, name) in &contents.binaries {
-        a.file(&format!("/bin/{name}"), 0o755, &read(bin)?)?;
+        let path = format!("/bin/{name}");
+        mkdirs(&mut a, Path::new(&path).parent().unwrap().to_str().unwrap())?;
+        a.file(&path, 0o755, &read(bin)?)?;
         libs.extend(shared_libs(bin)?);
     }
     for lib in libs {

@@ -138,6 +138,7 @@ impl Lab {
             variants: vec![],
             agent_variants: vec![],
             both_variants: vec![],
+            daemon_bins: vec![],
         };
         let mut guests = bench::boot(&scenario(), &opts, &kernel, &lab, name)?;
         let ms = workload.as_millis() + 60_000;

@@ -8,7 +8,7 @@ use lab::image::{self, Contents, Kernel};
 use lab::summary;
 use lab::vm::{Vm, VmSpec};
 use serde_json::json;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Parser)]
@@ -68,6 +68,10 @@ enum Cmd {
         /// FILE (repeatable): `both` ablations.
         #[arg(long, value_name = "NAME=FILE")]
         both_variant: Vec<String>,
+        /// The variant mode NAME (of --variant or --both-variant) runs the daemon binary
+        /// PATH instead of BIN_DIR's (repeatable): two builds compared interleaved.
+        #[arg(long, value_name = "NAME=PATH")]
+        daemon_bin: Vec<String>,
         #[arg(long, default_value = "target/bench/lab.json")]
         out: PathBuf,
     },
@@ -148,11 +152,32 @@ fn run() -> Result<()> {
             variant,
             agent_variant,
             both_variant,
+            daemon_bin,
             out,
         } => {
             let variants = named_files("--variant", &variant)?;
             let agent_variants = named_files("--agent-variant", &agent_variant)?;
             let both_variants = named_files("--both-variant", &both_variant)?;
+            let mut daemon_bins = Vec::new();
+            for v in &daemon_bin {
+                let (name, path) = v
+                    .split_once('=')
+                    .with_context(|| format!("--daemon-bin {v:?}: expected NAME=PATH"))?;
+                let Some(&(name, _)) = variants
+                    .iter()
+                    .chain(both_variants.iter())
+                    .find(|(n, _)| *n == name)
+                else {
+                    anyhow::bail!(
+                        "--daemon-bin {name}: no --variant or --both-variant of that name"
+                    );
+                };
+                anyhow::ensure!(
+                    Path::new(path).is_file(),
+                    "--daemon-bin {name}: {path} is not a file"
+                );
+                daemon_bins.push((name, PathBuf::from(path)));
+            }
             let guest_config = match guest_config {
                 Some(p) => std::fs::read_to_string(&p)
                     .with_context(|| format!("--guest-config {}", p.display()))?,
@@ -168,6 +193,7 @@ fn run() -> Result<()> {
                 variants,
                 agent_variants,
                 both_variants,
+                daemon_bins,
             };
             bench_all(opts, &only, &out)
         }
@@ -363,6 +389,10 @@ fn write(out: &PathBuf, opts: &Options, results: &[serde_json::Value]) -> Result
             "workload_a": "1 random 4 KiB O_DIRECT reader + 1 sequential 1 MiB reader of /dev/vda + 1 CPU hog per vCPU",
             "workload_hog_vms": "1 CPU hog per vCPU",
             "guest_config": opts.guest_config,
+            "variants": opts.variants.iter().chain(opts.both_variants.iter()).chain(opts.agent_variants.iter())
+                .map(|(n, c)| (n.to_string(), json!(c))).collect::<serde_json::Map<_, _>>(),
+            "daemon_bins": opts.daemon_bins.iter()
+                .map(|(n, p)| (n.to_string(), json!(p.display().to_string()))).collect::<serde_json::Map<_, _>>(),
         },
         "paper": {
             "vmigrater_speedup_2_vms": 1.72,

@@ -567,9 +567,10 @@ fn run_once(
                 .context("a variant without its configuration")?;
             let path = format!("/tmp/variant-{name}.toml");
             guest::write_file(&mut a.vm, &path, cfg)?;
-            let bin = match opts.daemon_bins.iter().any(|(n, _)| *n == name) {
-                true => format!("/bin/{name}/vmigrater"),
-                false => "vmigrater".to_string(),
+            let bin = if opts.daemon_bins.iter().any(|(n, _)| *n == name) {
+                format!("/bin/{name}/vmigrater")
+            } else {
+                "vmigrater".to_string()
             };
             guest::start_daemon_bin(&mut a.vm, &bin, &format!("--config {path}"))?;
         }

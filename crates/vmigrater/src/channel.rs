@@ -40,7 +40,7 @@ pub struct ChannelStats {
 
 /// vCPUs from this number on are never anchored to (the agent's `held` for them is
 /// ignored).
-pub const MAX_HELD_VCPUS: usize = 64;
+const MAX_HELD_VCPUS: usize = 64;
 
 /// One deadline per vCPU: a hold stands for a while after the last reply that gave it.
 #[derive(Debug)]
@@ -58,7 +58,8 @@ impl ChannelStats {
     /// because each reply answers a report sent a period earlier: after the daemon anchors
     /// a task, the reply already on its way still names the vCPU the task ran on before,
     /// and taking it as the new truth unpinned and re-pinned the task every period
-    /// (tests/daemon.rs `a_host_hold_keeps_the_io_bound_task_where_it_runs`, 1 run in 4).
+    /// (tests/daemon.rs `a_host_hold_keeps_the_io_bound_task_where_it_runs` failed so in 4
+    /// of 26 runs).
     pub fn held_vcpus(&self, now_ns: u64) -> Vec<usize> {
         (0..MAX_HELD_VCPUS)
             .filter(|&c| now_ns < self.held_until_ns.0[c].load(Ordering::Relaxed))

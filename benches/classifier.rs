@@ -2,7 +2,7 @@
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use std::hint::black_box;
-use task_detector::{ClassifierConfig, IoClassifier, ThreadObservation};
+use task_detector::{ClassifierConfig, Completions, IoClassifier, ThreadObservation};
 
 fn window(w: u64, n: u32) -> Vec<ThreadObservation> {
     (0..n)
@@ -18,6 +18,7 @@ fn window(w: u64, n: u32) -> Vec<ThreadObservation> {
                 cpu_ns: w * 1_000_000,
                 is_kernel: false,
                 last_cpu: tid % 2,
+                completions: Completions::default(),
             }
         })
         .collect()

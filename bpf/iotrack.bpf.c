@@ -130,7 +130,8 @@ static __always_inline void begin(__u64 key, __u64 cookie, __u32 kind)
 		if (!s)
 			return;
 	}
-	struct inflight nfl = { .tid = tid, .state = kind, .start = now, .cookie = cookie };
+	struct inflight nfl = { .tid = tid, .state = kind, .start = now, .cookie = cookie,
+				.cpu = bpf_get_smp_processor_id() };
 	/* NOEXIST: another CPU may have opened the same key meanwhile (dev+sector keys of
 	 * two threads reading one sector); overwriting its entry would strand its count.
 	 * Then this request is not tracked: never open what could not be closed. */
@@ -187,10 +188,19 @@ static __always_inline void end(__u64 key, __u32 bytes, bool final)
 	if (!fl)
 		return;
 	__u32 tid = fl->tid;
+	__u32 from = fl->cpu;
 	/* Only the CPU whose delete succeeds closes it: a racing duplicate must not
 	 * decrement the owner twice. */
-	if (bpf_map_delete_elem(&inflight, &key) == 0)
+	if (bpf_map_delete_elem(&inflight, &key) == 0) {
 		thread_done(tid, now, bytes);
+		struct thread_stats *s = bpf_map_lookup_elem(&threads, &tid);
+		if (s) {
+			s->done_cpu = cpu;
+			__sync_fetch_and_add(&s->done, 1);
+			if (from != cpu)
+				__sync_fetch_and_add(&s->done_remote, 1);
+		}
+	}
 }
 
 /* Back to the queue: still in flight for its owner, and its re-issue is not new I/O. */

@@ -27,6 +27,13 @@ struct thread_stats {
 	__u32 last_cpu;    /* CPU the thread submitted from last */
 	__u32 tgid;
 	__u32 stale_resets; /* times in_flight was reset because its ends were lost */
+	/* Where this thread's requests complete: the vCPU whose interrupt handled the last
+	 * one, how many completed in all, and how many on another vCPU than the one that
+	 * submitted them (a fixed-interrupt queue: the submitter needs that vCPU to run too). */
+	__u32 done_cpu;
+	__u32 _pad;
+	__u64 done;
+	__u64 done_remote;
 };
 
 /* Per CPU (index: the CPU that handled the completion: the vCPU that got the response). */
@@ -50,6 +57,8 @@ struct inflight {
 	__u32 state;
 	__u64 start;
 	__u64 cookie; /* the request's first bio: tells a re-issue from a reuse of the slot */
+	__u32 cpu;    /* the vCPU that submitted it */
+	__u32 _pad;
 };
 
 #endif

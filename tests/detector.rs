@@ -520,3 +520,113 @@ fn a_pause_does_not_read_as_idleness() {
     );
     reader.stop().expect("reader");
 }
+
+/// Per CPU, how many interrupts of the disk that holds `file` were handled: the lines of
+/// /proc/interrupts named after its virtio device's request queues (`virtioN-req.Q`).
+fn disk_irqs_per_cpu(file: &Path) -> Vec<u64> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = std::fs::metadata(file).expect("stat data file").dev();
+    let (major, minor) = (nix::sys::stat::major(dev), nix::sys::stat::minor(dev));
+    let part = std::fs::canonicalize(format!("/sys/dev/block/{major}:{minor}")).expect("sysfs");
+    // A partition's directory sits in its disk's; a whole disk has `device` itself.
+    let disk = if part.join("device").exists() {
+        part
+    } else {
+        part.parent().expect("disk dir").to_path_buf()
+    };
+    let virtio = std::fs::canonicalize(disk.join("device")).expect("device link");
+    let name = virtio.file_name().unwrap().to_string_lossy().to_string();
+    assert!(
+        name.starts_with("virtio"),
+        "this test reads the interrupts of a virtio disk; {} is on {name}",
+        file.display()
+    );
+    let text = std::fs::read_to_string("/proc/interrupts").expect("/proc/interrupts");
+    let ncpu = text.lines().next().unwrap().split_whitespace().count();
+    let mut per_cpu = vec![0u64; ncpu];
+    let mut lines = 0;
+    for line in text.lines().filter(|l| l.contains(&format!("{name}-req"))) {
+        lines += 1;
+        for (cpu, n) in line.split_whitespace().skip(1).take(ncpu).enumerate() {
+            per_cpu[cpu] += n.parse::<u64>().expect("interrupt count");
+        }
+    }
+    assert!(lines > 0, "no {name}-req line in /proc/interrupts");
+    per_cpu
+}
+
+/// Where a thread's requests complete, as BPF records it, against the kernel's own
+/// interrupt counts: a reader pinned to each CPU in turn; its completions counted, their
+/// vCPU the one whose interrupt count grew, and "remote" exactly when that is not the
+/// reader's own.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn completions_are_recorded_on_the_vcpu_that_took_the_interrupt() {
+    assert_root();
+    let _serial = serial();
+    let file = data_file();
+    let mut storage = TrackerStorage::new();
+    let mut tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
+    let ncpu = nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .unwrap_or(1) as usize;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&file)
+        .expect("open O_DIRECT");
+    // O_DIRECT wants an aligned buffer: a 4 KiB-aligned slice of a larger one.
+    let mut backing = vec![0u8; 8192];
+    let skip = backing.as_ptr().align_offset(4096);
+    let buf = &mut backing[skip..skip + 4096];
+    let tid = gettid();
+    for cpu in 0..ncpu {
+        let mut set = nix::sched::CpuSet::new();
+        set.set(cpu).unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).expect("pin");
+        let before = sample_of(&mut tracker, tid).map(|s| s.completions);
+        let irqs0 = disk_irqs_per_cpu(&file);
+        let reads = 400u64;
+        for i in 0..reads {
+            let off = (i * 7919 % 65536) * 4096;
+            f.read_exact_at(buf, off).expect("read");
+        }
+        let irqs1 = disk_irqs_per_cpu(&file);
+        let after = sample_of(&mut tracker, tid)
+            .expect("the reader in the map")
+            .completions;
+        let before = before.unwrap_or_default();
+        let done = after.total - before.total;
+        let remote = after.remote - before.remote;
+        let grew: Vec<u64> = irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect();
+        let busiest = (0..grew.len()).max_by_key(|&c| grew[c]).unwrap();
+        let irq_remote = grew
+            .iter()
+            .enumerate()
+            .filter(|&(c, _)| c != cpu)
+            .map(|(_, n)| n)
+            .sum::<u64>();
+        let irq_total: u64 = grew.iter().sum();
+        eprintln!(
+            "reader on CPU {cpu}: {done} completions, {remote} remote, last on CPU {}; \
+             disk interrupts per CPU {grew:?}",
+            after.last_cpu
+        );
+        assert!(
+            done >= reads * 95 / 100 && done <= reads,
+            "{done} completions recorded for {reads} reads"
+        );
+        assert_eq!(
+            after.last_cpu as usize, busiest,
+            "the last completion's vCPU is not the one that took the disk's interrupts"
+        );
+        // Interrupts of other requests (the system's own) may land too: compare shares.
+        let bpf_share = remote as f64 / done as f64;
+        let irq_share = irq_remote as f64 / irq_total.max(1) as f64;
+        assert!(
+            (bpf_share - irq_share).abs() < 0.15,
+            "remote share {bpf_share:.2} by BPF vs {irq_share:.2} by the interrupt counts"
+        );
+    }
+}

@@ -90,6 +90,7 @@ mod tests {
                 iops: 1000.0,
                 load: 0.9,
                 last_cpu: 0,
+                completion: Default::default(),
             },
             comm: comm.into(),
             start_time,

@@ -59,6 +59,31 @@ pub struct ThreadObservation {
     pub cpu_ns: u64,
     pub is_kernel: bool,
     pub last_cpu: u32,
+    pub completions: Completions,
+}
+
+/// Where one thread's requests complete, cumulative: the vCPU that took the last
+/// completion's interrupt, how many completed, and how many on another vCPU than the one
+/// that submitted them. On a disk with one interrupt vector for all vCPUs almost every
+/// request of a thread that runs elsewhere completes remotely; on a disk with a queue per
+/// vCPU almost none does.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Completions {
+    pub last_cpu: u32,
+    pub total: u64,
+    pub remote: u64,
+}
+
+/// Where an I/O-bound task's requests completed over its last window.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct CompletionSite {
+    /// The vCPU whose interrupt handled its last completion.
+    pub cpu: u32,
+    /// Of the window's completions, the fraction handled on another vCPU than the
+    /// submitter's (0 with none in the window).
+    pub remote_fraction: f64,
+    /// Completions in the window.
+    pub count: u64,
 }
 
 /// A thread that is I/O-bound now.
@@ -74,6 +99,7 @@ pub struct IoTask {
     /// Smoothed I/O-in-flight fraction in [0.05, 1]: the planner's weight.
     pub load: f64,
     pub last_cpu: u32,
+    pub completion: CompletionSite,
 }
 
 #[derive(Clone, Debug)]
@@ -84,6 +110,7 @@ struct ThreadState {
     base_busy: u64,
     base_ios: u64,
     base_cpu: u64,
+    base_done: Completions,
     above: u32,
     below: u32,
     io_bound: bool,
@@ -100,6 +127,7 @@ struct IoTaskFields {
     cpu_fraction: f64,
     iops: f64,
     last_cpu: u32,
+    completion: CompletionSite,
 }
 
 pub struct IoClassifier {
@@ -153,6 +181,7 @@ impl IoClassifier {
                 base_busy: t.busy_ns,
                 base_ios: t.ios,
                 base_cpu: t.cpu_ns,
+                base_done: t.completions,
                 above: 0,
                 below: 0,
                 io_bound: false,
@@ -179,12 +208,24 @@ impl IoClassifier {
             let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
             let cpu_fraction = (t.cpu_ns.saturating_sub(st.base_cpu) as f64 / dt as f64).min(1.0);
             let ios = t.ios - st.base_ios;
+            let done = t.completions.total.saturating_sub(st.base_done.total);
+            let remote = t.completions.remote.saturating_sub(st.base_done.remote);
             st.last = IoTaskFields {
                 io_fraction,
                 cpu_fraction,
                 iops: ios as f64 * 1e9 / dt as f64,
                 last_cpu: t.last_cpu,
+                completion: CompletionSite {
+                    cpu: t.completions.last_cpu,
+                    remote_fraction: if done == 0 {
+                        0.0
+                    } else {
+                        (remote.min(done)) as f64 / done as f64
+                    },
+                    count: done,
+                },
             };
+            st.base_done = t.completions;
             st.base_ts = now_ns;
             st.base_busy = t.busy_ns;
             st.base_ios = t.ios;
@@ -232,6 +273,7 @@ impl IoClassifier {
                 iops: st.last.iops,
                 load: st.load.clamp(0.05, 1.0),
                 last_cpu: st.last.last_cpu,
+                completion: st.last.completion,
             })
             .collect();
         out.sort_by(|a, b| b.load.total_cmp(&a.load).then(a.tid.cmp(&b.tid)));
@@ -254,6 +296,8 @@ mod tests {
         ios: u64,
         cpu: u64,
         kernel: bool,
+        /// Completions so far on another vCPU than the submitter's.
+        remote: u64,
     }
 
     impl Synth {
@@ -264,6 +308,7 @@ mod tests {
                 ios: 0,
                 cpu: 0,
                 kernel: false,
+                remote: 0,
             }
         }
         fn step(&mut self, busy_frac: f64, ios: u64, cpu_frac: f64) -> ThreadObservation {
@@ -279,6 +324,11 @@ mod tests {
                 cpu_ns: self.cpu,
                 is_kernel: self.kernel,
                 last_cpu: 1,
+                completions: Completions {
+                    last_cpu: 1,
+                    total: self.ios,
+                    remote: self.remote,
+                },
             }
         }
     }
@@ -444,5 +494,31 @@ mod tests {
         assert_eq!(out[4].len(), 1);
         let fresh = Synth::new(5).step(0.9, 20, 0.1);
         assert!(c.observe(30 * MS, &[fresh]).is_empty());
+    }
+
+    #[test]
+    fn the_completion_site_is_the_last_windows_share_of_remote_completions() {
+        let mut c = IoClassifier::new(ClassifierConfig {
+            window_ns: 5 * MS,
+            ..ClassifierConfig::default()
+        });
+        let mut t = Synth::new(7);
+        let mut out = Vec::new();
+        // Every completion on another vCPU (one interrupt vector, the reader elsewhere)...
+        for i in 1..=6 {
+            let mut o = t.step(0.9, 100, 0.1);
+            t.remote += 100;
+            o.completions.remote = t.remote;
+            out = c.observe(i * 5 * MS, &[o]);
+        }
+        let site = out.first().expect("an I/O-bound reader").completion;
+        assert_eq!(site.count, 100);
+        assert!((site.remote_fraction - 1.0).abs() < 1e-9, "{site:?}");
+        // ...then every completion where it was submitted: the next window says so.
+        let o = t.step(0.9, 100, 0.1);
+        out = c.observe(7 * 5 * MS, &[o]);
+        let site = out.first().expect("still I/O-bound").completion;
+        assert_eq!(site.remote_fraction, 0.0, "{site:?}");
+        assert_eq!(site.cpu, 1);
     }
 }

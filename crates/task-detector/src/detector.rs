@@ -223,6 +223,7 @@ impl<'obj> Detector<'obj> {
                     cpu_ns,
                     is_kernel: id.is_kernel,
                     last_cpu: s.last_cpu,
+                    completions: s.completions,
                 },
                 id,
             ));

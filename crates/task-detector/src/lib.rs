@@ -15,7 +15,9 @@ pub mod libbpf_log;
 mod probe;
 mod tracker;
 
-pub use classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
+pub use classifier::{
+    ClassifierConfig, CompletionSite, Completions, IoClassifier, IoTask, ThreadObservation,
+};
 pub use detector::{Detector, DetectorOutput, IoTaskInfo, ProcReader};
 pub use hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_NS};
 pub use probe::{probe, Probe};

@@ -8,6 +8,7 @@ use libbpf_rs::{Link, MapCore, MapFlags, OpenObject};
 use std::mem::MaybeUninit;
 
 use crate::bpf_skel::{types, IotrackSkel, IotrackSkelBuilder};
+use crate::classifier::Completions;
 use crate::hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_NS};
 use crate::probe::{probe, tracepoint_in_btf, tracepoint_in_tracefs};
 
@@ -34,6 +35,7 @@ pub struct ThreadIoSample {
     pub last_cpu: u32,
     /// Last start or completion (CLOCK_MONOTONIC ns).
     pub last_ts: u64,
+    pub completions: Completions,
 }
 
 /// One vCPU's I/O completions (ISACS E_n and the Eq. 1 EMA).
@@ -353,6 +355,11 @@ impl<'obj> IoTracker<'obj> {
                 in_flight: if stale { 0 } else { s.in_flight },
                 last_cpu: s.last_cpu,
                 last_ts: s.last_ts,
+                completions: Completions {
+                    last_cpu: s.done_cpu,
+                    total: s.done,
+                    remote: s.done_remote,
+                },
             });
         }
         Ok(out)

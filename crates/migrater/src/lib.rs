@@ -7,6 +7,7 @@
 pub mod admission;
 pub mod affinity;
 pub mod anchor;
+pub mod completion;
 pub mod guard;
 pub mod hook;
 pub mod journal;

@@ -579,7 +579,10 @@ fn a_lying_guest_gains_no_cpu_with_cgroup_weights() {
     // cgroup v2 moves single threads only within threaded subtrees; the agent needs
     // per-vCPU cgroups (libvirt's) there, which this test does not build.
     let (root, v1) = cgroup_root();
-    assert!(v1, "no cgroup v1 cpu controller, though the build found one");
+    assert!(
+        v1,
+        "no cgroup v1 cpu controller, though the build found one"
+    );
     let mut groups: Vec<String> = Vec::new();
     let mut honest_shares_max = 0u64;
     let mut nice_seen = 0;

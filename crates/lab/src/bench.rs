@@ -199,11 +199,11 @@ pub fn boot(
         ]
         .into_iter()
         .chain(
-                opts.daemon_bins
-                    .iter()
-                    .map(|(n, p)| (p.clone(), format!("{n}/vmigrater"))),
-            )
-            .collect(),
+            opts.daemon_bins
+                .iter()
+                .map(|(n, p)| (p.clone(), format!("{n}/vmigrater"))),
+        )
+        .collect(),
         files: opts
             .guest_config
             .iter()

@@ -32,10 +32,10 @@ pub use config::{
     online_cpus, MonitorConfig, DEFAULT_IDLE_PERIOD, DEFAULT_MIN_GAP_THRESHOLD, DEFAULT_PERIOD,
     DEFAULT_PROBE_PERIOD, DEFAULT_RT_PRIORITY, DEFAULT_SLICE,
 };
+pub use cpu_schedule::parse_cpu_schedule;
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
 pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
 pub use monitor::{Monitor, TickEvent, TickHook};
-pub use cpu_schedule::parse_cpu_schedule;
 #[cfg(feature = "lab-oracle")]
 pub use schedule::{ScheduleMonitor, StealSchedule, Window};
 

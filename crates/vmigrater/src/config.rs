@@ -478,8 +478,7 @@ fn validate_oracle(m: &MonitorSection) -> std::result::Result<(), Invalid> {
             ));
         }
     }
-    if m.source == MonitorSource::Oracle
-        && (m.oracle_schedule.is_empty() || m.oracle_epoch_ns == 0)
+    if m.source == MonitorSource::Oracle && (m.oracle_schedule.is_empty() || m.oracle_epoch_ns == 0)
     {
         return Err(Invalid::new(
             "monitor.source",

@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -22,12 +22,14 @@ run: build
 lint: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	$(CARGO) clippy -p vcpu-monitor -p vmigrater --features vmigrater/lab-oracle --all-targets -- -D warnings
 
 # Unit tests, then the real-kernel tests (root; they print SKIPPED without it). The
 # integration tests share the CPUs with a steal emulator, so they run one at a time.
 test: lint lab-setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
+	$(CARGO) test -p vcpu-monitor -p vmigrater --features vmigrater/lab-oracle --lib
 
 bench-micro: setup
 	$(CARGO) bench -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse
@@ -38,8 +40,16 @@ bench-contention: build
 
 # The nested-VM benefit benchmark (~40 min; root): JSON + charts in target/bench/, copied to
 # benches/results/. Options: make bench-lab LAB_ARGS="--secs 10 --reps 1 --only main".
-bench-lab: lab-setup build
-	./target/release/vmigrater-lab bench --bin-dir target/release --out target/bench/lab.json $(LAB_ARGS)
+# The lab's build of the daemon, the only one with the oracle source (mode
+# vmigrater_oracle: the host's known steal schedule instead of detection). Its own target
+# directory, so that target/release and the packages stay the product's.
+LAB_DAEMON_DIR ?= target/lab-daemon
+lab-daemon: setup
+	$(CARGO) build --release -p vmigrater --features lab-oracle --target-dir $(LAB_DAEMON_DIR)
+
+bench-lab: lab-setup build lab-daemon
+	./target/release/vmigrater-lab bench --bin-dir target/release --daemon $(LAB_DAEMON_DIR)/release/vmigrater \
+		--out target/bench/lab.json $(LAB_ARGS)
 	/usr/bin/python3 benches/plot_lab.py target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png
 	cp target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png benches/results/
 

@@ -86,15 +86,17 @@ fn tgid() -> u32 {
     std::process::id()
 }
 
-/// The CPUs this test may use, or `None` (with a loud line) when a test needs two.
-fn two_cpus(test: &str) -> Option<(Vec<usize>, usize, usize)> {
+/// The two CPUs a test moves a task between. Such a test carries
+/// `#[cfg_attr(not(all(vmigrater_root, vmigrater_2cpus)), ignore = "needs root and 2 CPUs")]`
+/// (build.rs): it fails here, loudly, only when run with a narrower mask than it was built for.
+fn two_cpus() -> (Vec<usize>, usize, usize) {
     let cpus = get_cpus(gettid()).unwrap();
-    if cpus.len() < 2 {
-        eprintln!("\n******** SKIPPED {test}: needs at least 2 CPUs in the test's mask ********\n");
-        return None;
-    }
+    assert!(
+        cpus.len() >= 2,
+        "needs at least 2 CPUs in the test's mask, has {cpus:?}"
+    );
     let (a, b) = (cpus[0], cpus[1]);
-    Some((cpus, a, b))
+    (cpus, a, b)
 }
 
 fn executor(dir: &Path) -> (AffinityExecutor, PathBuf) {
@@ -106,12 +108,13 @@ fn executor(dir: &Path) -> (AffinityExecutor, PathBuf) {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn manage_move_and_release() {
     assert_root();
-    let Some((cpus, a, b)) = two_cpus("affinity::manage_move_and_release") else {
-        return;
-    };
+    let (cpus, a, b) = two_cpus();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, path) = executor(dir.path());
     let w = Worker::parked();
@@ -181,12 +184,13 @@ fn refuses_kernel_threads_and_wrong_identities() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn external_change_stops_management_and_is_never_restored() {
     assert_root();
-    let Some((cpus, a, b)) = two_cpus("affinity::external_change") else {
-        return;
-    };
+    let (cpus, a, b) = two_cpus();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, path) = executor(dir.path());
     let w = Worker::parked();
@@ -222,12 +226,13 @@ fn external_change_stops_management_and_is_never_restored() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn exited_task_is_gone_not_an_error() {
     assert_root();
-    let Some((_, a, _)) = two_cpus("affinity::exited_task_is_gone") else {
-        return;
-    };
+    let (_, a, _) = two_cpus();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, path) = executor(dir.path());
     let w = Worker::parked();
@@ -243,12 +248,13 @@ fn exited_task_is_gone_not_an_error() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn release_all_restores_every_original_mask() {
     assert_root();
-    let Some((cpus, a, b)) = two_cpus("affinity::release_all") else {
-        return;
-    };
+    let (cpus, a, b) = two_cpus();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, path) = executor(dir.path());
     let workers: Vec<Worker> = (0..3).map(|_| Worker::parked()).collect();
@@ -279,12 +285,13 @@ fn release_all_restores_every_original_mask() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn journal_of_a_crashed_run_is_recovered() {
     assert_root();
-    let Some((cpus, a, b)) = two_cpus("affinity::crash_recovery") else {
-        return;
-    };
+    let (cpus, a, b) = two_cpus();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, path) = executor(dir.path());
     let moved_once = Worker::parked();
@@ -335,12 +342,13 @@ fn journal_of_a_crashed_run_is_recovered() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn recovery_leaves_reused_tids_and_foreign_masks_alone() {
     assert_root();
-    let Some((cpus, a, b)) = two_cpus("affinity::recovery_leaves_alone") else {
-        return;
-    };
+    let (cpus, a, b) = two_cpus();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("journal.json");
     let reused = Worker::parked();
@@ -406,17 +414,19 @@ fn corrupt_journal_is_a_clear_error_and_kept_aside() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus, vmigrater_cgroup_v1_cpuset)),
+    ignore = "needs root, 2 CPUs and a cgroup v1 cpuset hierarchy"
+)]
 fn cpuset_limits_the_allowed_cpus() {
     assert_root();
-    let Some((_, a, b)) = two_cpus("affinity::cpuset") else {
-        return;
-    };
+    let (_, a, b) = two_cpus();
     let root = Path::new("/sys/fs/cgroup/cpuset");
-    if !root.join("tasks").exists() {
-        eprintln!("\n******** SKIPPED affinity::cpuset: no cgroup v1 cpuset hierarchy ********\n");
-        return;
-    }
+    assert!(
+        root.join("tasks").exists(),
+        "no cgroup v1 cpuset hierarchy at {}, though the build found one",
+        root.display()
+    );
     let cg = root.join(format!("vmigrater-test-{}", std::process::id()));
     std::fs::create_dir(&cg).unwrap();
     let mems = std::fs::read_to_string(root.join("cpuset.mems")).unwrap();
@@ -464,12 +474,13 @@ fn measure(ex: &mut AffinityExecutor, tid: u32, a: usize, b: usize, n: usize) ->
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn move_latency() {
     assert_root();
-    let Some((_, a, b)) = two_cpus("affinity::move_latency") else {
-        return;
-    };
+    let (_, a, b) = two_cpus();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, _) = executor(dir.path());
     // An I/O-bound task mostly sleeps: that is the common case.

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use vmigrater_testbed::host::{nice_of, Agent, Hogs};
-use vmigrater_testbed::{assert_root, workspace_bin};
+use vmigrater_testbed::{assert_cpus, assert_root, workspace_bin};
 
 fn cpu_ns(tid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{tid}/schedstat"))
@@ -210,15 +210,13 @@ fn report_tasks(seq: u64, vcpus: &[(u32, u32)]) -> String {
 /// CPUs moves. A guest that then claims I/O on every vCPU has nobody left to pay: nothing
 /// changes. Everything is back after SIGTERM.
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn io_share_is_paid_for_by_the_same_vm() {
     assert_root();
-    if std::thread::available_parallelism().unwrap().get() < 2 {
-        eprintln!(
-            "\n******** SKIPPED io_share_is_paid_for_by_the_same_vm: needs 2 CPUs ********\n"
-        );
-        return;
-    }
+    assert_cpus(2);
     let hogs = Hogs::start(&[0, 1, 0, 1]);
     let t = hogs.tids.clone();
     let dir = tempfile::tempdir().unwrap();
@@ -572,18 +570,19 @@ fn sigterm_is_prompt_whatever_the_period_and_the_guests() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_cgroup_v1_cpu)),
+    ignore = "needs root and a cgroup v1 cpu controller"
+)]
 fn a_lying_guest_gains_no_cpu_with_cgroup_weights() {
     assert_root();
-    if hv_agent::cgroup::Hierarchy::detect().is_none() {
-        eprintln!("\n******** SKIPPED a_lying_guest_gains_no_cpu_with_cgroup_weights: no cgroup cpu controller mounted ********\n");
-        return;
-    }
+    // cgroup v2 moves single threads only within threaded subtrees; the agent needs
+    // per-vCPU cgroups (libvirt's) there, which this test does not build.
     let (root, v1) = cgroup_root();
-    if !v1 {
-        eprintln!("\n******** SKIPPED a_lying_guest_gains_no_cpu_with_cgroup_weights: cgroup v2 moves single threads only within threaded subtrees; the agent needs per-vCPU cgroups (libvirt) there ********\n");
-        return;
-    }
+    assert!(
+        v1,
+        "no cgroup v1 cpu controller, though the build found one"
+    );
     let mut groups: Vec<String> = Vec::new();
     let mut honest_shares_max = 0u64;
     let mut nice_seen = 0;
@@ -627,20 +626,20 @@ fn h_rel(g: &str) -> String {
 }
 
 fn cgroup_root() -> (PathBuf, bool) {
-    match hv_agent::cgroup::Hierarchy::detect().unwrap() {
+    match hv_agent::cgroup::Hierarchy::detect().expect("no cgroup cpu controller mounted") {
         hv_agent::cgroup::Hierarchy::V1(r) => (r, true),
         hv_agent::cgroup::Hierarchy::V2(r) => (r, false),
     }
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn io_load_balancing_moves_one_vcpu_and_restores_masks() {
     assert_root();
-    if nix::sched::CpuSet::count() < 2 || std::thread::available_parallelism().unwrap().get() < 2 {
-        eprintln!("\n******** SKIPPED io_load_balancing_moves_one_vcpu_and_restores_masks: needs 2 CPUs ********\n");
-        return;
-    }
+    assert_cpus(2);
     // Three equally I/O-intensive vCPUs crowd CPU 0; the VM may use CPUs 0 and 1.
     let hogs = Hogs::start(&[0, 0, 0]);
     let t = hogs.tids.clone();
@@ -991,13 +990,13 @@ fn silent_guests_are_observed_from_the_host_and_exported() {
 }
 
 #[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
 fn a_killed_agent_is_undone_by_the_next_start() {
     assert_root();
-    if std::thread::available_parallelism().unwrap().get() < 2 {
-        eprintln!("\n******** SKIPPED a_killed_agent_is_undone_by_the_next_start: needs 2 CPUs ********\n");
-        return;
-    }
+    assert_cpus(2);
     let cgroups = matches!(
         hv_agent::cgroup::Hierarchy::detect(),
         Some(hv_agent::cgroup::Hierarchy::V1(_))

@@ -115,6 +115,9 @@ impl Scenario {
 
 pub struct Options {
     pub bin_dir: PathBuf,
+    /// The guest daemon of every mode (None: `bin_dir`'s). The oracle mode needs the lab's
+    /// build, the only one with the oracle source (`--features lab-oracle`).
+    pub daemon: Option<PathBuf>,
     pub secs: u64,
     pub reps: u32,
     /// VM A's workload runs this long before the measured one, with the mode's programs
@@ -137,6 +140,37 @@ pub struct Options {
     pub daemon_bins: Vec<(&'static str, PathBuf)>,
 }
 
+impl Options {
+    /// The guest daemon binary on this host.
+    pub fn daemon_path(&self) -> PathBuf {
+        self.daemon
+            .clone()
+            .unwrap_or_else(|| self.bin_dir.join("vmigrater"))
+    }
+
+    /// Fails, before any VM boots, when the oracle mode would run a daemon without the
+    /// oracle source: the product's builds refuse `monitor.source = "oracle"`, and the
+    /// guest's refusal would surface only as a run without a daemon.
+    fn check_oracle_daemon(&self) -> Result<()> {
+        let path = self.daemon_path();
+        let out = Command::new(&path)
+            .arg("--version")
+            .output()
+            .with_context(|| format!("running {} --version", path.display()))?;
+        let version = String::from_utf8_lossy(&out.stdout);
+        anyhow::ensure!(
+            version.contains("oracle source"),
+            "mode vmigrater_oracle: the daemon {} ({}) has no oracle source; build the lab's \
+             with `cargo build --release -p vmigrater --features lab-oracle --target-dir \
+             target/lab-daemon` (`make bench-lab` does) and pass it with --daemon, or leave \
+             the mode out with --modes",
+            path.display(),
+            version.trim()
+        );
+        Ok(())
+    }
+}
+
 pub struct Guest {
     pub vm: Vm,
     /// The vCPU threads, index = vCPU number.
@@ -156,15 +190,20 @@ pub fn boot(
     let run = lab.join("run").join(run);
     std::fs::create_dir_all(&run)?;
     let contents = Contents {
-        binaries: ["vmigrater", "vmigrater-workload"]
-            .iter()
-            .map(|b| (opts.bin_dir.join(b), b.to_string()))
-            .chain(
-                opts.daemon_bins
-                    .iter()
-                    .map(|(n, p)| (p.clone(), format!("{n}/vmigrater"))),
-            )
-            .collect(),
+        binaries: [
+            (opts.daemon_path(), "vmigrater".to_string()),
+            (
+                opts.bin_dir.join("vmigrater-workload"),
+                "vmigrater-workload".to_string(),
+            ),
+        ]
+        .into_iter()
+        .chain(
+            opts.daemon_bins
+                .iter()
+                .map(|(n, p)| (p.clone(), format!("{n}/vmigrater"))),
+        )
+        .collect(),
         files: opts
             .guest_config
             .iter()
@@ -813,6 +852,10 @@ impl Drop for AutogroupOff {
 /// Every mode of `sc`, `opts.reps` times, the order rotated each repetition. Runs are
 /// printed as they finish (a long benchmark shows its progress).
 pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
+    let wanted = |m: Mode| opts.modes.is_empty() || opts.modes.iter().any(|o| o == m.name());
+    if sc.modes.contains(&Mode::VmigraterOracle) && wanted(Mode::VmigraterOracle) {
+        opts.check_oracle_daemon()?;
+    }
     let lab = image::lab_dir();
     let kernel = Kernel::find(&lab)?;
     let t0 = Instant::now();

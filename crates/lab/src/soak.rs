@@ -130,6 +130,7 @@ impl Lab {
         std::fs::create_dir_all(&dir)?;
         let opts = Options {
             bin_dir: bin_dir.to_path_buf(),
+            daemon: None,
             secs: workload.as_secs(),
             reps: 1,
             warmup_secs: 0,

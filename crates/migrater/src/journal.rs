@@ -23,9 +23,6 @@ use os_layer::Root;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 
-/// Where the daemon keeps its journal unless configured otherwise.
-pub const DEFAULT_PATH: &str = "/run/vmigrater/journal.json";
-
 const FORMAT: Format<JournalEntry> = Format {
     version: 1,
     what: "affinity journal",

@@ -78,10 +78,6 @@ impl RunQueue {
         self.reallocations
     }
 
-    pub fn in_boost_state(&self) -> bool {
-        self.boost_state
-    }
-
     /// Credit each vCPU consumed since the last reallocation.
     pub fn consumed(&self) -> Vec<(u32, u64)> {
         self.vcpus.iter().map(|v| (v.id, v.consumed_ns)).collect()

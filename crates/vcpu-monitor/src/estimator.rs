@@ -144,11 +144,6 @@ impl SliceEstimator {
         self.est_slice_ns
     }
 
-    /// Slices measured so far (0 means `est_slice_ns` is still the default).
-    pub fn slices_measured(&self) -> usize {
-        self.n_slices
-    }
-
     /// Start of the current slice (the end of the last gap), if a gap was seen.
     pub fn slice_start_ns(&self) -> Option<u64> {
         self.slice_start_ns

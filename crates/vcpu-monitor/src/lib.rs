@@ -5,7 +5,11 @@
 //!   pinned to it, sleeps on absolute CLOCK_MONOTONIC deadlines; a wake-up much later
 //!   than asked means the hypervisor had that vCPU descheduled (`Monitor`).
 //!
-//! Both feed the same board and hook. The pure `SliceEstimator`
+//! A third source, the nested-VM lab's oracle (the host's known steal schedule), exists
+//! only with the `lab-oracle` feature, which the lab's build of the daemon turns on and the
+//! product's never does: on a real hypervisor nobody knows the schedule.
+//!
+//! Every source feeds the same board and hook. The pure `SliceEstimator`
 //! turns wake-ups into slices; the lock-free `VcpuBoard` publishes each vCPU's state to
 //! every other thread; a `TickHook` lets the caller decide on the sleeper's own thread,
 //! where the information is freshest.
@@ -16,9 +20,11 @@
 mod board;
 mod bpf_skel;
 mod config;
+mod cpu_schedule;
 mod estimator;
 mod kernel;
 mod monitor;
+#[cfg(feature = "lab-oracle")]
 mod schedule;
 
 pub use board::{Demand, VcpuBoard, VcpuSnapshot};
@@ -26,10 +32,12 @@ pub use config::{
     online_cpus, MonitorConfig, DEFAULT_IDLE_PERIOD, DEFAULT_MIN_GAP_THRESHOLD, DEFAULT_PERIOD,
     DEFAULT_PROBE_PERIOD, DEFAULT_RT_PRIORITY, DEFAULT_SLICE,
 };
+pub use cpu_schedule::parse_cpu_schedule;
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
 pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
 pub use monitor::{Monitor, TickEvent, TickHook};
-pub use schedule::{parse_cpu_schedule, ScheduleMonitor, StealSchedule, Window};
+#[cfg(feature = "lab-oracle")]
+pub use schedule::{ScheduleMonitor, StealSchedule, Window};
 
 /// CLOCK_MONOTONIC: the one clock of the sleepers, the board and callers.
 pub use os_layer::{monotonic_ns, sleep_until};
@@ -42,6 +50,7 @@ pub enum Source {
     /// Timed sleeps of a SCHED_FIFO thread per vCPU.
     Sleepers,
     /// The lab's known steal schedule (perfect knowledge; nested-VM lab only).
+    #[cfg(feature = "lab-oracle")]
     Oracle,
 }
 
@@ -50,6 +59,7 @@ impl Source {
         match self {
             Source::Kernel => "kernel",
             Source::Sleepers => "sleepers",
+            #[cfg(feature = "lab-oracle")]
             Source::Oracle => "oracle",
         }
     }
@@ -59,6 +69,7 @@ impl Source {
 pub enum AnyMonitor {
     Kernel(KernelMonitor),
     Sleepers(Monitor),
+    #[cfg(feature = "lab-oracle")]
     Oracle(ScheduleMonitor),
 }
 
@@ -70,6 +81,7 @@ pub enum Wanted {
     Kernel,
     Sleepers,
     /// The lab oracle: these schedules from `epoch_ns` (guest CLOCK_MONOTONIC).
+    #[cfg(feature = "lab-oracle")]
     Oracle {
         schedules: Vec<StealSchedule>,
         epoch_ns: u64,
@@ -88,6 +100,7 @@ impl AnyMonitor {
     ) -> anyhow::Result<(AnyMonitor, Option<String>)> {
         use anyhow::Context;
         match wanted {
+            #[cfg(feature = "lab-oracle")]
             Wanted::Oracle {
                 schedules,
                 epoch_ns,
@@ -129,6 +142,7 @@ impl AnyMonitor {
         match self {
             AnyMonitor::Kernel(_) => Source::Kernel,
             AnyMonitor::Sleepers(_) => Source::Sleepers,
+            #[cfg(feature = "lab-oracle")]
             AnyMonitor::Oracle(_) => Source::Oracle,
         }
     }
@@ -137,6 +151,7 @@ impl AnyMonitor {
         match self {
             AnyMonitor::Kernel(k) => k.stop(),
             AnyMonitor::Sleepers(m) => m.stop(),
+            #[cfg(feature = "lab-oracle")]
             AnyMonitor::Oracle(o) => o.stop(),
         }
     }

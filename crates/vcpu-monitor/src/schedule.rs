@@ -9,7 +9,7 @@
 //! push threshold, hook `Running`) of a vCPU holding tasks. It must never be used outside
 //! the lab: on a real hypervisor nobody knows the schedule.
 
-use anyhow::{bail, Context, Result};
+use anyhow::{Context, Result};
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
@@ -17,6 +17,7 @@ use std::thread::JoinHandle;
 use std::time::Duration;
 
 use crate::board::VcpuBoard;
+use crate::cpu_schedule::parse_cpu_schedule;
 use crate::monitor::{TickEvent, TickHook};
 use crate::monotonic_ns;
 use crate::sleep_until;
@@ -29,37 +30,6 @@ pub struct StealSchedule {
     pub out_ns: u64,
     pub run_ns: u64,
     pub phase_ns: u64,
-}
-
-/// Parses `CPU:A_US:B_US[:PHASE_US]` into (cpu, a_us, b_us, phase_us): the syntax of the
-/// steal emulator's patterns and of the oracle's schedules, which describe the same steal.
-/// `what` and `names` (the A and B fields) word the errors; A and B must be > 0.
-pub fn parse_cpu_schedule(s: &str, what: &str, names: [&str; 2]) -> Result<(usize, u64, u64, u64)> {
-    let parts: Vec<&str> = s.split(':').collect();
-    if !(3..=4).contains(&parts.len()) {
-        bail!(
-            "{what} {s:?}: expected CPU:{}:{}[:PHASE_US]",
-            names[0],
-            names[1]
-        );
-    }
-    let num = |i: usize, field: &str| -> Result<u64> {
-        parts[i]
-            .trim()
-            .parse()
-            .with_context(|| format!("{what} {s:?}: {field} {:?} is not a number", parts[i]))
-    };
-    let cpu = num(0, "CPU")? as usize;
-    let (a, b) = (num(1, names[0])?, num(2, names[1])?);
-    let phase = if parts.len() == 4 {
-        num(3, "PHASE_US")?
-    } else {
-        0
-    };
-    if a == 0 || b == 0 {
-        bail!("{what} {s:?}: {} and {} must be > 0", names[0], names[1]);
-    }
-    Ok((cpu, a, b, phase))
 }
 
 impl FromStr for StealSchedule {

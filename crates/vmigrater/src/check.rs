@@ -130,6 +130,7 @@ fn monitor_source(cfg: &Config, m: vcpu_monitor::MonitorConfig, root: bool) -> S
     if cfg.monitor.source == MonitorSource::Sleepers {
         return format!("{sleepers}, as configured");
     }
+    #[cfg(feature = "lab-oracle")]
     if cfg.monitor.source == MonitorSource::Oracle {
         return format!(
             "oracle (nested-VM lab only): the host's steal schedule {:?}",

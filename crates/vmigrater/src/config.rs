@@ -50,13 +50,15 @@ pub struct MonitorSection {
     /// Where deschedules are learnt from: "kernel" (late kernel timers seen by BPF, no
     /// wake-up of our own per tick), "sleepers" (a SCHED_FIFO sleeper per vCPU: the only
     /// source that also sees a steal emulator inside the same kernel) or "auto" (kernel,
-    /// else sleepers). "oracle" is for the nested-VM lab only: the host's known steal
+    /// else sleepers). The lab's build alone also has "oracle": the host's known steal
     /// schedule (`oracle_schedule`, `oracle_epoch_ns`) stands in for detection.
     pub source: MonitorSource,
     /// Lab oracle: one `CPU:OUT_US:RUN_US[:PHASE_US]` per vCPU.
+    #[cfg(feature = "lab-oracle")]
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub oracle_schedule: Vec<String>,
     /// Lab oracle: the schedule's epoch in this guest's CLOCK_MONOTONIC, ns.
+    #[cfg(feature = "lab-oracle")]
     #[serde(default, skip_serializing_if = "is_zero")]
     pub oracle_epoch_ns: u64,
     /// Sleep period of each vCPU's sleeper while I/O-bound tasks need slice information.
@@ -79,7 +81,9 @@ impl Default for MonitorSection {
     fn default() -> Self {
         MonitorSection {
             source: MonitorSource::Auto,
+            #[cfg(feature = "lab-oracle")]
             oracle_schedule: Vec::new(),
+            #[cfg(feature = "lab-oracle")]
             oracle_epoch_ns: 0,
             period_us: us(vcpu_monitor::DEFAULT_PERIOD),
             probe_period_us: us(vcpu_monitor::DEFAULT_PROBE_PERIOD),
@@ -93,13 +97,40 @@ impl Default for MonitorSection {
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
+#[serde(rename_all = "lowercase", try_from = "String")]
 pub enum MonitorSource {
     #[default]
     Auto,
     Kernel,
     Sleepers,
+    /// The nested-VM lab's known steal schedule: in the lab's build only.
+    #[cfg(feature = "lab-oracle")]
     Oracle,
+}
+
+impl TryFrom<String> for MonitorSource {
+    type Error = String;
+
+    /// By hand rather than derived, so that a product build says why it refuses "oracle".
+    fn try_from(s: String) -> std::result::Result<Self, String> {
+        match s.as_str() {
+            "auto" => Ok(MonitorSource::Auto),
+            "kernel" => Ok(MonitorSource::Kernel),
+            "sleepers" => Ok(MonitorSource::Sleepers),
+            #[cfg(feature = "lab-oracle")]
+            "oracle" => Ok(MonitorSource::Oracle),
+            #[cfg(not(feature = "lab-oracle"))]
+            "oracle" => Err(
+                "monitor.source = \"oracle\": this build has no oracle source (it is the \
+                 nested-VM lab's, built with `--features lab-oracle`); use `auto`, `kernel` \
+                 or `sleepers`"
+                    .into(),
+            ),
+            other => Err(format!(
+                "unknown monitor.source {other:?}: expected `auto`, `kernel` or `sleepers`"
+            )),
+        }
+    }
 }
 
 /// `migration.anchor`: what the daemon does with I/O-bound tasks while the host agent
@@ -153,6 +184,7 @@ fn us(d: std::time::Duration) -> u64 {
     d.as_micros() as u64
 }
 
+#[cfg(feature = "lab-oracle")]
 fn is_zero(v: &u64) -> bool {
     *v == 0
 }
@@ -165,6 +197,7 @@ impl MonitorSection {
             MonitorSource::Auto => Wanted::Auto,
             MonitorSource::Kernel => Wanted::Kernel,
             MonitorSource::Sleepers => Wanted::Sleepers,
+            #[cfg(feature = "lab-oracle")]
             MonitorSource::Oracle => Wanted::Oracle {
                 schedules: self
                     .oracle_schedule
@@ -352,22 +385,8 @@ impl Config {
             1_000_000,
         )?;
         in_range("monitor.rt_priority", m.rt_priority, 0, 99)?;
-        for sch in &m.oracle_schedule {
-            if let Err(e) = sch.parse::<vcpu_monitor::StealSchedule>() {
-                return Err(Invalid::new(
-                    "monitor.oracle_schedule",
-                    format!("monitor.oracle_schedule: {e:#}"),
-                ));
-            }
-        }
-        if m.source == MonitorSource::Oracle
-            && (m.oracle_schedule.is_empty() || m.oracle_epoch_ns == 0)
-        {
-            return Err(Invalid::new(
-                "monitor.source",
-                "monitor.source = \"oracle\" needs monitor.oracle_schedule and monitor.oracle_epoch_ns (nested-VM lab only)",
-            ));
-        }
+        #[cfg(feature = "lab-oracle")]
+        validate_oracle(m)?;
         let d = &self.detector;
         in_range("detector.window_ms", d.window_ms, 1, 1_000)?;
         in_range("detector.idle_poll_ms", d.idle_poll_ms, 1, 60_000)?;
@@ -446,6 +465,27 @@ impl Config {
     pub fn default_toml() -> String {
         toml::to_string_pretty(&Config::default()).expect("defaults serialise")
     }
+}
+
+/// The lab oracle's keys: a parseable schedule, and both keys whenever the source is "oracle".
+#[cfg(feature = "lab-oracle")]
+fn validate_oracle(m: &MonitorSection) -> std::result::Result<(), Invalid> {
+    for sch in &m.oracle_schedule {
+        if let Err(e) = sch.parse::<vcpu_monitor::StealSchedule>() {
+            return Err(Invalid::new(
+                "monitor.oracle_schedule",
+                format!("monitor.oracle_schedule: {e:#}"),
+            ));
+        }
+    }
+    if m.source == MonitorSource::Oracle && (m.oracle_schedule.is_empty() || m.oracle_epoch_ns == 0)
+    {
+        return Err(Invalid::new(
+            "monitor.source",
+            "monitor.source = \"oracle\" needs monitor.oracle_schedule and monitor.oracle_epoch_ns (nested-VM lab only)",
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -726,6 +766,24 @@ mod tests {
         );
     }
 
+    #[cfg(not(feature = "lab-oracle"))]
+    #[test]
+    fn a_product_build_refuses_the_oracle_naming_the_line() {
+        let err = format!(
+            "{:#}",
+            Config::parse("# lab\n[monitor]\nsource = \"oracle\"\n", "c.toml").unwrap_err()
+        );
+        assert!(err.starts_with("c.toml:3:"), "{err}");
+        assert!(err.contains("this build has no oracle source"), "{err}");
+        // The lab's keys are unknown keys here, like any other.
+        let err = format!(
+            "{:#}",
+            Config::parse("[monitor]\noracle_epoch_ns = 5\n", "c.toml").unwrap_err()
+        );
+        assert!(err.starts_with("c.toml:2:"), "{err}");
+    }
+
+    #[cfg(feature = "lab-oracle")]
     #[test]
     fn the_oracle_needs_its_schedule_and_epoch() {
         let err = format!(

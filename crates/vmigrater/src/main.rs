@@ -7,10 +7,16 @@ use std::path::PathBuf;
 use vmigrater::config::{Config, DEFAULT_CONFIG_PATH};
 use vmigrater::{check, daemon, status};
 
+/// `--version`. The lab reads it to know that a daemon build has its oracle source.
+#[cfg(feature = "lab-oracle")]
+const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (lab build: oracle source)");
+#[cfg(not(feature = "lab-oracle"))]
+const VERSION: &str = env!("CARGO_PKG_VERSION");
+
 /// Keeps I/O-bound tasks on vCPUs that are running right now, so guest I/O does not stall
 /// while the hypervisor has a vCPU descheduled.
 #[derive(Parser, Debug)]
-#[command(name = "vmigrater", version, about, long_about = None)]
+#[command(name = "vmigrater", version = VERSION, about, long_about = None)]
 struct Cli {
     /// Configuration file (TOML). A missing file at the default path means defaults.
     #[arg(long, short = 'c', global = true, default_value = DEFAULT_CONFIG_PATH, env = "VMIGRATER_CONFIG")]

@@ -36,6 +36,11 @@ enum Cmd {
         /// Where vmigrater, vmigrater-workload and vmigrater-hv-agent are (release builds).
         #[arg(long, default_value = "target/release")]
         bin_dir: PathBuf,
+        /// The guest daemon of every mode instead of BIN_DIR's vmigrater: the mode
+        /// vmigrater_oracle needs the lab's build (`--features lab-oracle`, which `make
+        /// bench-lab` builds into target/lab-daemon), the product's has no oracle source.
+        #[arg(long)]
+        daemon: Option<PathBuf>,
         /// Length of each run's workload, seconds.
         #[arg(long, default_value_t = 20)]
         secs: u64,
@@ -50,7 +55,7 @@ enum Cmd {
         /// Only these scenarios (comma-separated names: steal, steal_inphase, main, four, quad, sweep1, sweep4, free).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
-        /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both).
+        /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both, vmigrater_oracle).
         #[arg(long, value_delimiter = ',')]
         modes: Vec<String>,
         /// The guest daemon's configuration file (default: the lab's, crates/lab/guest/vmigrater.toml).
@@ -143,6 +148,7 @@ fn run() -> Result<()> {
         Cmd::InstallTest { packages } => lab::install::install_test(&packages),
         Cmd::Bench {
             bin_dir,
+            daemon,
             secs,
             reps,
             warmup_secs,
@@ -185,6 +191,7 @@ fn run() -> Result<()> {
             };
             let opts = Options {
                 bin_dir,
+                daemon,
                 secs,
                 reps,
                 warmup_secs,

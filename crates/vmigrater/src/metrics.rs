@@ -1,6 +1,7 @@
 //! Prometheus metrics of the guest daemon (OpenMetrics text on `/metrics`). Owns the
-//! registry and the handles the hot path increments; per-vCPU figures are copied from the
-//! lock-free vCPU board when a scrape arrives, so the monitor threads never wait on it.
+//! registry and the handles the hot path increments (`MoveLog`); the engine's figures and
+//! the per-vCPU ones are copied from the engine's snapshot and the lock-free vCPU board
+//! when a scrape arrives, so neither the monitor threads nor the detector loop wait on it.
 //! Must never carry pid or comm labels: their cardinality is unbounded.
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -11,8 +12,13 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 use std::sync::atomic::AtomicU64;
 
-use crate::affinity::Outcome;
-use crate::planner::Reason;
+use migrater::affinity::Outcome;
+use migrater::engine::EngineSnapshot;
+use migrater::hook::MoveLog;
+use migrater::planner::Reason;
+use std::sync::atomic::Ordering;
+use task_detector::AttachMode;
+use vcpu_monitor::VcpuSnapshot;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CpuLabel {
@@ -49,17 +55,6 @@ struct BuildLabel {
 type FloatCounter = Counter<f64, AtomicU64>;
 type FloatGauge = Gauge<f64, AtomicU64>;
 
-/// Results a migration attempt can have, as metric label values.
-pub fn outcome_label(o: &Outcome) -> &'static str {
-    match o {
-        Outcome::Moved { .. } => "moved",
-        Outcome::Unchanged => "unchanged",
-        Outcome::Gone => "gone",
-        Outcome::Rejected => "rejected",
-        Outcome::External => "external",
-    }
-}
-
 pub struct Metrics {
     registry: Registry,
     pub deschedules: Family<CpuLabel, Counter>,
@@ -89,7 +84,8 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(attach_mode: &str, dry_run: bool) -> Metrics {
+    /// `attach_mode` is `None` where the block programs did not load.
+    pub fn new(attach_mode: Option<AttachMode>, dry_run: bool) -> Metrics {
         let mut m = Metrics {
             deschedules: Family::default(),
             inactive_seconds: Family::default(),
@@ -199,7 +195,7 @@ impl Metrics {
         );
         let mode: Family<ModeLabel, Gauge> = Family::default();
         mode.get_or_create(&ModeLabel {
-            mode: attach_mode.to_string(),
+            mode: attach_mode.map_or_else(|| "none".to_string(), |m| m.to_string()),
         })
         .set(1);
         r.register(
@@ -256,28 +252,59 @@ impl Metrics {
         m
     }
 
-    /// Guard probes that found moves paying, and not paying.
-    pub fn guard_verdicts(&self) -> (u64, u64) {
-        let get = |pays| {
-            self.guard_verdicts
-                .get_or_create(&VerdictLabel { pays })
-                .get()
-        };
-        (get("true"), get("false"))
+    /// Copies the engine's figures, the vCPU board's and the executor's at scrape time.
+    pub fn refresh(&self, engine: &EngineSnapshot, vcpus: &[VcpuSnapshot], managed: usize) {
+        self.moves_allowed.set(i64::from(engine.moves_allowed));
+        self.host_holds.set(i64::from(engine.host_holds));
+        self.block_tracking.set(i64::from(engine.block_tracking));
+        self.block_attached.set(i64::from(engine.block_attached));
+        self.io_bound_tasks.set(engine.io_bound_tasks as i64);
+        self.managed_tasks.set(managed as i64);
+        let store = |c: &Counter, v: u64| c.inner().store(v, Ordering::Relaxed);
+        store(&self.releases, engine.releases);
+        store(&self.detector_errors, engine.detector_errors);
+        let verdicts = engine.guard_verdicts;
+        for (pays, n) in [("true", verdicts.pays), ("false", verdicts.holds)] {
+            store(
+                &self.guard_verdicts.get_or_create(&VerdictLabel { pays }),
+                n,
+            );
+        }
+        for s in vcpus {
+            let l = CpuLabel { cpu: s.cpu as u32 };
+            store(&self.deschedules.get_or_create(&l), s.deschedules);
+            let seconds = |ns: u64| (ns as f64 / 1e9).to_bits();
+            self.inactive_seconds
+                .get_or_create(&l)
+                .inner()
+                .store(seconds(s.inactive_total_ns), Ordering::Relaxed);
+            self.covered_seconds
+                .get_or_create(&l)
+                .inner()
+                .store(seconds(s.covered_total_ns), Ordering::Relaxed);
+            self.slice_estimate_seconds
+                .get_or_create(&l)
+                .set(s.est_slice_ns as f64 / 1e9);
+            self.remaining_slice_seconds
+                .get_or_create(&l)
+                .set(s.remaining_ns as f64 / 1e9);
+            self.vcpu_active.get_or_create(&l).set(i64::from(s.active));
+        }
+        for c in &engine.cpu_io {
+            let l = CpuLabel { cpu: c.cpu };
+            store(&self.io_completions.get_or_create(&l), c.completions);
+            self.io_interval_ema_seconds
+                .get_or_create(&l)
+                .set(c.ema_interval_ns as f64 / 1e9);
+        }
     }
 
-    pub fn record_guard_verdict(&self, pays: bool) {
-        self.guard_verdicts
-            .get_or_create(&VerdictLabel {
-                pays: if pays { "true" } else { "false" },
-            })
-            .inc();
-    }
-
-    pub fn set_monitor_source(&self, source: &'static str) {
+    pub fn set_monitor_source(&self, source: vcpu_monitor::Source) {
         self.monitor_source.clear();
         self.monitor_source
-            .get_or_create(&SourceLabel { source })
+            .get_or_create(&SourceLabel {
+                source: source.as_str(),
+            })
             .set(1);
     }
 
@@ -285,7 +312,7 @@ impl Metrics {
         self.migrations
             .get_or_create(&MigrationLabel {
                 reason: reason.as_str(),
-                result: outcome_label(outcome),
+                result: outcome.as_str(),
             })
             .inc();
         if let Outcome::Moved { latency_ns } = outcome {
@@ -307,5 +334,14 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+}
+
+impl MoveLog for Metrics {
+    fn attempted(&self, reason: Reason, outcome: &Outcome) {
+        self.record_migration(reason, outcome);
+    }
+    fn dry_run(&self, reason: Reason) {
+        self.record_dry_run(reason);
     }
 }

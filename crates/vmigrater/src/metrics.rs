@@ -111,52 +111,9 @@ impl Metrics {
             guard_verdicts: Family::default(),
             registry: Registry::with_prefix("vmigrater"),
         };
-        let r = &mut m.registry;
-        r.register(
-            "vcpu_deschedules",
-            "Times a vCPU was seen descheduled (a kernel timer or a sleeper fired later than the gap threshold)",
-            m.deschedules.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_inactive",
-            "Total time a vCPU was seen descheduled",
-            Unit::Seconds,
-            m.inactive_seconds.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_inactive_covered",
-            "Part of a vCPU's descheduled time during which another vCPU was seen running: what moves could gain (kernel source only)",
-            Unit::Seconds,
-            m.covered_seconds.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_slice_estimate",
-            "Estimated length of the vCPU's current time slice",
-            Unit::Seconds,
-            m.slice_estimate_seconds.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_remaining_slice",
-            "Estimated time left in the vCPU's current slice at scrape time",
-            Unit::Seconds,
-            m.remaining_slice_seconds.clone(),
-        );
-        r.register(
-            "vcpu_active",
-            "1 when the vCPU's sleeper ran recently (the vCPU is running), else 0",
-            m.vcpu_active.clone(),
-        );
-        r.register(
-            "io_completions",
-            "Block I/O completions handled on the vCPU (ISACS E_n)",
-            m.io_completions.clone(),
-        );
-        r.register_with_unit(
-            "io_completion_interval_ema",
-            "EMA (0.9) of intervals between block I/O completions on the vCPU (ISACS Eq. 1)",
-            Unit::Seconds,
-            m.io_interval_ema_seconds.clone(),
-        );
+        let mut registry = Registry::with_prefix("vmigrater");
+        m.register_vcpu_figures(&mut registry);
+        let r = &mut registry;
         r.register(
             "io_bound_tasks",
             "Threads currently classified I/O-bound",
@@ -208,37 +165,7 @@ impl Metrics {
             "Where vCPU deschedules are learnt from: kernel (late kernel timers, BPF) or sleepers (value is always 1)",
             m.monitor_source.clone(),
         );
-        m.moves_allowed.set(1);
-        r.register(
-            "moves_allowed",
-            "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
-            m.moves_allowed.clone(),
-        );
-        r.register(
-            "host_holds",
-            "1 while the host agent favours vCPUs for our I/O: I/O-bound tasks are anchored there and nothing else moves",
-            m.host_holds.clone(),
-        );
-        m.block_tracking.set(1);
-        r.register(
-            "block_tracking",
-            "1 while the block I/O programs track requests, 0 between samples (detector.sample_ms of every detector.sample_every_ms)",
-            m.block_tracking.clone(),
-        );
-        m.block_attached.set(1);
-        r.register(
-            "block_programs_attached",
-            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain or while the move guard holds",
-            m.block_attached.clone(),
-        );
-        for pays in ["true", "false"] {
-            let _ = m.guard_verdicts.get_or_create(&VerdictLabel { pays });
-        }
-        r.register(
-            "guard_verdicts",
-            "Move-guard probes concluded, by whether moves raised the block I/O rate",
-            m.guard_verdicts.clone(),
-        );
+        m.register_engine_figures(r);
         // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
         // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
         let build: Family<BuildLabel, Gauge> = Family::default();
@@ -249,7 +176,92 @@ impl Metrics {
             })
             .set(1);
         r.register("build_info", "Build information (value is always 1)", build);
+        m.registry = registry;
         m
+    }
+
+    /// The engine's figures, as they stand before its first step.
+    fn register_engine_figures(&self, r: &mut Registry) {
+        self.moves_allowed.set(1);
+        r.register(
+            "moves_allowed",
+            "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
+            self.moves_allowed.clone(),
+        );
+        r.register(
+            "host_holds",
+            "1 while the host agent favours vCPUs for our I/O: I/O-bound tasks are anchored there and nothing else moves",
+            self.host_holds.clone(),
+        );
+        self.block_tracking.set(1);
+        r.register(
+            "block_tracking",
+            "1 while the block I/O programs track requests, 0 between samples (detector.sample_ms of every detector.sample_every_ms)",
+            self.block_tracking.clone(),
+        );
+        self.block_attached.set(1);
+        r.register(
+            "block_programs_attached",
+            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain or while the move guard holds",
+            self.block_attached.clone(),
+        );
+        for pays in ["true", "false"] {
+            let _ = self.guard_verdicts.get_or_create(&VerdictLabel { pays });
+        }
+        r.register(
+            "guard_verdicts",
+            "Move-guard probes concluded, by whether moves raised the block I/O rate",
+            self.guard_verdicts.clone(),
+        );
+    }
+
+    /// The per-vCPU figures: the board's and the block programs' counts.
+    fn register_vcpu_figures(&self, r: &mut Registry) {
+        r.register(
+            "vcpu_deschedules",
+            "Times a vCPU was seen descheduled (a kernel timer or a sleeper fired later than the gap threshold)",
+            self.deschedules.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_inactive",
+            "Total time a vCPU was seen descheduled",
+            Unit::Seconds,
+            self.inactive_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_inactive_covered",
+            "Part of a vCPU's descheduled time during which another vCPU was seen running: what moves could gain (kernel source only)",
+            Unit::Seconds,
+            self.covered_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_slice_estimate",
+            "Estimated length of the vCPU's current time slice",
+            Unit::Seconds,
+            self.slice_estimate_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_remaining_slice",
+            "Estimated time left in the vCPU's current slice at scrape time",
+            Unit::Seconds,
+            self.remaining_slice_seconds.clone(),
+        );
+        r.register(
+            "vcpu_active",
+            "1 when the vCPU's sleeper ran recently (the vCPU is running), else 0",
+            self.vcpu_active.clone(),
+        );
+        r.register(
+            "io_completions",
+            "Block I/O completions handled on the vCPU (ISACS E_n)",
+            self.io_completions.clone(),
+        );
+        r.register_with_unit(
+            "io_completion_interval_ema",
+            "EMA (0.9) of intervals between block I/O completions on the vCPU (ISACS Eq. 1)",
+            Unit::Seconds,
+            self.io_interval_ema_seconds.clone(),
+        );
     }
 
     /// Copies the engine's figures, the vCPU board's and the executor's at scrape time.

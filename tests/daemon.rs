@@ -942,39 +942,19 @@ fn a_full_or_read_only_state_dir_never_leaves_a_task_pinned() {
 
 /// Cooperation with the host agent (issue 12), on the real kernel: a pty plays the host
 /// end of the channel and answers every report with an `applied` that holds the last
-/// vCPU. With `anchor = "gather"` (the default) the daemon anchors the I/O-bound reader there (its own
-/// mask, journaled) and moves nothing else; when the host stops holding, the reader gets
-/// its original mask back within a few report periods; at SIGTERM nothing is left pinned.
+/// vCPU. The daemon anchors the I/O-bound reader there (its own mask, journaled) and moves
+/// nothing else; when the host stops holding, the reader gets its original mask back within
+/// a few report periods; at SIGTERM nothing is left pinned.
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
     assert_root();
     assert_cpus(2);
-    host_hold_anchors("gather", Some(online_cpus() - 1));
+    host_hold_anchors(online_cpus() - 1);
 }
 
-/// `anchor = "stay"`: the host holds the vCPU the reader runs on (as the
-/// agent does, following the device kicks); the daemon pins it there and gives the
-/// original mask back when the hold ends. (That it leaves a task on another vCPU alone is
-/// `migrater::anchor`'s unit test.)
-#[test]
-#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
-fn a_host_hold_keeps_the_io_bound_task_where_it_runs() {
-    assert_root();
-    assert_cpus(2);
-    host_hold_anchors("stay", None);
-}
-
-/// The CPU `tid` last ran on.
-fn last_cpu(tid: u32) -> usize {
-    let stat = std::fs::read_to_string(format!("/proc/{tid}/stat")).expect("stat");
-    os_layer::TaskStat::parse(&stat)
-        .and_then(|s| s.last_cpu)
-        .expect("last cpu") as usize
-}
-
-/// The host holds `fixed`, or where the reader last ran when None.
-fn host_hold_anchors(anchor: &str, fixed: Option<usize>) {
+/// The host holds `held_cpu`.
+fn host_hold_anchors(held_cpu: usize) {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     let file = data_file();
@@ -984,7 +964,7 @@ fn host_hold_anchors(anchor: &str, fixed: Option<usize>) {
     let (pty, slave) = raw_pty();
     // Every request tracked, so the reader is found in the first windows.
     let config = format!(
-        "{SLEEPERS}\n[detector]\nsample_every_ms = 0\n\n[migration]\nanchor = {anchor:?}\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
+        "{SLEEPERS}\n[detector]\nsample_every_ms = 0\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
         slave.display().to_string()
     );
     let mut daemon =
@@ -1008,14 +988,6 @@ fn host_hold_anchors(anchor: &str, fixed: Option<usize>) {
                     else {
                         continue;
                     };
-                    // Where the reader is pinned once it is (a real agent keeps holding
-                    // the vCPU its I/O comes from), else where it last ran: following
-                    // `last_cpu` alone flipped the hold to the reader's previous vCPU for a
-                    // reply after the pin, before the blocked reader had moved.
-                    let held_cpu = fixed.unwrap_or_else(|| match cpus_of(tid)[..] {
-                        [on] => on,
-                        _ => last_cpu(tid),
-                    });
                     let vcpus = r
                         .vcpus
                         .iter()
@@ -1031,10 +1003,7 @@ fn host_hold_anchors(anchor: &str, fixed: Option<usize>) {
             }
         })
     };
-    let anchored = |_: &serde_json::Value| {
-        let on = cpus_of(tid);
-        on.len() == 1 && fixed.is_none_or(|c| on == [c])
-    };
+    let anchored = |_: &serde_json::Value| cpus_of(tid) == [held_cpu];
     let s = daemon.wait_for(
         Duration::from_secs(20),
         "the reader anchored on the held vCPU",

@@ -59,8 +59,8 @@ fn every_dashboard_metric_is_exported() {
 
     // The guest daemon's registry as it encodes it, with one migration and one vCPU so
     // every labelled family has a series (an empty family prints nothing at all).
-    let guest = migrater::metrics::Metrics::new("tp_btf", false);
-    let cpu = migrater::metrics::CpuLabel { cpu: 0 };
+    let guest = vmigrater::metrics::Metrics::new(Some(task_detector::AttachMode::TpBtf), false);
+    let cpu = vmigrater::metrics::CpuLabel { cpu: 0 };
     guest.deschedules.get_or_create(&cpu).inc();
     guest.inactive_seconds.get_or_create(&cpu).inc_by(0.01);
     guest.slice_estimate_seconds.get_or_create(&cpu).set(0.011);

@@ -45,6 +45,19 @@ pub enum Outcome {
     External,
 }
 
+impl Outcome {
+    /// The result as a log field and metric label value.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            Outcome::Moved { .. } => "moved",
+            Outcome::Unchanged => "unchanged",
+            Outcome::Gone => "gone",
+            Outcome::Rejected => "rejected",
+            Outcome::External => "external",
+        }
+    }
+}
+
 pub use os_layer::{get_cpus, set_cpus};
 
 /// A single-CPU set.

@@ -12,7 +12,7 @@ use tracing::debug;
 use vcpu_monitor::{TickEvent, TickHook, VcpuBoard, VcpuSnapshot};
 
 use crate::affinity::{AffinityExecutor, Outcome};
-use crate::metrics::Metrics;
+use crate::anchor::{self, Placed};
 use crate::planner::{Move, Planner, Reason, TaskView, Trigger, VcpuView};
 
 /// An I/O-bound task the daemon is allowed to move (already journaled unless dry-run).
@@ -26,6 +26,27 @@ pub struct TaskEntry {
     pub priority: i32,
     pub last_cpu: usize,
     pub allowed: Vec<usize>,
+}
+
+/// An I/O-bound task the detector found, whether or not it may be moved: what anchoring
+/// and the host's per-vCPU figures need of it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FoundTask {
+    pub tid: u32,
+    pub tgid: u32,
+    /// Tells a reused tid apart.
+    pub start_time: u64,
+    /// The CPU it last ran on.
+    pub last_cpu: usize,
+}
+
+/// Where every move attempt is counted: the daemon's metrics. The hot path calls it with
+/// the placement held, so it must only bump counters.
+pub trait MoveLog: Send + Sync {
+    /// A move was attempted through the executor.
+    fn attempted(&self, reason: Reason, outcome: &Outcome);
+    /// A move was decided in dry-run (nothing changed).
+    fn dry_run(&self, reason: Reason);
 }
 
 /// Recent migration latencies, for the status percentiles.
@@ -94,7 +115,7 @@ impl Placement {
 pub struct Shared {
     pub tasks: ArcSwap<Vec<TaskEntry>>,
     pub placement: Mutex<Placement>,
-    pub metrics: Metrics,
+    pub moves: Arc<dyn MoveLog>,
     pub migrations: AtomicU64,
 }
 
@@ -203,49 +224,50 @@ impl TickHook for MigrationHook {
     }
 }
 
-/// While the host agent favours the `held` vCPUs: `tasks` (tid, tgid, start time, last
-/// CPU) pinned to them as `policy` says (`anchor::moves`; taken over through the executor
-/// like any move, so journaled and restored the same way). Returns the tids that sit on a
-/// held vCPU now.
+/// While the host agent favours the `held` vCPUs: `tasks` gathered on them
+/// (`anchor::moves`; taken over through the executor like any move, so journaled and
+/// restored the same way). Returns the tids that sit on a held vCPU now.
 pub fn anchor_on_held(
     shared: &Shared,
     placement: &mut Placement,
-    tasks: &[(u32, u32, u64, usize)],
+    tasks: &[FoundTask],
     held: &[usize],
-    policy: crate::anchor::Policy,
 ) -> Vec<u32> {
-    let own: Vec<(u32, u32, u64, usize)> = tasks
+    let own: Vec<FoundTask> = tasks
         .iter()
         .copied()
-        .filter(|&(tid, _, start, _)| !placement.hands_off.contains(&(tid, start)))
+        .filter(|t| !placement.hands_off.contains(&(t.tid, t.start_time)))
         .collect();
-    let now: Vec<(u32, Option<usize>, usize)> = own
+    let now: Vec<Placed> = own
         .iter()
-        .map(|&(tid, _, _, last)| (tid, placement.placed_on(tid), last))
+        .map(|t| Placed {
+            tid: t.tid,
+            pinned: placement.placed_on(t.tid),
+        })
         .collect();
-    for (tid, to) in crate::anchor::moves(&now, held, policy) {
-        let Some(&(_, tgid, start_time, _)) = own.iter().find(|t| t.0 == tid) else {
+    for pin in anchor::moves(&now, held) {
+        let Some(t) = own.iter().find(|t| t.tid == pin.tid) else {
             continue;
         };
         if let Some(ex) = placement.executor.as_mut() {
-            if !ex.is_managed(tid) {
-                if let Err(e) = ex.manage(tid, tgid, start_time) {
-                    debug!(tid, "not anchoring: {e:#}");
+            if !ex.is_managed(t.tid) {
+                if let Err(e) = ex.manage(t.tid, t.tgid, t.start_time) {
+                    debug!(tid = t.tid, "not anchoring: {e:#}");
                     continue;
                 }
             }
         }
-        let from = placement.placed_on(tid);
+        let from = placement.placed_on(t.tid);
         let mv = Move {
-            tid,
+            tid: t.tid,
             from,
-            to,
+            to: pin.cpu,
             reason: Reason::Held,
         };
-        apply(shared, placement, Some(start_time), mv);
+        apply(shared, placement, Some(t.start_time), mv);
     }
     own.iter()
-        .map(|t| t.0)
+        .map(|t| t.tid)
         .filter(|&tid| placement.placed_on(tid).is_some_and(|c| held.contains(&c)))
         .collect()
 }
@@ -266,11 +288,11 @@ fn apply(shared: &Shared, placement: &mut Placement, start_time: Option<u64>, mv
             "dry-run: would migrate"
         );
         placement.simulated.insert(tid, to);
-        shared.metrics.record_dry_run(reason);
+        shared.moves.dry_run(reason);
         return;
     };
     let outcome = executor.move_to(tid, to);
-    shared.metrics.record_migration(reason, &outcome);
+    shared.moves.attempted(reason, &outcome);
     match outcome {
         Outcome::Moved { latency_ns } => {
             placement.latencies.push(latency_ns);
@@ -295,7 +317,7 @@ fn apply(shared: &Shared, placement: &mut Placement, start_time: Option<u64>, mv
                 tid,
                 to,
                 reason = reason.as_str(),
-                result = crate::metrics::outcome_label(&outcome),
+                result = outcome.as_str(),
                 "migration not done"
             );
         }

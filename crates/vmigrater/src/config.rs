@@ -133,27 +133,6 @@ impl TryFrom<String> for MonitorSource {
     }
 }
 
-/// `migration.anchor`: what the daemon does with I/O-bound tasks while the host agent
-/// favours vCPUs (`migrater::anchor::Policy`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum AnchorSetting {
-    /// Pin every I/O-bound task to a favoured vCPU.
-    #[default]
-    Gather,
-    /// Pin a task that runs on a favoured vCPU there; leave the others alone.
-    Stay,
-}
-
-impl From<AnchorSetting> for migrater::anchor::Policy {
-    fn from(a: AnchorSetting) -> Self {
-        match a {
-            AnchorSetting::Stay => migrater::anchor::Policy::Stay,
-            AnchorSetting::Gather => migrater::anchor::Policy::Gather,
-        }
-    }
-}
-
 /// `detector.attach_mode`: the best mode the kernel offers, or one insisted on.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -260,9 +239,6 @@ pub struct MigrationSection {
     pub guard: bool,
     /// Length of one guard epoch.
     pub guard_epoch_ms: u64,
-    /// While the host agent favours vCPUs: "gather" pins every I/O-bound task to one,
-    /// "stay" only a task found on one, there.
-    pub anchor: AnchorSetting,
 }
 
 impl Default for MigrationSection {
@@ -273,7 +249,6 @@ impl Default for MigrationSection {
             exclude_comm: Vec::new(),
             guard: true,
             guard_epoch_ms: 1_000,
-            anchor: AnchorSetting::Gather,
         }
     }
 }
@@ -506,6 +481,16 @@ mod tests {
             .to_string();
         assert!(err.starts_with("t.toml:4:"), "{err}");
         assert!(err.contains("period_uss"), "{err}");
+    }
+
+    #[test]
+    fn the_removed_anchor_key_is_refused_naming_its_line() {
+        // Anchoring always gathers now; an old config that chose must be told, not ignored.
+        let err = Config::parse("[migration]\nguard = true\nanchor = \"stay\"\n", "t.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(err.starts_with("t.toml:3:"), "{err}");
+        assert!(err.contains("anchor"), "{err}");
     }
 
     #[test]

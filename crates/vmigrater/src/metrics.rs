@@ -1,6 +1,7 @@
 //! Prometheus metrics of the guest daemon (OpenMetrics text on `/metrics`). Owns the
-//! registry and the handles the hot path increments; per-vCPU figures are copied from the
-//! lock-free vCPU board when a scrape arrives, so the monitor threads never wait on it.
+//! registry and the handles the hot path increments (`MoveLog`); the engine's figures and
+//! the per-vCPU ones are copied from the engine's snapshot and the lock-free vCPU board
+//! when a scrape arrives, so neither the monitor threads nor the detector loop wait on it.
 //! Must never carry pid or comm labels: their cardinality is unbounded.
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -11,8 +12,13 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::{Registry, Unit};
 use std::sync::atomic::AtomicU64;
 
-use crate::affinity::Outcome;
-use crate::planner::Reason;
+use migrater::affinity::Outcome;
+use migrater::engine::EngineSnapshot;
+use migrater::hook::MoveLog;
+use migrater::planner::Reason;
+use std::sync::atomic::Ordering;
+use task_detector::AttachMode;
+use vcpu_monitor::VcpuSnapshot;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CpuLabel {
@@ -49,17 +55,6 @@ struct BuildLabel {
 type FloatCounter = Counter<f64, AtomicU64>;
 type FloatGauge = Gauge<f64, AtomicU64>;
 
-/// Results a migration attempt can have, as metric label values.
-pub fn outcome_label(o: &Outcome) -> &'static str {
-    match o {
-        Outcome::Moved { .. } => "moved",
-        Outcome::Unchanged => "unchanged",
-        Outcome::Gone => "gone",
-        Outcome::Rejected => "rejected",
-        Outcome::External => "external",
-    }
-}
-
 pub struct Metrics {
     registry: Registry,
     pub deschedules: Family<CpuLabel, Counter>,
@@ -89,7 +84,8 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(attach_mode: &str, dry_run: bool) -> Metrics {
+    /// `attach_mode` is `None` where the block programs did not load.
+    pub fn new(attach_mode: Option<AttachMode>, dry_run: bool) -> Metrics {
         let mut m = Metrics {
             deschedules: Family::default(),
             inactive_seconds: Family::default(),
@@ -115,52 +111,9 @@ impl Metrics {
             guard_verdicts: Family::default(),
             registry: Registry::with_prefix("vmigrater"),
         };
-        let r = &mut m.registry;
-        r.register(
-            "vcpu_deschedules",
-            "Times a vCPU was seen descheduled (a kernel timer or a sleeper fired later than the gap threshold)",
-            m.deschedules.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_inactive",
-            "Total time a vCPU was seen descheduled",
-            Unit::Seconds,
-            m.inactive_seconds.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_inactive_covered",
-            "Part of a vCPU's descheduled time during which another vCPU was seen running: what moves could gain (kernel source only)",
-            Unit::Seconds,
-            m.covered_seconds.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_slice_estimate",
-            "Estimated length of the vCPU's current time slice",
-            Unit::Seconds,
-            m.slice_estimate_seconds.clone(),
-        );
-        r.register_with_unit(
-            "vcpu_remaining_slice",
-            "Estimated time left in the vCPU's current slice at scrape time",
-            Unit::Seconds,
-            m.remaining_slice_seconds.clone(),
-        );
-        r.register(
-            "vcpu_active",
-            "1 when the vCPU's sleeper ran recently (the vCPU is running), else 0",
-            m.vcpu_active.clone(),
-        );
-        r.register(
-            "io_completions",
-            "Block I/O completions handled on the vCPU (ISACS E_n)",
-            m.io_completions.clone(),
-        );
-        r.register_with_unit(
-            "io_completion_interval_ema",
-            "EMA (0.9) of intervals between block I/O completions on the vCPU (ISACS Eq. 1)",
-            Unit::Seconds,
-            m.io_interval_ema_seconds.clone(),
-        );
+        let mut registry = Registry::with_prefix("vmigrater");
+        m.register_vcpu_figures(&mut registry);
+        let r = &mut registry;
         r.register(
             "io_bound_tasks",
             "Threads currently classified I/O-bound",
@@ -199,7 +152,7 @@ impl Metrics {
         );
         let mode: Family<ModeLabel, Gauge> = Family::default();
         mode.get_or_create(&ModeLabel {
-            mode: attach_mode.to_string(),
+            mode: attach_mode.map_or_else(|| "none".to_string(), |m| m.to_string()),
         })
         .set(1);
         r.register(
@@ -212,37 +165,7 @@ impl Metrics {
             "Where vCPU deschedules are learnt from: kernel (late kernel timers, BPF) or sleepers (value is always 1)",
             m.monitor_source.clone(),
         );
-        m.moves_allowed.set(1);
-        r.register(
-            "moves_allowed",
-            "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
-            m.moves_allowed.clone(),
-        );
-        r.register(
-            "host_holds",
-            "1 while the host agent favours vCPUs for our I/O: I/O-bound tasks are anchored there and nothing else moves",
-            m.host_holds.clone(),
-        );
-        m.block_tracking.set(1);
-        r.register(
-            "block_tracking",
-            "1 while the block I/O programs track requests, 0 between samples (detector.sample_ms of every detector.sample_every_ms)",
-            m.block_tracking.clone(),
-        );
-        m.block_attached.set(1);
-        r.register(
-            "block_programs_attached",
-            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain or while the move guard holds",
-            m.block_attached.clone(),
-        );
-        for pays in ["true", "false"] {
-            let _ = m.guard_verdicts.get_or_create(&VerdictLabel { pays });
-        }
-        r.register(
-            "guard_verdicts",
-            "Move-guard probes concluded, by whether moves raised the block I/O rate",
-            m.guard_verdicts.clone(),
-        );
+        m.register_engine_figures(r);
         // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
         // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
         let build: Family<BuildLabel, Gauge> = Family::default();
@@ -253,31 +176,147 @@ impl Metrics {
             })
             .set(1);
         r.register("build_info", "Build information (value is always 1)", build);
+        m.registry = registry;
         m
     }
 
-    /// Guard probes that found moves paying, and not paying.
-    pub fn guard_verdicts(&self) -> (u64, u64) {
-        let get = |pays| {
-            self.guard_verdicts
-                .get_or_create(&VerdictLabel { pays })
-                .get()
-        };
-        (get("true"), get("false"))
+    /// The engine's figures, as they stand before its first step.
+    fn register_engine_figures(&self, r: &mut Registry) {
+        self.moves_allowed.set(1);
+        r.register(
+            "moves_allowed",
+            "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
+            self.moves_allowed.clone(),
+        );
+        r.register(
+            "host_holds",
+            "1 while the host agent favours vCPUs for our I/O: I/O-bound tasks are anchored there and nothing else moves",
+            self.host_holds.clone(),
+        );
+        self.block_tracking.set(1);
+        r.register(
+            "block_tracking",
+            "1 while the block I/O programs track requests, 0 between samples (detector.sample_ms of every detector.sample_every_ms)",
+            self.block_tracking.clone(),
+        );
+        self.block_attached.set(1);
+        r.register(
+            "block_programs_attached",
+            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain or while the move guard holds",
+            self.block_attached.clone(),
+        );
+        for pays in ["true", "false"] {
+            let _ = self.guard_verdicts.get_or_create(&VerdictLabel { pays });
+        }
+        r.register(
+            "guard_verdicts",
+            "Move-guard probes concluded, by whether moves raised the block I/O rate",
+            self.guard_verdicts.clone(),
+        );
     }
 
-    pub fn record_guard_verdict(&self, pays: bool) {
-        self.guard_verdicts
-            .get_or_create(&VerdictLabel {
-                pays: if pays { "true" } else { "false" },
-            })
-            .inc();
+    /// The per-vCPU figures: the board's and the block programs' counts.
+    fn register_vcpu_figures(&self, r: &mut Registry) {
+        r.register(
+            "vcpu_deschedules",
+            "Times a vCPU was seen descheduled (a kernel timer or a sleeper fired later than the gap threshold)",
+            self.deschedules.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_inactive",
+            "Total time a vCPU was seen descheduled",
+            Unit::Seconds,
+            self.inactive_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_inactive_covered",
+            "Part of a vCPU's descheduled time during which another vCPU was seen running: what moves could gain (kernel source only)",
+            Unit::Seconds,
+            self.covered_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_slice_estimate",
+            "Estimated length of the vCPU's current time slice",
+            Unit::Seconds,
+            self.slice_estimate_seconds.clone(),
+        );
+        r.register_with_unit(
+            "vcpu_remaining_slice",
+            "Estimated time left in the vCPU's current slice at scrape time",
+            Unit::Seconds,
+            self.remaining_slice_seconds.clone(),
+        );
+        r.register(
+            "vcpu_active",
+            "1 when the vCPU's sleeper ran recently (the vCPU is running), else 0",
+            self.vcpu_active.clone(),
+        );
+        r.register(
+            "io_completions",
+            "Block I/O completions handled on the vCPU (ISACS E_n)",
+            self.io_completions.clone(),
+        );
+        r.register_with_unit(
+            "io_completion_interval_ema",
+            "EMA (0.9) of intervals between block I/O completions on the vCPU (ISACS Eq. 1)",
+            Unit::Seconds,
+            self.io_interval_ema_seconds.clone(),
+        );
     }
 
-    pub fn set_monitor_source(&self, source: &'static str) {
+    /// Copies the engine's figures, the vCPU board's and the executor's at scrape time.
+    pub fn refresh(&self, engine: &EngineSnapshot, vcpus: &[VcpuSnapshot], managed: usize) {
+        self.moves_allowed.set(i64::from(engine.moves_allowed));
+        self.host_holds.set(i64::from(engine.host_holds));
+        self.block_tracking.set(i64::from(engine.block_tracking));
+        self.block_attached.set(i64::from(engine.block_attached));
+        self.io_bound_tasks.set(engine.io_bound_tasks as i64);
+        self.managed_tasks.set(managed as i64);
+        let store = |c: &Counter, v: u64| c.inner().store(v, Ordering::Relaxed);
+        store(&self.releases, engine.releases);
+        store(&self.detector_errors, engine.detector_errors);
+        let verdicts = engine.guard_verdicts;
+        for (pays, n) in [("true", verdicts.pays), ("false", verdicts.holds)] {
+            store(
+                &self.guard_verdicts.get_or_create(&VerdictLabel { pays }),
+                n,
+            );
+        }
+        for s in vcpus {
+            let l = CpuLabel { cpu: s.cpu as u32 };
+            store(&self.deschedules.get_or_create(&l), s.deschedules);
+            let seconds = |ns: u64| (ns as f64 / 1e9).to_bits();
+            self.inactive_seconds
+                .get_or_create(&l)
+                .inner()
+                .store(seconds(s.inactive_total_ns), Ordering::Relaxed);
+            self.covered_seconds
+                .get_or_create(&l)
+                .inner()
+                .store(seconds(s.covered_total_ns), Ordering::Relaxed);
+            self.slice_estimate_seconds
+                .get_or_create(&l)
+                .set(s.est_slice_ns as f64 / 1e9);
+            self.remaining_slice_seconds
+                .get_or_create(&l)
+                .set(s.remaining_ns as f64 / 1e9);
+            self.vcpu_active.get_or_create(&l).set(i64::from(s.active));
+        }
+        for c in &engine.cpu_io {
+            let l = CpuLabel { cpu: c.cpu };
+            store(&self.io_completions.get_or_create(&l), c.completions);
+            self.io_interval_ema_seconds
+                .get_or_create(&l)
+                .set(c.ema_interval_ns as f64 / 1e9);
+        }
+    }
+
+    pub fn set_monitor_source(&self, source: vcpu_monitor::Source) {
         self.monitor_source.clear();
         self.monitor_source
-            .get_or_create(&SourceLabel { source })
+            .get_or_create(&SourceLabel {
+                source: source.as_str(),
+            })
             .set(1);
     }
 
@@ -285,7 +324,7 @@ impl Metrics {
         self.migrations
             .get_or_create(&MigrationLabel {
                 reason: reason.as_str(),
-                result: outcome_label(outcome),
+                result: outcome.as_str(),
             })
             .inc();
         if let Outcome::Moved { latency_ns } = outcome {
@@ -307,5 +346,14 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut out, &self.registry)
             .expect("writing to a String cannot fail");
         out
+    }
+}
+
+impl MoveLog for Metrics {
+    fn attempted(&self, reason: Reason, outcome: &Outcome) {
+        self.record_migration(reason, outcome);
+    }
+    fn dry_run(&self, reason: Reason) {
+        self.record_dry_run(reason);
     }
 }

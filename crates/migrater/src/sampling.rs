@@ -1,11 +1,9 @@
 //! Sampled block-I/O tracking: when the detector's BPF programs run, and what the daemon
 //! reports of per-vCPU I/O while they do not.
 //!
-//! Measured in the lab guest (QEMU TCG, `bpftool prog show` with kernel.bpf_stats_enabled):
-//! `block_rq_issue` took 29 us and `block_rq_complete` 27 us per run, on the path of every
-//! request (p50 of a 4 KiB reader 567 -> 837 us with the programs attached). I/O-bound
-//! tasks stay I/O-bound for seconds, so the detector looks in short samples and the
-//! requests in between pay nothing. Pure: the caller gives the clock and the counters.
+//! The block programs run on the path of every request and add to its latency, while
+//! I/O-bound tasks stay I/O-bound for seconds: so the detector looks in short samples and
+//! the requests in between pay nothing. Pure: the caller gives the clock and the counters.
 
 use std::time::Duration;
 use task_detector::CpuIoSample;

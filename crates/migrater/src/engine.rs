@@ -1,0 +1,302 @@
+//! The detector loop's policy as one step: observe (the vCPU board, the disk's completion
+//! count, the host's hints, the clock) → decide (contention gate, block tracking, move
+//! guard, admission, anchoring, release) → act (through `Actuator`: the block programs and
+//! the placement) → publish (an `EngineSnapshot` for status and metrics) → say how long to
+//! nap. It owns the loop's state and nothing else: threads, sleeping, signals, BPF and
+//! `/proc` stay with the caller, so that every rule is driven by plain values in tests. It
+//! must never move a task itself: the monitor threads' hook moves the tasks the engine
+//! publishes; the engine only takes tasks over, anchors them while the host holds vCPUs,
+//! and hands them back.
+//!
+//! The window of the block programs is read through the actuator, not passed in: the step
+//! first decides whether they track (pause, resume, detach) and reads what they saw after.
+
+mod tasks;
+mod tracking;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::Duration;
+use task_detector::{CpuIoSample, DetectorOutput, IoTaskInfo};
+use vcpu_monitor::{Demand, VcpuSnapshot};
+
+use crate::affinity::Outcome;
+use crate::guard::{Contention, GuardConfig, MoveGuard};
+use crate::hook::{FoundTask, TaskEntry};
+use crate::sampling::{CompletionEstimate, Schedule};
+
+/// How often the contention gate judges the vCPUs' out time.
+pub const CONTENTION_WINDOW: Duration = Duration::from_secs(2);
+/// How long before a hold ends block tracking resumes: two contention checks (the loop
+/// looks every window while paused) and a sample, so the probe finds the I/O-bound tasks.
+pub const HOLD_LEAD: Duration = Duration::from_secs(5);
+
+/// The settings of the loop, fixed for a run.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// The detector's window: the nap while tasks are moved.
+    pub window: Duration,
+    /// The nap while nothing is decided per window.
+    pub idle: Duration,
+    /// Our own process: never a task to move.
+    pub own_pid: u32,
+    /// Commands the user excluded from management.
+    pub exclude_comm: Vec<String>,
+    /// Sampled tracking; `None` tracks all the time (while anything can gain).
+    pub schedule: Option<Schedule>,
+    /// With nothing to gain this long, the block programs come off their tracepoints.
+    pub detach_after: Option<Duration>,
+    /// Where nothing is descheduled there is nothing to gain: no probe and no move there.
+    /// Only where the monitor's out times measure contention (and the guard is on).
+    pub gate_on_contention: bool,
+    /// The move guard; `None` moves whenever the gate allows (guard off, or dry run).
+    pub guard: Option<GuardConfig>,
+}
+
+/// What the host agent says, as the channel last heard it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HostHints {
+    /// vCPUs the host keeps running for our I/O now.
+    pub held: Vec<usize>,
+    /// Whether a host agent answers at all (it wants per-vCPU I/O figures).
+    pub agent_answers: bool,
+}
+
+/// What the step observes, read by the caller just before it.
+#[derive(Clone, Debug)]
+pub struct Observation {
+    /// The monotonic clock.
+    pub now_ns: u64,
+    /// The monitor's board.
+    pub vcpus: Vec<VcpuSnapshot>,
+    /// The kernel's count of completed block requests; only needed where
+    /// `Engine::reads_disk` says so (`None` elsewhere, or where it cannot be read).
+    pub disk_completed: Option<u64>,
+    pub host: HostHints,
+}
+
+/// The block programs of the detector.
+pub trait BlockTracking {
+    /// Whether the programs track requests now.
+    fn tracking(&self) -> bool;
+    /// Whether they sit on their tracepoints (tracking or paused).
+    fn attached(&self) -> bool;
+    fn pause(&mut self) -> anyhow::Result<()>;
+    fn resume(&mut self) -> anyhow::Result<()>;
+    fn detach(&mut self) -> anyhow::Result<()>;
+    /// The I/O-bound tasks and per-vCPU completions of the window that just ended.
+    fn poll(&mut self) -> anyhow::Result<DetectorOutput>;
+}
+
+/// The placement: the affinity executor (journaled) and the set the monitor threads move.
+pub trait TaskPlacement {
+    /// Tasks whose mask someone else changed after us: (tid, start time).
+    fn hands_off(&self) -> HashSet<(u32, u64)>;
+    /// Takes a task over (journals its mask); returns the CPUs it may run on.
+    fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>>;
+    /// The user's priority for a task.
+    fn priority_of(&self, task: &IoTaskInfo) -> i32;
+    /// Gathers `tasks` on the `held` vCPUs; returns the tids that sit on one now.
+    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32>;
+    /// Hands a task back its original mask; `None` where nothing was changed (dry run).
+    fn release(&mut self, tid: u32) -> Option<Outcome>;
+    /// Hands every task back; `None` in dry run.
+    fn release_all(&mut self) -> Option<usize>;
+    /// The tasks the monitor threads may move from now on.
+    fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>);
+    /// Whether the monitor must track slices precisely.
+    fn set_demand(&mut self, demand: Demand);
+}
+
+/// Everything the step acts through.
+pub trait Actuator: BlockTracking + TaskPlacement {}
+impl<T: BlockTracking + TaskPlacement> Actuator for T {}
+
+/// Probes of the move guard concluded, by verdict.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GuardVerdicts {
+    pub pays: u64,
+    pub holds: u64,
+}
+
+/// The engine's state after a step, for status and metrics.
+#[derive(Clone, Debug, PartialEq)]
+pub struct EngineSnapshot {
+    /// False while the guard or a host hold keeps tasks on their own masks, or nothing
+    /// is contended.
+    pub moves_allowed: bool,
+    pub host_holds: bool,
+    pub block_tracking: bool,
+    pub block_attached: bool,
+    pub guard_verdicts: GuardVerdicts,
+    pub demand: Demand,
+    /// The I/O-bound tasks: managed ones while moves are allowed, every candidate on hold.
+    pub io_bound_tasks: usize,
+    /// Every I/O-bound task found, managed or not (the host's per-vCPU figures).
+    pub found: Vec<FoundTask>,
+    /// Per-vCPU completions (estimated between samples).
+    pub cpu_io: Vec<CpuIoSample>,
+    /// Tasks handed back, cumulative.
+    pub releases: u64,
+    /// Failed operations of the block programs, cumulative.
+    pub detector_errors: u64,
+}
+
+impl Default for EngineSnapshot {
+    /// Before the first step: moves allowed and the programs tracking, as they start.
+    fn default() -> Self {
+        EngineSnapshot {
+            moves_allowed: true,
+            host_holds: false,
+            block_tracking: true,
+            block_attached: true,
+            guard_verdicts: GuardVerdicts::default(),
+            demand: Demand::Idle,
+            io_bound_tasks: 0,
+            found: Vec::new(),
+            cpu_io: Vec::new(),
+            releases: 0,
+            detector_errors: 0,
+        }
+    }
+}
+
+/// An I/O-bound task anchored on a held vCPU, to hand back when the hold ends.
+#[derive(Clone, Debug, PartialEq)]
+struct Anchored {
+    tid: u32,
+    comm: String,
+}
+
+pub struct Engine {
+    cfg: EngineConfig,
+    contention: Contention,
+    contended: bool,
+    wanted_tracking: bool,
+    sample_start_ns: u64,
+    /// Since when nothing could gain (`None` while something could).
+    quiet_since_ns: Option<u64>,
+    guard: Option<MoveGuard>,
+    estimate: CompletionEstimate,
+    sampled_cpus: Vec<CpuIoSample>,
+    /// What the last window found; stands between samples.
+    found: Vec<IoTaskInfo>,
+    last_completions: u64,
+    host_held: bool,
+    /// The tasks published for the monitor threads.
+    current: Arc<Vec<TaskEntry>>,
+    anchored: Vec<Anchored>,
+    snap: EngineSnapshot,
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig, now_ns: u64) -> Self {
+        Engine {
+            contention: Contention::new(
+                CONTENTION_WINDOW.as_nanos() as u64,
+                Contention::DEFAULT_MIN_FRACTION,
+                Contention::DEFAULT_MIN_COVERED,
+            ),
+            contended: false,
+            wanted_tracking: true,
+            sample_start_ns: now_ns,
+            quiet_since_ns: None,
+            guard: cfg.guard.clone().map(MoveGuard::new),
+            estimate: CompletionEstimate::default(),
+            sampled_cpus: Vec::new(),
+            found: Vec::new(),
+            last_completions: 0,
+            host_held: false,
+            current: Arc::new(Vec::new()),
+            anchored: Vec::new(),
+            snap: EngineSnapshot::default(),
+            cfg,
+        }
+    }
+
+    /// Whether the step needs `Observation::disk_completed`: the guard judges progress
+    /// by it, and sampled tracking estimates per-vCPU completions from it.
+    pub fn reads_disk(&self) -> bool {
+        self.guard.is_some() || self.cfg.schedule.is_some()
+    }
+
+    pub fn snapshot(&self) -> &EngineSnapshot {
+        &self.snap
+    }
+
+    /// One round of the loop; returns how long to nap before the next.
+    pub fn step(&mut self, obs: Observation, act: &mut impl Actuator) -> Duration {
+        let now = obs.now_ns;
+        self.judge_contention(now, &obs.vcpus);
+        let (wants_tracking, mut nap_limit) = self.steer_tracking(now, obs.host.agent_answers, act);
+        if !wants_tracking {
+            // Paused for want of contention: look again a window later.
+            nap_limit = nap_limit.min(CONTENTION_WINDOW);
+        }
+        self.snap.block_tracking = act.tracking();
+        self.snap.block_attached = act.attached();
+        let disk = obs.disk_completed.filter(|_| self.reads_disk());
+        let Some(io_seen) = self.read_window(disk, act) else {
+            return self.cfg.idle;
+        };
+        // The kernel's own count of completed requests: what the guard judges progress
+        // by (it moves whether or not our programs are attached).
+        let progress = disk.unwrap_or(self.last_completions);
+        let decided = self.decide_tasks(now, progress, &obs.host.held, act);
+        // On hold nothing is decided per window: the guard needs only an epoch's count.
+        let nap = if act.tracking() && (decided.active || io_seen) && decided.moves_allowed {
+            self.cfg.window
+        } else if !act.tracking()
+            && (!self.contended || self.guard.as_ref().is_none_or(|g| !g.probing()))
+        {
+            // Paused with nothing to measure (a guard probe needs contention too): wake
+            // for the next sample or contention check only, not every guard epoch.
+            nap_limit
+        } else {
+            self.cfg.idle
+        };
+        nap.min(nap_limit)
+    }
+
+    /// Polls the block programs while they track, else carries the per-vCPU estimate
+    /// forward; returns whether new completions were seen, `None` when the poll failed.
+    fn read_window(&mut self, disk: Option<u64>, act: &mut impl Actuator) -> Option<bool> {
+        if act.tracking() {
+            let out = match act.poll() {
+                Ok(out) => out,
+                Err(e) => {
+                    self.snap.detector_errors += 1;
+                    tracing::warn!("polling the BPF maps failed: {e:#}");
+                    return None;
+                }
+            };
+            let completions: u64 = out.cpus.iter().map(|c| c.completions).sum();
+            let io_seen = completions != self.last_completions;
+            self.last_completions = completions;
+            self.snap.cpu_io = match (self.cfg.schedule, disk) {
+                (Some(_), Some(d)) => self.estimate.update(&out.cpus, d),
+                _ => out.cpus.clone(),
+            };
+            self.sampled_cpus = out.cpus;
+            self.found = out.tasks;
+            Some(io_seen)
+        } else {
+            if let Some(d) = disk.filter(|_| act.attached()) {
+                self.snap.cpu_io = self.estimate.update(&self.sampled_cpus, d);
+            }
+            Some(false)
+        }
+    }
+}
+
+/// At shutdown: nothing more for the monitor threads to move, and every task back on its
+/// original mask.
+pub fn release_everything(act: &mut impl TaskPlacement) {
+    act.publish_tasks(Arc::new(Vec::new()));
+    if let Some(restored) = act.release_all() {
+        tracing::info!(restored, "restored original affinity of every managed task");
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,223 @@
+//! The engine's second half: which tasks the monitor threads may move. The host's hold
+//! first (anchor, no other moves), then the move guard (probe, trust, hold), then
+//! admission of this window's I/O-bound tasks, and the release of every task that is
+//! neither managed nor anchored any more. Never moves a task for the planner's reasons:
+//! that is the hook's, on the monitor threads.
+
+use std::sync::Arc;
+use task_detector::IoTaskInfo;
+use tracing::{debug, info};
+use vcpu_monitor::Demand;
+
+use super::{Actuator, Anchored, Engine, TaskPlacement};
+use crate::admission::{self, Admission};
+use crate::hook::{FoundTask, TaskEntry};
+
+/// What the step decided about tasks, for its nap.
+pub(super) struct Decided {
+    pub moves_allowed: bool,
+    /// Tasks are managed (the monitor tracks slices for them).
+    pub active: bool,
+}
+
+fn found_task(i: &IoTaskInfo) -> FoundTask {
+    FoundTask {
+        tid: i.task.tid,
+        tgid: i.task.tgid,
+        start_time: i.start_time,
+        last_cpu: i.task.last_cpu as usize,
+    }
+}
+
+impl Engine {
+    pub(super) fn decide_tasks(
+        &mut self,
+        now: u64,
+        progress: u64,
+        held: &[usize],
+        act: &mut impl Actuator,
+    ) -> Decided {
+        let found = std::mem::take(&mut self.found);
+        let eligible = admission::eligible(&found, self.cfg.own_pid, &self.cfg.exclude_comm);
+        let candidates = eligible.len();
+        self.snap.found = eligible.iter().map(|i| found_task(i)).collect();
+        let host_holds = self.note_host_hold(held);
+        let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
+        self.snap.moves_allowed = moves_allowed;
+        let next = if moves_allowed {
+            self.admit(&found, act)
+        } else {
+            Vec::new()
+        };
+        let anchored_now: Vec<Anchored> = if host_holds {
+            let on_held = act.anchor(&self.snap.found, held);
+            eligible
+                .iter()
+                .filter(|i| on_held.contains(&i.task.tid))
+                .map(|i| Anchored {
+                    tid: i.task.tid,
+                    comm: i.comm.clone(),
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.release_left(&next, &anchored_now, moves_allowed, act);
+        let active = !next.is_empty();
+        // On hold the I/O-bound tasks still exist; they are only left alone.
+        self.snap.io_bound_tasks = if moves_allowed {
+            next.len()
+        } else {
+            candidates
+        };
+        let next = Arc::new(next);
+        act.publish_tasks(next.clone());
+        self.current = next;
+        self.anchored = anchored_now;
+        let demand = if active { Demand::Active } else { Demand::Idle };
+        self.snap.demand = demand;
+        act.set_demand(demand);
+        self.found = found;
+        Decided {
+            moves_allowed,
+            active,
+        }
+    }
+
+    /// The host agent favours vCPUs for our I/O: chasing running vCPUs would undo its
+    /// help, so the I/O-bound tasks are anchored on the held vCPUs instead and nothing
+    /// else moves them. Returns whether the host holds now.
+    fn note_host_hold(&mut self, held: &[usize]) -> bool {
+        let host_holds = !held.is_empty();
+        if host_holds != self.host_held {
+            self.host_held = host_holds;
+            self.snap.host_holds = host_holds;
+            if host_holds {
+                info!(?held, "the host agent favours these vCPUs for our I/O: I/O-bound tasks anchored there, no other moves");
+            } else {
+                info!("the host agent no longer favours vCPUs: moves as the guard and the contention gate allow");
+            }
+        }
+        host_holds
+    }
+
+    /// Whether the contention gate and the move guard let tasks move; feeds the guard
+    /// this round's progress (only while it has I/O-bound tasks to judge by).
+    fn moves_allowed(&mut self, now: u64, progress: u64, has_candidates: bool) -> bool {
+        let contended = self.contended;
+        let Some(g) = self.guard.as_mut() else {
+            // Guard off: always; dry run with the guard on: where it would move.
+            return contended;
+        };
+        if let Some(v) = g.observe(now, progress, has_candidates && contended) {
+            if v.pays {
+                self.snap.guard_verdicts.pays += 1;
+            } else {
+                self.snap.guard_verdicts.holds += 1;
+            }
+            info!(
+                pays = v.pays,
+                with_moves = format!("{:.0}/s", v.with_moves),
+                without_moves = format!("{:.0}/s", v.without_moves),
+                for_s = v.for_ns / 1_000_000_000,
+                "move guard: block requests completed per second with and without moves {}",
+                if v.pays {
+                    "— moves pay, keeping them"
+                } else {
+                    "— moves do not pay, holding tasks on their own masks"
+                }
+            );
+        }
+        contended && g.moves_allowed()
+    }
+
+    /// This window's managed tasks: the ones managed before keep their entry, new ones
+    /// are taken over (their mask journaled first).
+    fn admit(&self, found: &[IoTaskInfo], act: &mut impl TaskPlacement) -> Vec<TaskEntry> {
+        let hands_off = act.hands_off();
+        let ex = admission::Exclusions {
+            own_pid: self.cfg.own_pid,
+            comm: &self.cfg.exclude_comm,
+            hands_off: &hands_off,
+        };
+        let mut next = Vec::with_capacity(found.len());
+        for verdict in admission::admit(found, &self.current, ex) {
+            let (info, allowed, priority) = match verdict {
+                Admission::Keep { managed, now } => {
+                    (now, managed.allowed.clone(), managed.priority)
+                }
+                Admission::New(info) => {
+                    let t = &info.task;
+                    let allowed = match act.manage(info) {
+                        Ok(a) => a,
+                        Err(e) => {
+                            debug!(tid = t.tid, "not managing: {e:#}");
+                            continue;
+                        }
+                    };
+                    let priority = act.priority_of(info);
+                    info!(
+                        tid = t.tid,
+                        pid = t.tgid,
+                        comm = %info.comm,
+                        io_fraction = format!("{:.2}", t.io_fraction),
+                        load = format!("{:.2}", t.load),
+                        priority,
+                        "task is I/O-bound: managing it"
+                    );
+                    (info, allowed, priority)
+                }
+            };
+            let t = &info.task;
+            next.push(TaskEntry {
+                tid: t.tid,
+                tgid: t.tgid,
+                start_time: info.start_time,
+                comm: info.comm.clone(),
+                load: t.load,
+                priority,
+                last_cpu: t.last_cpu as usize,
+                allowed,
+            });
+        }
+        next
+    }
+
+    /// Hands back the tasks managed or anchored before and neither now: no longer
+    /// I/O-bound, moves on hold, or the host stopped holding.
+    fn release_left(
+        &mut self,
+        next: &[TaskEntry],
+        anchored_now: &[Anchored],
+        moves_allowed: bool,
+        act: &mut impl TaskPlacement,
+    ) {
+        let kept = |tid: u32| {
+            next.iter().any(|n| n.tid == tid) || anchored_now.iter().any(|a| a.tid == tid)
+        };
+        let current = &self.current;
+        let unanchored = self
+            .anchored
+            .iter()
+            .filter(|a| !kept(a.tid) && !current.iter().any(|e| e.tid == a.tid))
+            .map(|a| (a.tid, a.comm.as_str()));
+        let leaving = admission::leaving(current, next)
+            .into_iter()
+            .filter(|e| !kept(e.tid))
+            .map(|e| (e.tid, e.comm.as_str()));
+        let mut released = 0;
+        for (tid, comm) in leaving.chain(unanchored) {
+            if let Some(outcome) = act.release(tid) {
+                released += 1;
+                info!(
+                    tid,
+                    comm = %comm,
+                    result = outcome.as_str(),
+                    "{}: original affinity restored",
+                    if moves_allowed { "task no longer I/O-bound" } else { "moves on hold" }
+                );
+            }
+        }
+        self.snap.releases += released;
+    }
+}

@@ -1,0 +1,485 @@
+//! The engine driven by synthetic boards, detector windows and a fake clock, one test per
+//! behaviour. The fake actuator records what the engine asked of it.
+
+use super::*;
+use crate::sampling::Schedule;
+use std::collections::{BTreeMap, BTreeSet};
+use task_detector::IoTask;
+
+const MS: u64 = 1_000_000;
+const S: u64 = 1_000 * MS;
+
+/// Block programs and placement in memory.
+#[derive(Default)]
+struct Fake {
+    tracking: bool,
+    attached: bool,
+    /// What the next polls return.
+    window: Vec<IoTaskInfo>,
+    polls: usize,
+    pauses: usize,
+    resumes: usize,
+    detaches: usize,
+    /// Managed tasks and the CPU each is pinned to (if any).
+    managed: BTreeMap<u32, Option<usize>>,
+    released: Vec<u32>,
+    published: Arc<Vec<TaskEntry>>,
+    demand: Option<Demand>,
+    dry_run: bool,
+}
+
+impl Fake {
+    fn new() -> Self {
+        Fake {
+            tracking: true,
+            attached: true,
+            ..Fake::default()
+        }
+    }
+    fn published_tids(&self) -> Vec<u32> {
+        self.published.iter().map(|t| t.tid).collect()
+    }
+}
+
+impl BlockTracking for Fake {
+    fn tracking(&self) -> bool {
+        self.tracking
+    }
+    fn attached(&self) -> bool {
+        self.attached
+    }
+    fn pause(&mut self) -> anyhow::Result<()> {
+        self.pauses += 1;
+        self.tracking = false;
+        Ok(())
+    }
+    fn resume(&mut self) -> anyhow::Result<()> {
+        self.resumes += 1;
+        self.tracking = true;
+        self.attached = true;
+        Ok(())
+    }
+    fn detach(&mut self) -> anyhow::Result<()> {
+        self.detaches += 1;
+        self.tracking = false;
+        self.attached = false;
+        Ok(())
+    }
+    fn poll(&mut self) -> anyhow::Result<DetectorOutput> {
+        self.polls += 1;
+        Ok(DetectorOutput {
+            tasks: self.window.clone(),
+            cpus: Vec::new(),
+        })
+    }
+}
+
+impl TaskPlacement for Fake {
+    fn hands_off(&self) -> HashSet<(u32, u64)> {
+        HashSet::new()
+    }
+    fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>> {
+        self.managed.entry(task.task.tid).or_insert(None);
+        Ok(vec![0, 1])
+    }
+    fn priority_of(&self, _: &IoTaskInfo) -> i32 {
+        0
+    }
+    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32> {
+        for t in tasks {
+            self.managed.insert(t.tid, Some(held[0]));
+        }
+        tasks.iter().map(|t| t.tid).collect()
+    }
+    fn release(&mut self, tid: u32) -> Option<Outcome> {
+        self.released.push(tid);
+        let was = self.managed.remove(&tid);
+        (!self.dry_run).then_some(if was.is_some() {
+            Outcome::Moved { latency_ns: 1 }
+        } else {
+            Outcome::Rejected
+        })
+    }
+    fn release_all(&mut self) -> Option<usize> {
+        let n = self.managed.len();
+        self.released.extend(self.managed.keys().copied());
+        self.managed.clear();
+        (!self.dry_run).then_some(n)
+    }
+    fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
+        self.published = tasks;
+    }
+    fn set_demand(&mut self, demand: Demand) {
+        self.demand = Some(demand);
+    }
+}
+
+fn io_task(tid: u32) -> IoTaskInfo {
+    IoTaskInfo {
+        task: IoTask {
+            tid,
+            tgid: tid,
+            io_fraction: 0.9,
+            cpu_fraction: 0.1,
+            iops: 1000.0,
+            load: 0.9,
+            last_cpu: 0,
+            completion: Default::default(),
+        },
+        comm: "fio".into(),
+        start_time: 1,
+    }
+}
+
+/// A vCPU as the board shows it: only the cumulative out times matter to the engine.
+fn vcpu(cpu: usize, inactive_ns: u64, covered_ns: u64) -> VcpuSnapshot {
+    VcpuSnapshot {
+        cpu,
+        active: true,
+        slice_start_ns: 0,
+        est_slice_ns: 11 * MS,
+        remaining_ns: 5 * MS,
+        last_inactive_ns: 0,
+        inactive_for_ns: 0,
+        deschedules: 0,
+        inactive_total_ns: inactive_ns,
+        covered_total_ns: covered_ns,
+        last_seen_ns: 0,
+        gap_threshold_ns: 0,
+        period_ns: 0,
+        hiccups: 0,
+    }
+}
+
+fn config() -> EngineConfig {
+    EngineConfig {
+        window: Duration::from_millis(5),
+        idle: Duration::from_millis(40),
+        own_pid: 99,
+        exclude_comm: Vec::new(),
+        schedule: None,
+        detach_after: None,
+        gate_on_contention: false,
+        guard: None,
+    }
+}
+
+/// A synthetic VM: a clock, two vCPUs whose out times grow as `out_per_s` says, a disk
+/// whose completion count grows at `rate(moves allowed)` per second, and the host's hints.
+struct Vm {
+    now: u64,
+    out_per_s: u64,
+    covered_per_s: u64,
+    inactive: u64,
+    covered: u64,
+    disk: u64,
+    held: Vec<usize>,
+    agent_answers: bool,
+}
+
+impl Vm {
+    fn new() -> Self {
+        Vm {
+            now: 1_000 * S,
+            out_per_s: 0,
+            covered_per_s: 0,
+            inactive: 0,
+            covered: 0,
+            disk: 0,
+            held: Vec::new(),
+            agent_answers: false,
+        }
+    }
+
+    /// Advances the clock by `dt_ns` and runs one step.
+    fn step(&mut self, e: &mut Engine, f: &mut Fake, dt_ns: u64, rate_per_s: u64) -> Duration {
+        self.now += dt_ns;
+        self.inactive += self.out_per_s * dt_ns / S;
+        self.covered += self.covered_per_s * dt_ns / S;
+        self.disk += rate_per_s * dt_ns / S;
+        let obs = Observation {
+            now_ns: self.now,
+            vcpus: vec![vcpu(0, self.inactive, self.covered), vcpu(1, 0, 0)],
+            disk_completed: Some(self.disk),
+            host: HostHints {
+                held: self.held.clone(),
+                agent_answers: self.agent_answers,
+            },
+        };
+        e.step(obs, f)
+    }
+
+    /// Runs `secs` seconds in 100 ms steps, the disk rate set by whether moves are allowed.
+    fn run(&mut self, e: &mut Engine, f: &mut Fake, secs: u64, rate: impl Fn(bool) -> u64) {
+        for _ in 0..secs * 10 {
+            let r = rate(e.snapshot().moves_allowed);
+            self.step(e, f, 100 * MS, r);
+        }
+    }
+}
+
+fn contended(vm: &mut Vm) {
+    // vCPU 0 out half the time, another vCPU running through all of it.
+    vm.out_per_s = S / 2;
+    vm.covered_per_s = S / 2;
+}
+
+#[test]
+fn the_contention_gate_opens_when_vcpus_are_out_while_others_run_and_closes_when_they_run() {
+    let mut e = Engine::new(
+        EngineConfig {
+            gate_on_contention: true,
+            ..config()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task(10)];
+    let mut vm = Vm::new();
+    // No vCPU out: nothing to gain, nothing managed, tracking paused.
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert!(!e.snapshot().moves_allowed);
+    assert!(f.published.is_empty());
+    assert!(!f.tracking, "paused for want of contention");
+    contended(&mut vm);
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert!(e.snapshot().moves_allowed, "contended: moves may pay");
+    assert_eq!(f.published_tids(), [10]);
+    assert!(f.tracking);
+    // Out all at once (nothing running through it): closes again, the task handed back.
+    vm.covered_per_s = 0;
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert!(!e.snapshot().moves_allowed);
+    assert!(f.published.is_empty());
+    assert_eq!(f.released, [10]);
+}
+
+fn guarded() -> EngineConfig {
+    EngineConfig {
+        guard: Some(crate::guard::GuardConfig::default()),
+        ..config()
+    }
+}
+
+#[test]
+fn the_guard_probes_then_trusts_moves_that_raise_the_io_rate() {
+    let mut e = Engine::new(guarded(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task(10)];
+    let mut vm = Vm::new();
+    let mut allowed_in_probe = BTreeSet::new();
+    while e.snapshot().guard_verdicts == GuardVerdicts::default() && vm.now < 1_010 * S {
+        let moves = e.snapshot().moves_allowed;
+        allowed_in_probe.insert(moves);
+        vm.step(&mut e, &mut f, 100 * MS, if moves { 2000 } else { 1000 });
+    }
+    assert_eq!(
+        allowed_in_probe.len(),
+        2,
+        "a probe alternates with and without moves"
+    );
+    assert_eq!(
+        e.snapshot().guard_verdicts,
+        GuardVerdicts { pays: 1, holds: 0 }
+    );
+    // Trusted: moves stay allowed through the trust period.
+    vm.run(&mut e, &mut f, 20, |_| 1000);
+    assert!(e.snapshot().moves_allowed);
+    assert_eq!(f.published_tids(), [10]);
+}
+
+#[test]
+fn the_guard_holds_moves_that_do_not_pay_and_backs_off_doubling_each_hold() {
+    let mut e = Engine::new(guarded(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task(10)];
+    let mut vm = Vm::new();
+    // The rate does not depend on moves: the first pair settles it.
+    vm.run(&mut e, &mut f, 3, |_| 1000);
+    assert_eq!(e.snapshot().guard_verdicts.holds, 1);
+    assert!(!e.snapshot().moves_allowed);
+    assert!(
+        f.published.is_empty(),
+        "on hold the tasks go back to their own masks"
+    );
+    assert_eq!(f.released, [10]);
+    assert_eq!(
+        e.snapshot().io_bound_tasks,
+        1,
+        "on hold the task is still I/O-bound"
+    );
+    // The first hold lasts 30 s, the next 60 s.
+    let held_for = |e: &mut Engine, f: &mut Fake, vm: &mut Vm| {
+        let mut t = 0;
+        while !e.snapshot().moves_allowed {
+            vm.step(e, f, 100 * MS, 1000);
+            t += 100;
+        }
+        let probe_start = t;
+        vm.run(e, f, 3, |_| 1000);
+        assert!(!e.snapshot().moves_allowed, "lost the probe again");
+        probe_start
+    };
+    let first = held_for(&mut e, &mut f, &mut vm);
+    let second = held_for(&mut e, &mut f, &mut vm);
+    assert!((29_000..=31_000).contains(&first), "first hold {first} ms");
+    assert!(
+        (59_000..=61_000).contains(&second),
+        "second hold {second} ms"
+    );
+    assert_eq!(e.snapshot().guard_verdicts.holds, 3);
+}
+
+#[test]
+fn the_block_programs_detach_while_the_guard_holds_and_come_back_a_lead_before_its_end() {
+    let mut e = Engine::new(
+        EngineConfig {
+            detach_after: Some(Duration::from_secs(10)),
+            ..guarded()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task(10)];
+    let mut vm = Vm::new();
+    while e.snapshot().guard_verdicts.holds == 0 {
+        vm.step(&mut e, &mut f, 100 * MS, 1000);
+    }
+    let verdict_at = vm.now;
+    vm.step(&mut e, &mut f, 100 * MS, 1000);
+    assert!(!f.tracking, "paused at once while the guard holds");
+    assert!(f.attached);
+    vm.run(&mut e, &mut f, 11, |_| 1000);
+    assert_eq!(f.detaches, 1, "detached after detach_after");
+    assert!(!e.snapshot().block_attached);
+    assert!(e.snapshot().found.is_empty(), "what was found goes stale");
+    // Back on HOLD_LEAD before the hold (30 s) ends, not later.
+    while !f.attached && vm.now < verdict_at + 60 * S {
+        vm.step(&mut e, &mut f, 100 * MS, 1000);
+    }
+    let back_after_ms = (vm.now - verdict_at) / MS;
+    let due = 30_000 - HOLD_LEAD.as_millis() as u64;
+    assert!(
+        (due..=due + 100).contains(&back_after_ms),
+        "re-attached {back_after_ms} ms after the verdict"
+    );
+    assert!(f.tracking);
+}
+
+#[test]
+fn new_tasks_are_taken_over_and_tasks_that_leave_are_handed_back() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.window = vec![io_task(10), io_task(11)];
+    let nap = vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.published_tids(), [10, 11]);
+    assert_eq!(f.managed.len(), 2, "both journaled before they may move");
+    assert_eq!(f.demand, Some(Demand::Active));
+    assert_eq!(
+        nap,
+        Duration::from_millis(5),
+        "a window while tasks are moved"
+    );
+    // Our own threads are never taken over.
+    let mut own = io_task(12);
+    own.task.tgid = 99;
+    f.window = vec![io_task(11), own];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.published_tids(), [11]);
+    assert_eq!(f.released, [10]);
+    f.window = Vec::new();
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert!(f.published.is_empty());
+    assert_eq!(f.released, [10, 11]);
+    assert_eq!(f.demand, Some(Demand::Idle));
+    assert_eq!(e.snapshot().releases, 2);
+}
+
+#[test]
+fn a_host_hold_anchors_the_io_bound_tasks_and_its_end_hands_them_back() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.window = vec![io_task(10)];
+    vm.held = vec![1];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    let s = e.snapshot();
+    assert!(s.host_holds);
+    assert!(!s.moves_allowed, "nothing else moves them");
+    assert!(
+        f.published.is_empty(),
+        "the monitor threads leave them alone"
+    );
+    assert_eq!(
+        f.managed.get(&10),
+        Some(&Some(1)),
+        "anchored on the held vCPU"
+    );
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert!(
+        f.released.is_empty(),
+        "anchored tasks stay while the hold lasts"
+    );
+    vm.held = Vec::new();
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert!(!e.snapshot().host_holds);
+    assert!(e.snapshot().moves_allowed);
+    assert_eq!(f.published_tids(), [10], "managed again as moves allow");
+    assert!(f.released.is_empty(), "kept: managed now");
+    // The same end of a hold for a task that is not I/O-bound any more: handed back.
+    vm.held = vec![1];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    f.window = Vec::new();
+    vm.held = Vec::new();
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.released, [10]);
+}
+
+#[test]
+fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
+    let mut e = Engine::new(
+        EngineConfig {
+            schedule: Some(Schedule {
+                length: Duration::from_millis(250),
+                every: Duration::from_millis(2_500),
+            }),
+            ..config()
+        },
+        1_000 * S,
+    );
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    let nap = vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert!(f.tracking);
+    assert_eq!(
+        nap,
+        Duration::from_millis(40).min(Duration::from_millis(150))
+    );
+    vm.step(&mut e, &mut f, 200 * MS, 0);
+    assert_eq!(f.pauses, 1);
+    assert!(!e.snapshot().block_tracking);
+    let nap = vm.step(&mut e, &mut f, 1_000 * MS, 0);
+    assert_eq!(
+        nap,
+        Duration::from_millis(1_200),
+        "napping until the next sample"
+    );
+    vm.step(&mut e, &mut f, 1_200 * MS, 0);
+    assert_eq!(f.resumes, 1);
+    assert!(f.tracking);
+}
+
+#[test]
+fn shutdown_hands_every_task_back_and_publishes_none() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.window = vec![io_task(10), io_task(11)];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.managed.len(), 2);
+    release_everything(&mut f);
+    assert!(f.published.is_empty());
+    assert!(f.managed.is_empty());
+    assert_eq!(f.released, [10, 11]);
+}

@@ -1,0 +1,185 @@
+//! The engine's first half: whether anything can gain (the contention gate), and so
+//! whether the block programs track, pause between samples, or come off their
+//! tracepoints. Never decides about tasks.
+
+use std::time::Duration;
+use tracing::{debug, info, warn};
+use vcpu_monitor::VcpuSnapshot;
+
+use super::{BlockTracking, Engine, HOLD_LEAD};
+use crate::guard::{Contention, VcpuOut};
+use crate::sampling;
+
+fn ns(d: Duration) -> u64 {
+    d.as_nanos() as u64
+}
+
+impl Engine {
+    /// Feeds the vCPUs' out times to the gate; says so when its judgement changes.
+    pub(super) fn judge_contention(&mut self, now: u64, vcpus: &[VcpuSnapshot]) {
+        let was_contended = self.contended;
+        let gate = self.cfg.gate_on_contention;
+        self.contended = !gate || {
+            let out: Vec<VcpuOut> = vcpus
+                .iter()
+                .map(|v| VcpuOut {
+                    inactive_ns: v.inactive_total_ns,
+                    covered_ns: v.covered_total_ns,
+                })
+                .collect();
+            self.contention.observe(now, &out)
+        };
+        if self.contended != was_contended && gate {
+            let c = &self.contention;
+            info!(
+                most_out = format!("{:.0}%", c.last_fraction * 100.0),
+                others_running = format!("{:.0}%", c.last_covered * 100.0),
+                "{}",
+                if self.contended {
+                    "vCPUs are descheduled while others run: moves may pay, the guard will probe"
+                } else if c.last_fraction >= Contention::DEFAULT_MIN_FRACTION {
+                    "vCPUs are descheduled all at once: nowhere to move to, no moves"
+                } else {
+                    "vCPUs run nearly all the time: nothing to gain, no moves"
+                }
+            );
+        }
+    }
+
+    /// Whether the block programs should track now: finding I/O-bound tasks serves moves
+    /// and the host agent's figures only. Moves need another vCPU running while one is out
+    /// (contention); an answering host agent can help wherever a vCPU is out at all (it
+    /// keeps the vCPU carrying our I/O running), but where no vCPU is descheduled it has
+    /// nothing to give either, and tracking for it would only cost every request.
+    ///
+    /// While the guard holds (moves measured not to pay), nothing is moved or measured
+    /// until the next probe, so the programs pause and, after `detach_after`, come off
+    /// too: a daemon that cannot help must cost nothing where it stays for days. They come
+    /// back `HOLD_LEAD` before the probe, so that it finds the I/O-bound tasks.
+    fn wants_tracking(&self, now: u64, agent_answers: bool) -> (bool, bool) {
+        let descheduled = self.contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION;
+        let guard_holds = self
+            .guard
+            .as_ref()
+            .is_some_and(|g| g.holds_past(now + ns(HOLD_LEAD)));
+        let wants = ((!self.cfg.gate_on_contention || self.contended) && !guard_holds)
+            || (agent_answers && descheduled);
+        (wants, guard_holds)
+    }
+
+    /// Pauses, resumes or detaches the block programs as the gate, the guard and the
+    /// sampling schedule say. Returns whether tracking is wanted and the longest nap
+    /// before the sample's end or the next sample.
+    pub(super) fn steer_tracking(
+        &mut self,
+        now: u64,
+        agent_answers: bool,
+        act: &mut impl BlockTracking,
+    ) -> (bool, Duration) {
+        let (wants, guard_holds) = self.wants_tracking(now, agent_answers);
+        if wants && !self.wanted_tracking && !act.tracking() {
+            // Something can gain again: sample at once rather than at the next period.
+            if let Some(s) = self.cfg.schedule {
+                self.sample_start_ns = now.checked_sub(ns(s.every)).unwrap_or(self.sample_start_ns);
+            }
+        }
+        self.wanted_tracking = wants;
+        if wants {
+            self.quiet_since_ns = None;
+            if !act.attached() {
+                info!("something to gain again: the block programs go back on their tracepoints");
+            }
+        } else {
+            self.detach_when_quiet(now, guard_holds, act);
+        }
+        if self.cfg.schedule.is_none() && wants != act.tracking() {
+            let switched = if wants { act.resume() } else { act.pause() };
+            if let Err(e) = switched {
+                self.snap.detector_errors += 1;
+                warn!("switching block tracking failed: {e:#}");
+            }
+        }
+        let nap_limit = match self.cfg.schedule {
+            Some(s) => self.follow_schedule(now, s, wants, act),
+            None => Duration::MAX,
+        };
+        (wants, nap_limit)
+    }
+
+    /// With nothing to gain for `detach_after`, the programs come off their tracepoints;
+    /// the first window that could gain puts them back.
+    fn detach_when_quiet(&mut self, now: u64, guard_holds: bool, act: &mut impl BlockTracking) {
+        let Some(after) = self.cfg.detach_after else {
+            return;
+        };
+        if !act.attached()
+            || now.saturating_sub(*self.quiet_since_ns.get_or_insert(now)) < ns(after)
+        {
+            return;
+        }
+        match act.detach() {
+            Ok(()) => {
+                // What the last sample found goes stale with no sample to come; the
+                // per-vCPU counts stand still too, so the host is told nothing and the
+                // channel goes quiet until something could gain.
+                self.found.clear();
+                info!(
+                    after_ms = after.as_millis() as u64,
+                    "{}: the block programs come off their tracepoints",
+                    if guard_holds {
+                        "moves do not pay here"
+                    } else {
+                        "nothing to gain"
+                    }
+                )
+            }
+            Err(e) => {
+                self.snap.detector_errors += 1;
+                warn!("detaching the block programs failed: {e:#}");
+            }
+        }
+    }
+
+    /// Sampled tracking: a sample of `s.length` at the start of every `s.every`, skipped
+    /// while nothing can gain. Returns the longest nap.
+    fn follow_schedule(
+        &mut self,
+        now: u64,
+        s: sampling::Schedule,
+        wants: bool,
+        act: &mut impl BlockTracking,
+    ) -> Duration {
+        let into = Duration::from_nanos(now.saturating_sub(self.sample_start_ns));
+        match s.step(act.tracking(), into) {
+            sampling::Step::Track(left) => left,
+            sampling::Step::Pause => match act.pause() {
+                Ok(()) => {
+                    debug!("sample over: block tracking paused");
+                    s.every.saturating_sub(into)
+                }
+                Err(e) => {
+                    self.snap.detector_errors += 1;
+                    warn!("pausing block tracking failed: {e:#}");
+                    Duration::MAX
+                }
+            },
+            sampling::Step::Wait(left) => left,
+            sampling::Step::Resume if !wants => {
+                // Nothing to gain: skip this sample.
+                self.sample_start_ns = now;
+                s.every
+            }
+            sampling::Step::Resume => {
+                self.sample_start_ns = now;
+                match act.resume() {
+                    Ok(()) => s.length,
+                    Err(e) => {
+                        self.snap.detector_errors += 1;
+                        warn!("resuming block tracking failed: {e:#}");
+                        s.every
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! The detector's thread: observes (board, disk count, host hints, clock), runs the
+//! engine's step and naps as it says, and publishes the engine's snapshot. Owns the real
+//! actuator: the block programs (`Detector`) and the placement shared with the monitor
+//! threads (`LivePlacement`). Decides nothing itself: every rule is the engine's.
+//!
+//! It opens the block programs itself: libbpf's objects stay on the thread that opened
+//! them (the skeleton is not `Send`) and borrow storage on its stack, the way sched-ext/scx
+//! keeps its own. Start-up takes two steps so that the attach mode is known before the
+//! metrics are made: the thread says how loading went, then waits for the rest of the
+//! daemon before it loops.
+
+use anyhow::{anyhow, Context, Result};
+use arc_swap::ArcSwap;
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+use task_detector::{
+    AttachMode, ClassifierConfig, Detector, DetectorOutput, IoTaskInfo, IoTracker, TrackerOptions,
+    TrackerStorage,
+};
+use tracing::{info, warn};
+use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
+
+use crate::channel::ChannelStats;
+use crate::config::Config;
+use migrater::affinity::Outcome;
+use migrater::engine::{
+    BlockTracking, Engine, EngineConfig, EngineSnapshot, HostHints, Observation, TaskPlacement,
+};
+use migrater::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry};
+
+/// The placement as the engine acts on it: the executor (journaled; `None` in dry run,
+/// where `simulated` stands in), the tasks published for the monitor threads, the board's
+/// demand.
+pub struct LivePlacement<'a> {
+    pub shared: &'a Shared,
+    pub board: &'a VcpuBoard,
+    pub cfg: &'a Config,
+    /// Every monitored CPU: what a task may run on in dry run.
+    pub all_cpus: Vec<usize>,
+}
+
+impl TaskPlacement for LivePlacement<'_> {
+    fn hands_off(&self) -> HashSet<(u32, u64)> {
+        lock_placement(&self.shared.placement).hands_off.clone()
+    }
+    fn manage(&mut self, info: &IoTaskInfo) -> Result<Vec<usize>> {
+        let t = &info.task;
+        match lock_placement(&self.shared.placement).executor.as_mut() {
+            Some(ex) => ex.manage(t.tid, t.tgid, info.start_time),
+            None => Ok(self.all_cpus.clone()),
+        }
+    }
+    fn priority_of(&self, info: &IoTaskInfo) -> i32 {
+        let tgid = info.task.tgid;
+        let cgroup = std::fs::read_to_string(format!("/proc/{tgid}/cgroup")).unwrap_or_default();
+        self.cfg.priority_of(&info.comm, tgid, &cgroup)
+    }
+    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32> {
+        let mut placement = lock_placement(&self.shared.placement);
+        anchor_on_held(self.shared, &mut placement, tasks, held)
+    }
+    fn release(&mut self, tid: u32) -> Option<Outcome> {
+        let mut placement = lock_placement(&self.shared.placement);
+        placement.simulated.remove(&tid);
+        placement.executor.as_mut().map(|ex| ex.release(tid))
+    }
+    fn release_all(&mut self) -> Option<usize> {
+        let mut placement = lock_placement(&self.shared.placement);
+        placement.executor.as_mut().map(|ex| ex.release_all())
+    }
+    fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
+        self.shared.tasks.store(tasks);
+    }
+    fn set_demand(&mut self, demand: Demand) {
+        self.board.set_demand(demand);
+    }
+}
+
+/// The engine's actuator: the block programs and the placement.
+struct Live<'a, 'obj> {
+    detector: Detector<'obj>,
+    placement: LivePlacement<'a>,
+}
+
+impl BlockTracking for Live<'_, '_> {
+    fn tracking(&self) -> bool {
+        self.detector.tracking()
+    }
+    fn attached(&self) -> bool {
+        self.detector.attached()
+    }
+    fn pause(&mut self) -> Result<()> {
+        self.detector.pause()
+    }
+    fn resume(&mut self) -> Result<()> {
+        self.detector.resume()
+    }
+    fn detach(&mut self) -> Result<()> {
+        self.detector.detach()
+    }
+    fn poll(&mut self) -> Result<DetectorOutput> {
+        self.detector.poll()
+    }
+}
+
+impl TaskPlacement for Live<'_, '_> {
+    fn hands_off(&self) -> HashSet<(u32, u64)> {
+        self.placement.hands_off()
+    }
+    fn manage(&mut self, task: &IoTaskInfo) -> Result<Vec<usize>> {
+        self.placement.manage(task)
+    }
+    fn priority_of(&self, task: &IoTaskInfo) -> i32 {
+        self.placement.priority_of(task)
+    }
+    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32> {
+        self.placement.anchor(tasks, held)
+    }
+    fn release(&mut self, tid: u32) -> Option<Outcome> {
+        self.placement.release(tid)
+    }
+    fn release_all(&mut self) -> Option<usize> {
+        self.placement.release_all()
+    }
+    fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
+        self.placement.publish_tasks(tasks)
+    }
+    fn set_demand(&mut self, demand: Demand) {
+        self.placement.set_demand(demand)
+    }
+}
+
+pub struct DetectorThread {
+    handle: std::thread::JoinHandle<()>,
+    go: mpsc::Sender<DetectStart>,
+    pub mode: AttachMode,
+}
+
+/// What the detector thread gets once the rest of the daemon is wired.
+pub struct DetectStart {
+    pub shared: Arc<Shared>,
+    pub board: Arc<VcpuBoard>,
+    pub engine: EngineConfig,
+    /// Where the engine's snapshot is published after every step.
+    pub snapshot: Arc<ArcSwap<EngineSnapshot>>,
+    pub stop: Arc<control::Stop>,
+    /// The host's hints.
+    pub channel: Arc<ChannelStats>,
+    pub cfg: Config,
+}
+
+impl DetectorThread {
+    /// `None` when the programs do not load. Without them nothing can be found or moved,
+    /// but the vCPU monitor, status, metrics and channel still tell the operator what they
+    /// see: a degraded run, said once, rather than a restart loop under systemd.
+    pub fn spawn(opts: TrackerOptions, classifier: ClassifierConfig) -> Result<Option<Self>> {
+        let (loaded_tx, loaded) = mpsc::channel::<Result<AttachMode>>();
+        let (go, wait) = mpsc::channel::<DetectStart>();
+        let handle = std::thread::Builder::new()
+            .name("vmigrater-detect".into())
+            .spawn(move || {
+                let mut storage = TrackerStorage::new();
+                let tracker = match IoTracker::open(&opts, &mut storage) {
+                    Ok(t) => t,
+                    Err(e) => {
+                        let _ = loaded_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let _ = loaded_tx.send(Ok(tracker.mode()));
+                // No start when the daemon failed to start after this: nothing to do.
+                let Ok(s) = wait.recv() else { return };
+                detect_loop(Detector::new(tracker, classifier), &s);
+            })
+            .context("starting the detector thread")?;
+        let loaded = loaded
+            .recv()
+            .unwrap_or_else(|_| Err(anyhow!("the detector thread ended while loading")));
+        match loaded {
+            Ok(mode) => {
+                info!(attach_mode = %mode, "block I/O tracking attached");
+                Ok(Some(DetectorThread { handle, go, mode }))
+            }
+            Err(e) => {
+                let _ = handle.join();
+                warn!(
+                    "degraded: the block I/O BPF programs do not load, so no task is found or \
+                     moved; vCPU monitoring, status and metrics go on ({e:#}; `vmigrater \
+                     check` says more)"
+                );
+                Ok(None)
+            }
+        }
+    }
+
+    /// Lets the thread loop; its handle is joined at shutdown.
+    pub fn start(self, s: DetectStart) -> std::thread::JoinHandle<()> {
+        // A thread that has ended (a panic) shows at the join.
+        let _ = self.go.send(s);
+        self.handle
+    }
+}
+
+/// The detector loop (a normal-priority OS thread): observe, step, publish, nap.
+fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
+    let board = &*s.board;
+    let all_cpus: Vec<usize> = board
+        .snapshot(monotonic_ns())
+        .iter()
+        .map(|v| v.cpu)
+        .collect();
+    let mut live = Live {
+        detector,
+        placement: LivePlacement {
+            shared: &s.shared,
+            board,
+            cfg: &s.cfg,
+            all_cpus,
+        },
+    };
+    let mut engine = Engine::new(s.engine.clone(), monotonic_ns());
+    let mut diskstats = task_detector::diskstats::DiskStats::default();
+    while !s.stop.is_set() {
+        let now = monotonic_ns();
+        let obs = Observation {
+            now_ns: now,
+            vcpus: board.snapshot(now),
+            disk_completed: if engine.reads_disk() {
+                diskstats.requests_completed()
+            } else {
+                None
+            },
+            host: HostHints {
+                held: s.channel.held_vcpus(now),
+                agent_answers: s.channel.replies.load(Ordering::Relaxed) > 0,
+            },
+        };
+        let nap = engine.step(obs, &mut live);
+        s.snapshot.store(Arc::new(engine.snapshot().clone()));
+        s.stop.nap(nap);
+    }
+}

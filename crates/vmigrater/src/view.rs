@@ -1,0 +1,167 @@
+//! What a running daemon shows: the status report, the metrics at scrape time and the
+//! per-vCPU figures for the host channel, built from the engine's snapshot, the vCPU
+//! board and the placement. Reads only: it must never change daemon state, and never
+//! hold the placement on the channel's path (the planner must not wait for it).
+
+use arc_swap::ArcSwap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+use task_detector::AttachMode;
+use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
+
+use crate::channel::{ChannelStats, VcpuSample};
+use crate::metrics::Metrics;
+use crate::status::{self, StatusReport, TaskStatus, VcpuStatus};
+use migrater::engine::EngineSnapshot;
+use migrater::hook::{lock_placement, try_lock_placement, FoundTask, Shared};
+
+/// Context of the daemon that the control plane and the channel read.
+pub struct Running {
+    pub shared: Arc<Shared>,
+    pub board: Arc<VcpuBoard>,
+    pub metrics: Arc<Metrics>,
+    pub engine: Arc<ArcSwap<EngineSnapshot>>,
+    /// `None` where the block programs did not load.
+    pub attach_mode: Option<AttachMode>,
+    pub monitor_source: vcpu_monitor::Source,
+    pub dry_run: bool,
+    pub started: Instant,
+    pub channel: Arc<ChannelStats>,
+}
+
+fn demand_label(d: Demand) -> &'static str {
+    match d {
+        Demand::Idle => "idle",
+        Demand::Active => "active",
+    }
+}
+
+impl Running {
+    /// Cumulative per-vCPU figures for the host channel.
+    pub fn channel_sample(&self) -> Vec<VcpuSample> {
+        let now = monotonic_ns();
+        let engine = self.engine.load();
+        // Every I/O-bound task counts, also while moves are on hold: the host favours
+        // the vCPUs that hold them, whoever placed them there.
+        let tasks = &engine.found;
+        // try_lock: the channel must never hold up the planner; a busy lock only means
+        // this period's per-vCPU task counts use the tasks' last CPU instead.
+        let placement = try_lock_placement(&self.shared.placement);
+        let on = |t: &FoundTask| {
+            placement
+                .as_ref()
+                .and_then(|p| p.placed_on(t.tid))
+                .unwrap_or(t.last_cpu)
+        };
+        self.board
+            .snapshot(now)
+            .iter()
+            .map(|s| {
+                let io = engine.cpu_io.iter().find(|c| c.cpu as usize == s.cpu);
+                VcpuSample {
+                    cpu: s.cpu as u32,
+                    completions: io.map_or(0, |c| c.completions),
+                    ema_interval_ns: io.map_or(0, |c| c.ema_interval_ns),
+                    io_bound_tasks: tasks.iter().filter(|t| on(t) == s.cpu).count() as u32,
+                    inactive_total_ns: s.inactive_total_ns,
+                    est_slice_ns: s.est_slice_ns,
+                }
+            })
+            .collect()
+    }
+
+    pub fn report(&self) -> StatusReport {
+        let now = monotonic_ns();
+        let engine = self.engine.load();
+        let tasks = self.shared.tasks.load();
+        let placement = lock_placement(&self.shared.placement);
+        let placed: Vec<Option<usize>> = tasks.iter().map(|t| placement.placed_on(t.tid)).collect();
+        let vcpus = self
+            .board
+            .snapshot(now)
+            .iter()
+            .map(|s| {
+                let io = engine.cpu_io.iter().find(|c| c.cpu as usize == s.cpu);
+                VcpuStatus {
+                    cpu: s.cpu,
+                    active: s.active,
+                    deschedules: s.deschedules,
+                    inactive_total_ms: s.inactive_total_ns as f64 / 1e6,
+                    covered_total_ms: s.covered_total_ns as f64 / 1e6,
+                    last_inactive_ms: s.last_inactive_ns as f64 / 1e6,
+                    est_slice_ms: s.est_slice_ns as f64 / 1e6,
+                    remaining_ms: s.remaining_ns as f64 / 1e6,
+                    gap_threshold_us: s.gap_threshold_ns as f64 / 1e3,
+                    io_completions: io.map_or(0, |c| c.completions),
+                    io_interval_ema_us: io.map_or(0.0, |c| c.ema_interval_ns as f64 / 1e3),
+                    tasks_placed: placed.iter().filter(|p| **p == Some(s.cpu)).count(),
+                }
+            })
+            .collect();
+        let executor = placement.executor.as_ref();
+        StatusReport {
+            version: env!("CARGO_PKG_VERSION").into(),
+            pid: std::process::id(),
+            uptime_s: self.started.elapsed().as_secs_f64(),
+            dry_run: self.dry_run,
+            attach_mode: self
+                .attach_mode
+                .map_or_else(|| "none".to_string(), |m| m.to_string()),
+            monitor_source: self.monitor_source.as_str().into(),
+            moves_allowed: engine.moves_allowed,
+            host_holds: engine.host_holds,
+            block_tracking: engine.block_tracking,
+            block_attached: engine.block_attached,
+            guard_pays: engine.guard_verdicts.pays,
+            guard_holds: engine.guard_verdicts.holds,
+            demand: demand_label(engine.demand).into(),
+            io_tasks: tasks.len() as u64,
+            managed_tasks: executor.map_or(0, |e| e.managed_count()) as u64,
+            migrations: self.shared.migrations.load(Ordering::Relaxed),
+            hands_off_tasks: placement.hands_off.len() as u64,
+            journal_errors: executor.map_or(0, |e| e.journal_errors()),
+            channel_connected: self.channel.connected.load(Ordering::Relaxed),
+            channel_reports_sent: self.channel.reports_sent.load(Ordering::Relaxed),
+            channel_reports_dropped: self.channel.reports_dropped.load(Ordering::Relaxed),
+            channel_replies: self.channel.replies.load(Ordering::Relaxed),
+            migration_latency_us: status::summarize(
+                &placement.latencies.values(),
+                placement.latencies.total,
+            ),
+            vcpus,
+            tasks: tasks
+                .iter()
+                .zip(&placed)
+                .map(|(t, p)| TaskStatus {
+                    tid: t.tid,
+                    tgid: t.tgid,
+                    comm: t.comm.clone(),
+                    load: t.load,
+                    priority: t.priority,
+                    placed_on: *p,
+                    allowed: t.allowed.clone(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The metrics as of now, in OpenMetrics text.
+    pub fn encode_metrics(&self) -> String {
+        let m = &self.metrics;
+        let managed = {
+            let placement = lock_placement(&self.shared.placement);
+            let executor = placement.executor.as_ref();
+            if let Some(errors) = executor.map(|e| e.journal_errors()) {
+                m.journal_errors.inner().store(errors, Ordering::Relaxed);
+            }
+            executor.map_or(0, |e| e.managed_count())
+        };
+        m.refresh(
+            &self.engine.load(),
+            &self.board.snapshot(monotonic_ns()),
+            managed,
+        );
+        m.encode()
+    }
+}

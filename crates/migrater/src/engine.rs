@@ -21,8 +21,10 @@ use task_detector::{CpuIoSample, DetectorOutput, IoTaskInfo};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
 use crate::affinity::Outcome;
+use crate::completion::{CompletionHomes, HomeConfig};
 use crate::guard::{Contention, GuardConfig, MoveGuard};
 use crate::hook::{FoundTask, TaskEntry};
+use crate::planner::Reason;
 use crate::sampling::{CompletionEstimate, Schedule};
 
 /// How often the contention gate judges the vCPUs' out time.
@@ -96,8 +98,9 @@ pub trait TaskPlacement {
     fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>>;
     /// The user's priority for a task.
     fn priority_of(&self, task: &IoTaskInfo) -> i32;
-    /// Gathers `tasks` on the `held` vCPUs; returns the tids that sit on one now.
-    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32>;
+    /// Gathers `tasks` on the `on` vCPUs (for `reason`: a host hold, or where their
+    /// completions land); returns the tids that sit on one now.
+    fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32>;
     /// Hands a task back its original mask; `None` where nothing was changed (dry run).
     fn release(&mut self, tid: u32) -> Option<Outcome>;
     /// Hands every task back; `None` in dry run.
@@ -183,9 +186,12 @@ pub struct Engine {
     found: Vec<IoTaskInfo>,
     last_completions: u64,
     host_held: bool,
-    /// The tasks published for the monitor threads.
+    /// The managed tasks (the monitor threads move those not kept with their
+    /// completions).
     current: Arc<Vec<TaskEntry>>,
     anchored: Vec<Anchored>,
+    /// Where each I/O-bound task's completions land.
+    homes: CompletionHomes,
     snap: EngineSnapshot,
 }
 
@@ -209,6 +215,7 @@ impl Engine {
             host_held: false,
             current: Arc::new(Vec::new()),
             anchored: Vec::new(),
+            homes: CompletionHomes::new(HomeConfig::default()),
             snap: EngineSnapshot::default(),
             cfg,
         }

@@ -44,6 +44,22 @@ impl Default for GuardConfig {
     }
 }
 
+/// What a probe asks of moves before they are kept.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Burden {
+    /// Moves chase running vCPUs (wake-ups, migrations, cold caches): kept only when they
+    /// win every pair and raise the median rate by `min_gain`. The first pair they do not
+    /// win ends the probe.
+    #[default]
+    Win,
+    /// Moves only keep tasks on the vCPU that takes their completions, where the
+    /// mechanism is known (each request needs one vCPU's window there instead of two):
+    /// held back only when they lose every pair and the median rate without them beats
+    /// the one with them by `min_gain`. The first pair they win ends the probe, so where
+    /// they pay the verdict comes after one pair.
+    NotLose,
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub enum Phase {
     /// Epoch `epoch` of the probe (0-based); moves are on in the ABBA pattern.
@@ -72,6 +88,7 @@ pub struct MoveGuard {
     with: Vec<f64>,
     without: Vec<f64>,
     hold_ns: u64,
+    burden: Burden,
 }
 
 /// Moves on in probe epoch `e`: pairs alternate M H, H M, M H, ... (ABBA).
@@ -101,7 +118,14 @@ impl MoveGuard {
             with: Vec::new(),
             without: Vec::new(),
             hold_ns,
+            burden: Burden::Win,
         }
+    }
+
+    /// What the probe in progress (or the next) asks of moves: the caller knows what its
+    /// moves are for.
+    pub fn set_burden(&mut self, burden: Burden) {
+        self.burden = burden;
     }
 
     pub fn phase(&self) -> &Phase {
@@ -159,11 +183,17 @@ impl MoveGuard {
                     self.without.push(rate);
                 }
                 self.epoch_start = Some((now_ns, completed));
-                // A pair that moves did not win settles the verdict (every pair must
-                // win): stop there rather than pay for the rest of the probe's moves.
-                let lost_a_pair = self.with.len() == self.without.len()
-                    && self.with.last() <= self.without.last();
-                if epoch + 1 < 2 * self.cfg.probe_pairs && !lost_a_pair {
+                // A pair that settles the verdict ends the probe: under `Win` one that
+                // moves did not win (every pair must win), under `NotLose` one they won
+                // (every pair must lose to hold them back).
+                let pair_done = self.with.len() == self.without.len();
+                let won = self.with.last() > self.without.last();
+                let settled = pair_done
+                    && match self.burden {
+                        Burden::Win => !won,
+                        Burden::NotLose => won,
+                    };
+                if epoch + 1 < 2 * self.cfg.probe_pairs && !settled {
                     self.phase = Phase::Probing { epoch: epoch + 1 };
                     return None;
                 }
@@ -181,11 +211,19 @@ impl MoveGuard {
 
     fn conclude(&mut self, now_ns: u64) -> Verdict {
         // Epochs were pushed in order, so the k-th of each side form pair k.
-        let every_pair = self.with.iter().zip(&self.without).all(|(w, wo)| w > wo);
+        let pairs = || self.with.iter().zip(&self.without);
+        let won_every_pair = pairs().all(|(w, wo)| w > wo);
+        let lost_every_pair = pairs().all(|(w, wo)| w < wo);
         let with_moves = median(std::mem::take(&mut self.with));
         let without_moves = median(std::mem::take(&mut self.without));
-        let pays =
-            every_pair && with_moves > 0.0 && with_moves >= without_moves * self.cfg.min_gain;
+        let pays = match self.burden {
+            Burden::Win => {
+                won_every_pair
+                    && with_moves > 0.0
+                    && with_moves >= without_moves * self.cfg.min_gain
+            }
+            Burden::NotLose => !(lost_every_pair && without_moves > with_moves * self.cfg.min_gain),
+        };
         let for_ns = if pays {
             self.hold_ns = self.cfg.hold_ns;
             self.phase = Phase::Trusting {

@@ -232,6 +232,7 @@ pub fn anchor_on_held(
     placement: &mut Placement,
     tasks: &[FoundTask],
     held: &[usize],
+    reason: Reason,
 ) -> Vec<u32> {
     let own: Vec<FoundTask> = tasks
         .iter()
@@ -262,7 +263,7 @@ pub fn anchor_on_held(
             tid: t.tid,
             from,
             to: pin.cpu,
-            reason: Reason::Held,
+            reason,
         };
         apply(shared, placement, Some(t.start_time), mv);
     }

@@ -73,6 +73,8 @@ pub enum Reason {
     Balance,
     /// Onto a vCPU the host agent favours for our I/O (`anchor`).
     Held,
+    /// Onto the vCPU that takes its requests' completions (`completion`).
+    Completion,
 }
 
 impl Reason {
@@ -82,6 +84,7 @@ impl Reason {
             Reason::Pull => "pull",
             Reason::Balance => "balance",
             Reason::Held => "held",
+            Reason::Completion => "completion",
         }
     }
 }

@@ -28,6 +28,7 @@ use migrater::engine::{
     BlockTracking, Engine, EngineConfig, EngineSnapshot, HostHints, Observation, TaskPlacement,
 };
 use migrater::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry};
+use migrater::planner::Reason;
 
 /// The placement as the engine acts on it: the executor (journaled; `None` in dry run,
 /// where `simulated` stands in), the tasks published for the monitor threads, the board's
@@ -56,9 +57,9 @@ impl TaskPlacement for LivePlacement<'_> {
         let cgroup = std::fs::read_to_string(format!("/proc/{tgid}/cgroup")).unwrap_or_default();
         self.cfg.priority_of(&info.comm, tgid, &cgroup)
     }
-    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32> {
+    fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
         let mut placement = lock_placement(&self.shared.placement);
-        anchor_on_held(self.shared, &mut placement, tasks, held)
+        anchor_on_held(self.shared, &mut placement, tasks, on, reason)
     }
     fn release(&mut self, tid: u32) -> Option<Outcome> {
         let mut placement = lock_placement(&self.shared.placement);
@@ -114,8 +115,8 @@ impl TaskPlacement for Live<'_, '_> {
     fn priority_of(&self, task: &IoTaskInfo) -> i32 {
         self.placement.priority_of(task)
     }
-    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32> {
-        self.placement.anchor(tasks, held)
+    fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
+        self.placement.anchor(tasks, on, reason)
     }
     fn release(&mut self, tid: u32) -> Option<Outcome> {
         self.placement.release(tid)

@@ -11,7 +11,10 @@ use vcpu_monitor::Demand;
 
 use super::{Actuator, Anchored, Engine, TaskPlacement};
 use crate::admission::{self, Admission};
+use crate::completion::Home;
+use crate::guard::Burden;
 use crate::hook::{FoundTask, TaskEntry};
+use crate::planner::Reason;
 
 /// What the step decided about tasks, for its nap.
 pub(super) struct Decided {
@@ -42,6 +45,18 @@ impl Engine {
         let candidates = eligible.len();
         self.snap.found = eligible.iter().map(|i| found_task(i)).collect();
         let host_holds = self.note_host_hold(held);
+        // Moves that only keep tasks with their completions need not win, only not lose.
+        let all_homed = !eligible.is_empty()
+            && eligible
+                .iter()
+                .all(|i| matches!(self.homes.home(i.task.tid), Home::Fixed(_)));
+        if let Some(g) = self.guard.as_mut() {
+            g.set_burden(if all_homed {
+                Burden::NotLose
+            } else {
+                Burden::Win
+            });
+        }
         let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
         self.snap.moves_allowed = moves_allowed;
         let next = if moves_allowed {
@@ -49,8 +64,9 @@ impl Engine {
         } else {
             Vec::new()
         };
-        let anchored_now: Vec<Anchored> = if host_holds {
-            let on_held = act.anchor(&self.snap.found, held);
+        let homed = self.keep_with_completions(&found, &next, act);
+        let mut anchored_now: Vec<Anchored> = if host_holds {
+            let on_held = act.anchor(&self.snap.found, held, Reason::Held);
             eligible
                 .iter()
                 .filter(|i| on_held.contains(&i.task.tid))
@@ -62,17 +78,23 @@ impl Engine {
         } else {
             Vec::new()
         };
+        // The planner moves the managed tasks that are not kept with their completions.
+        let free: Vec<TaskEntry> = next
+            .iter()
+            .filter(|e| !homed.iter().any(|h| h.tid == e.tid))
+            .cloned()
+            .collect();
+        anchored_now.extend(homed);
         self.release_left(&next, &anchored_now, moves_allowed, act);
-        let active = !next.is_empty();
+        let active = !free.is_empty();
         // On hold the I/O-bound tasks still exist; they are only left alone.
         self.snap.io_bound_tasks = if moves_allowed {
             next.len()
         } else {
             candidates
         };
-        let next = Arc::new(next);
-        act.publish_tasks(next.clone());
-        self.current = next;
+        act.publish_tasks(Arc::new(free));
+        self.current = Arc::new(next);
         self.anchored = anchored_now;
         let demand = if active { Demand::Active } else { Demand::Idle };
         self.snap.demand = demand;
@@ -82,6 +104,58 @@ impl Engine {
             moves_allowed,
             active,
         }
+    }
+
+    /// Learns where each found task's completions land, and pins the managed tasks whose
+    /// completions land on one fixed vCPU there, running or not: elsewhere each request
+    /// would wait for two vCPUs' windows, and no move brings a completion sooner. Returns
+    /// the tasks so kept; they stay managed (admission keeps them) but are not the
+    /// planner's to move.
+    fn keep_with_completions(
+        &mut self,
+        found: &[IoTaskInfo],
+        next: &[TaskEntry],
+        act: &mut impl TaskPlacement,
+    ) -> Vec<Anchored> {
+        for i in found {
+            self.homes.observe(i.task.tid, &i.task.completion);
+        }
+        self.homes
+            .retain(|tid| found.iter().any(|i| i.task.tid == tid));
+        let mut homed = Vec::new();
+        for e in next {
+            let Home::Fixed(cpu) = self.homes.home(e.tid) else {
+                continue;
+            };
+            if !e.allowed.contains(&cpu) {
+                continue;
+            }
+            let task = FoundTask {
+                tid: e.tid,
+                tgid: e.tgid,
+                start_time: e.start_time,
+                last_cpu: e.last_cpu,
+            };
+            if !act
+                .anchor(&[task], &[cpu], Reason::Completion)
+                .contains(&e.tid)
+            {
+                continue;
+            }
+            if !self.anchored.iter().any(|a| a.tid == e.tid) {
+                info!(
+                    tid = e.tid,
+                    comm = %e.comm,
+                    cpu,
+                    "its requests complete on vCPU {cpu} wherever it submits: kept there"
+                );
+            }
+            homed.push(Anchored {
+                tid: e.tid,
+                comm: e.comm.clone(),
+            });
+        }
+        homed
     }
 
     /// The host agent favours vCPUs for our I/O: chasing running vCPUs would undo its

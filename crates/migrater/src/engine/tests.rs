@@ -2,9 +2,10 @@
 //! behaviour. The fake actuator records what the engine asked of it.
 
 use super::*;
+use crate::planner::Reason;
 use crate::sampling::Schedule;
 use std::collections::{BTreeMap, BTreeSet};
-use task_detector::IoTask;
+use task_detector::{CompletionSite, IoTask};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
@@ -26,6 +27,8 @@ struct Fake {
     published: Arc<Vec<TaskEntry>>,
     demand: Option<Demand>,
     dry_run: bool,
+    /// Every anchor asked for: (tid, vCPU, why).
+    anchors: Vec<(u32, usize, Reason)>,
 }
 
 impl Fake {
@@ -85,9 +88,10 @@ impl TaskPlacement for Fake {
     fn priority_of(&self, _: &IoTaskInfo) -> i32 {
         0
     }
-    fn anchor(&mut self, tasks: &[FoundTask], held: &[usize]) -> Vec<u32> {
+    fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
         for t in tasks {
-            self.managed.insert(t.tid, Some(held[0]));
+            self.managed.insert(t.tid, Some(on[0]));
+            self.anchors.push((t.tid, on[0], reason));
         }
         tasks.iter().map(|t| t.tid).collect()
     }
@@ -482,4 +486,102 @@ fn shutdown_hands_every_task_back_and_publishes_none() {
     assert!(f.published.is_empty());
     assert!(f.managed.is_empty());
     assert_eq!(f.released, [10, 11]);
+}
+
+/// An I/O-bound task whose last window's completions all landed on `cpu`, away from the
+/// vCPU it submitted from (`remote` 1.0), or where it submitted (`remote` 0.0).
+fn io_task_completing_on(tid: u32, cpu: u32, remote: f64) -> IoTaskInfo {
+    let mut t = io_task(tid);
+    t.task.completion = CompletionSite {
+        cpu,
+        remote_fraction: remote,
+        count: 500,
+    };
+    t
+}
+
+#[test]
+fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_to_the_planner() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.anchors.first(), Some(&(10, 1, Reason::Completion)));
+    assert_eq!(f.managed.get(&10), Some(&Some(1)), "pinned to vCPU 1");
+    assert_eq!(
+        f.published_tids(),
+        [11],
+        "the planner moves only the other task"
+    );
+    assert!(f.released.is_empty());
+    // Pinned there it submits and completes on vCPU 1: it stays, nothing is re-managed.
+    let managed_before = f.anchors.len();
+    f.window = vec![io_task_completing_on(10, 1, 0.0), io_task(11)];
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.published_tids(), [11]);
+    assert!(f.released.is_empty(), "kept, not handed back");
+    assert!(f.anchors.len() >= managed_before);
+    // No longer I/O-bound: handed back like any managed task.
+    f.window = vec![io_task(11)];
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.released, [10]);
+}
+
+#[test]
+fn a_task_whose_completions_follow_it_is_left_to_the_planner() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 0, 0.0)];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert!(f.anchors.is_empty(), "{:?}", f.anchors);
+    assert_eq!(f.published_tids(), [10]);
+}
+
+#[test]
+fn the_guard_keeps_completion_pins_that_do_not_lose_and_decides_after_one_pair() {
+    let mut e = Engine::new(guarded(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    let mut vm = Vm::new();
+    // 2% more with them: chasing moves would be held back (they must gain 3%), these
+    // are kept at the first pair they win.
+    let t0 = vm.now;
+    while e.snapshot().guard_verdicts == GuardVerdicts::default() && vm.now < t0 + 10 * S {
+        let moves = e.snapshot().moves_allowed;
+        vm.step(&mut e, &mut f, 100 * MS, if moves { 1020 } else { 1000 });
+    }
+    assert_eq!(
+        e.snapshot().guard_verdicts,
+        GuardVerdicts { pays: 1, holds: 0 }
+    );
+    assert!(
+        vm.now - t0 <= 2_300 * MS,
+        "verdict after {} ms: one pair of 1 s epochs",
+        (vm.now - t0) / MS
+    );
+    vm.run(&mut e, &mut f, 5, |_| 1000);
+    assert!(e.snapshot().moves_allowed);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+}
+
+#[test]
+fn the_guard_holds_completion_pins_that_lose_every_pair() {
+    let mut e = Engine::new(guarded(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    let mut vm = Vm::new();
+    let t0 = vm.now;
+    while e.snapshot().guard_verdicts == GuardVerdicts::default() && vm.now < t0 + 20 * S {
+        let moves = e.snapshot().moves_allowed;
+        vm.step(&mut e, &mut f, 100 * MS, if moves { 500 } else { 1000 });
+    }
+    assert_eq!(
+        e.snapshot().guard_verdicts,
+        GuardVerdicts { pays: 0, holds: 1 }
+    );
+    vm.run(&mut e, &mut f, 1, |_| 1000);
+    assert!(!e.snapshot().moves_allowed);
+    assert!(f.released.contains(&10), "handed back while held");
 }

@@ -42,7 +42,7 @@ def main():
     runs = report["runs"]
     fig, axes = plt.subplots(
         len(schedules), len(workloads),
-        figsize=(3.6 * len(workloads), 2.9 * len(schedules)), squeeze=False)
+        figsize=(max(3.6 * len(workloads), 6.0), 2.9 * len(schedules) + 0.6), squeeze=False)
     for i, sched in enumerate(schedules):
         for j, (wl, metric) in enumerate(workloads):
             ax = axes[i][j]
@@ -70,8 +70,8 @@ def main():
             ax.set_title(title, fontsize=7)
     fig.suptitle(
         f"hard-IRQ steal: {setup['reps']} reps x {setup['seconds_per_run']} s per run, "
-        f"completion CPU {setup['completion_cpu']}, a hog per CPU (dots: runs; bars: medians; "
-        f"hollow: steal off plan)", fontsize=9)
+        f"completion CPU {setup['completion_cpu']}, a hog per CPU\n(dots: runs; bars: "
+        f"medians; hollow: steal off plan, left out of the statistics)", fontsize=8)
     fig.tight_layout()
     fig.savefig(dst, dpi=110)
 

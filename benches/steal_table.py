@@ -40,8 +40,12 @@ def main():
           f"vmigrater / pinned | spread vanilla / vmigrater | vm runs ≥0.8× / ≥0.6× pinned |")
     print("|---|---|---|" + "---|" * len(modes) + "---|---|---|---|---|")
     specs = {s["name"]: s["spec"] for s in setup["schedules"]}
-    for sched, cells in doc["cells"].items():
-        for wl, cell in cells.items():
+    # The setup's order (the JSON object's keys are sorted).
+    for sched in specs:
+        for wl in (w["name"] for w in setup["workloads"]):
+            cell = doc["cells"].get(sched, {}).get(wl)
+            if cell is None:
+                continue
             m = cell["modes"]
             vm = m.get("vmigrater", {})
             unit = "IOPS" if cell["metric"] == "iops" else "MB/s"

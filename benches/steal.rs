@@ -23,7 +23,8 @@
 //! Writes `steal.json` (raw runs, per-cell medians, ratios with 95% bootstrap intervals,
 //! paired ratios, spreads) and `steal.png` (benches/plot_steal.py) in the output
 //! directory, and prints a table. It only measures: every figure comes from the kernel,
-//! the workload, the steal program or the daemon.
+//! the workload, the steal program or the daemon. It never writes to a device: the
+//! read/write workload writes into the data file this benchmark creates.
 //!
 //! Flags (after `--`): --reps N (8), --secs S (8), --warmup-secs S (3), --io-warmup-ms MS
 //! (1000), --only SCHEDULES (names or specs, comma-separated), --workloads LIST,

@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -55,6 +55,13 @@ bench-lab: lab-setup build lab-daemon
 
 bench: bench-micro bench-contention
 
+# The hard-IRQ deschedule benchmark (root; hours with the defaults: 6 schedules × 6
+# workloads × 5 modes × 8 reps): JSON + chart in target/bench/, copied to benches/results/.
+# Shorter: make bench-steal STEAL_ARGS="--reps 3 --secs 4 --only anti,none --workloads rand4k".
+bench-steal: build
+	$(CARGO) bench -p vmigrater-testbed --bench steal -- $(STEAL_ARGS)
+	cp target/bench/steal.json target/bench/steal.png benches/results/
+
 # Both programs for an hour in the lab (root): memory and descriptors sampled, the agent
 # killed and restarted and the virtio port hot-unplugged every 5 minutes. JSON + chart in
 # target/bench/, copied to benches/results/. Shorter: make soak SOAK_ARGS="--minutes 5".
@@ -65,9 +72,9 @@ soak: lab-setup build
 
 # Every benchmark run once in seconds, not a measurement: so that none can rot unseen (a
 # benchmark that no longer starts fails CI). Criterion's test mode runs each micro
-# benchmark once; the contention, BPF-overhead and lab benchmarks run one tiny round and
-# the soak 30 s with one fault, all writing to target/bench-smoke, never over a real
-# result. Root (CI is). `cargo bench` runs release builds, which start the release
+# benchmark once; the contention, BPF-overhead, lab and hard-IRQ steal benchmarks run one
+# tiny round and the soak 30 s with one fault, all writing to target/bench-smoke, never
+# over a real result. Root (CI is). `cargo bench` runs release builds, which start the release
 # binaries: built first.
 bench-smoke: lab-setup
 	$(CARGO) build --release --workspace --bins
@@ -82,6 +89,9 @@ bench-smoke: lab-setup
 	./target/release/vmigrater-lab soak --bin-dir target/release --minutes 0.5 --sample-secs 10 \
 		--fault-secs 20 --out target/bench-smoke/soak.json
 	/usr/bin/python3 benches/plot_soak.py target/bench-smoke/soak.json target/bench-smoke/soak.png
+	$(CARGO) bench -p vmigrater-testbed --bench steal -- --reps 1 --secs 1 --warmup-secs 1 \
+		--io-warmup-ms 200 --only none,anti --workloads rand4k --modes vanilla,vmigrater,pinned \
+		--out $(CURDIR)/target/bench-smoke
 
 # Coverage-guided fuzzing of the guest channel's framing and messages, the session rules
 # and both configuration loaders (fuzz/; installs cargo-fuzz). FUZZ_SECS per target.

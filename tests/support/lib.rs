@@ -1,8 +1,12 @@
-//! Shared pieces of the real-kernel integration tests and the benchmarks: the root gate
-//! and the workloads (O_DIRECT reader, CPU hog) that stand in for a guest's tasks.
+//! Shared pieces of the real-kernel integration tests and the benchmarks: the root gate,
+//! the workloads (O_DIRECT reader, CPU hog) that stand in for a guest's tasks, where a
+//! disk completes its requests, and the benchmarks' statistics.
 //! Nothing here may pretend to be the kernel: workloads do real I/O and burn real CPU.
 
+pub mod completion;
 pub mod host;
+pub mod placement;
+pub mod stats;
 pub mod workload;
 
 use std::path::PathBuf;

@@ -1,6 +1,8 @@
-//! Workloads for tests and benchmarks: an O_DIRECT reader (random 4 KiB or sequential
-//! 1 MiB) and a CPU hog, each on its own thread with a progress counter and its tid, so a
-//! test can ask the kernel (or our daemon) about exactly that thread.
+//! Workloads for tests and benchmarks: O_DIRECT I/O threads (random 4 KiB reads,
+//! sequential 128 KiB or 1 MiB reads, a 70/30 random read/write mix, and requests of one
+//! random read plus a fixed amount of CPU work) and a CPU hog, each on its own thread with
+//! progress counters and its tid, so a test can ask the kernel (or our daemon) about
+//! exactly that thread. Writes go only to regular files, never to a device.
 
 use anyhow::{Context, Result};
 use hdrhistogram::Histogram;
@@ -11,23 +13,105 @@ use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
-/// How a reader walks its file.
+/// How an I/O thread walks its file.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReadPattern {
-    /// 4 KiB requests at random aligned offsets.
+    /// 4 KiB reads at random aligned offsets.
     Random4k,
-    /// 1 MiB requests, sequential, wrapping at the end of the file.
+    /// 128 KiB reads, sequential, wrapping at the end of the file.
+    Seq128k,
+    /// 1 MiB reads, sequential, wrapping at the end of the file.
     Seq1m,
+    /// 4 KiB at random aligned offsets, 70% reads and 30% writes (regular files only).
+    RandRw70,
+    /// A request: one random 4 KiB read, then a fixed amount of CPU work (see
+    /// [`IoSpec::request_work`]); its latency is the whole request's.
+    Request,
 }
 
 impl ReadPattern {
     pub fn block_size(self) -> usize {
         match self {
-            ReadPattern::Random4k => 4096,
+            ReadPattern::Random4k | ReadPattern::RandRw70 | ReadPattern::Request => 4096,
+            ReadPattern::Seq128k => 128 << 10,
             ReadPattern::Seq1m => 1 << 20,
         }
     }
+
+    /// Whether the thread writes (and so needs a regular file opened for writing).
+    pub fn writes(self) -> bool {
+        self == ReadPattern::RandRw70
+    }
+}
+
+impl std::str::FromStr for ReadPattern {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "random4k" => ReadPattern::Random4k,
+            "seq128k" => ReadPattern::Seq128k,
+            "seq1m" => ReadPattern::Seq1m,
+            "randrw70" => ReadPattern::RandRw70,
+            "request" => ReadPattern::Request,
+            other => anyhow::bail!(
+                "pattern {other:?}: expected random4k, seq128k, seq1m, randrw70 or request"
+            ),
+        })
+    }
+}
+
+/// What an I/O thread does beyond its pattern.
+#[derive(Clone, Copy, Debug)]
+pub struct IoSpec {
+    pub pattern: ReadPattern,
+    /// Pin the thread to this CPU before its first request.
+    pub pin: Option<usize>,
+    /// [`ReadPattern::Request`]: CPU work after each read, as a count of arithmetic units
+    /// from [`work_units_for`] (a count, not a time: a deschedule must stretch it).
+    pub request_work: u64,
+    /// Seed of the random offsets, so parallel threads do not read the same blocks.
+    pub seed: u64,
+}
+
+impl IoSpec {
+    pub fn new(pattern: ReadPattern) -> IoSpec {
+        IoSpec {
+            pattern,
+            pin: None,
+            request_work: 0,
+            seed: 0x9e37_79b9_7f4a_7c15,
+        }
+    }
+}
+
+/// One unit of CPU work: a short dependent chain of multiply-adds.
+#[inline(never)]
+fn work_unit(acc: u64) -> u64 {
+    let mut a = acc;
+    for i in 0..64u64 {
+        a = std::hint::black_box(a.wrapping_mul(6364136223846793005).wrapping_add(i));
+    }
+    a
+}
+
+/// Units of [`work_unit`] that take `target` of CPU on this machine: the fastest of many
+/// short trials, so an interrupt or deschedule during calibration does not inflate it.
+pub fn work_units_for(target: Duration) -> u64 {
+    const TRIAL: u64 = 200;
+    let mut best = Duration::MAX;
+    let mut acc = 1u64;
+    for _ in 0..200 {
+        let t = Instant::now();
+        for _ in 0..TRIAL {
+            acc = work_unit(acc);
+        }
+        best = best.min(t.elapsed());
+    }
+    std::hint::black_box(acc);
+    let per_unit = best.as_secs_f64() / TRIAL as f64;
+    ((target.as_secs_f64() / per_unit.max(1e-12)).round() as u64).max(1)
 }
 
 /// Creates (or reuses, when already large enough) a file of `size` bytes filled with
@@ -83,9 +167,11 @@ impl Drop for AlignedBuf {
 /// A running workload thread: its tid, a progress counter, and a stop switch.
 pub struct Worker {
     pub tid: u32,
-    /// Reads completed (reader) or work units done (hog).
+    /// I/O requests completed (reads and writes), or work units done (hog).
     pub progress: Arc<AtomicU64>,
-    /// Readers: the latency of every read, in microseconds.
+    /// I/O threads: how many of `progress` were writes.
+    pub writes: Arc<AtomicU64>,
+    /// I/O threads: the latency of every request, in microseconds.
     pub latency_us: Arc<Mutex<Histogram<u64>>>,
     stop: Arc<AtomicBool>,
     handle: Option<JoinHandle<Result<()>>>,
@@ -94,6 +180,10 @@ pub struct Worker {
 impl Worker {
     pub fn count(&self) -> u64 {
         self.progress.load(Ordering::Relaxed)
+    }
+
+    pub fn write_count(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
     }
 
     /// Stops the thread and returns its final count, or the error that ended it.
@@ -116,17 +206,27 @@ impl Drop for Worker {
     }
 }
 
+/// What a worker thread's body updates.
+struct Counters<'a> {
+    progress: &'a AtomicU64,
+    writes: &'a AtomicU64,
+    stop: &'a AtomicBool,
+    latency: &'a Mutex<Histogram<u64>>,
+}
+
 fn spawn_worker<F>(name: &str, body: F) -> Result<Worker>
 where
-    F: FnOnce(&AtomicU64, &AtomicBool, &Mutex<Histogram<u64>>) -> Result<()> + Send + 'static,
+    F: FnOnce(Counters) -> Result<()> + Send + 'static,
 {
     let progress = Arc::new(AtomicU64::new(0));
+    let writes = Arc::new(AtomicU64::new(0));
     let stop = Arc::new(AtomicBool::new(false));
     let tid = Arc::new(AtomicU32::new(0));
     // 1 µs to 1 h at 3 significant digits; auto-resize never needed.
     let latency_us = Arc::new(Mutex::new(Histogram::new_with_bounds(1, 3_600_000_000, 3)?));
-    let (p, s, t, l) = (
+    let (p, w, s, t, l) = (
         progress.clone(),
+        writes.clone(),
         stop.clone(),
         tid.clone(),
         latency_us.clone(),
@@ -135,7 +235,12 @@ where
         .name(name.to_string())
         .spawn(move || {
             t.store(crate::gettid(), Ordering::Release);
-            body(&p, &s, &l)
+            body(Counters {
+                progress: &p,
+                writes: &w,
+                stop: &s,
+                latency: &l,
+            })
         })?;
     while tid.load(Ordering::Acquire) == 0 {
         if handle.is_finished() {
@@ -146,6 +251,7 @@ where
     Ok(Worker {
         tid: tid.load(Ordering::Acquire),
         progress,
+        writes,
         latency_us,
         stop,
         handle: Some(handle),
@@ -154,8 +260,34 @@ where
 
 /// Starts a thread issuing synchronous O_DIRECT reads of `pattern` on `path` until stopped.
 pub fn spawn_reader(path: &Path, pattern: ReadPattern) -> Result<Worker> {
+    spawn_io(path, IoSpec::new(pattern))
+}
+
+/// Pins the calling thread to `cpu`.
+fn pin_self(cpu: usize) -> Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu)?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+        .with_context(|| format!("pinning to CPU {cpu}"))
+}
+
+/// Starts a thread issuing synchronous O_DIRECT requests as `spec` says, until stopped.
+/// The thread is named `reader-<pattern>` (tests and benchmarks find I/O threads by that
+/// prefix; the kernel keeps 15 bytes of it).
+pub fn spawn_io(path: &Path, spec: IoSpec) -> Result<Worker> {
+    let pattern = spec.pattern;
+    if pattern.writes() {
+        let meta = std::fs::metadata(path).with_context(|| format!("stat {}", path.display()))?;
+        anyhow::ensure!(
+            meta.is_file(),
+            "{}: the {pattern:?} pattern writes, and writes go only to a regular file the \
+             benchmark created, never to a device",
+            path.display()
+        );
+    }
     let file = OpenOptions::new()
         .read(true)
+        .write(pattern.writes())
         .custom_flags(libc::O_DIRECT)
         .open(path)
         .with_context(|| format!("opening {} with O_DIRECT", path.display()))?;
@@ -169,48 +301,68 @@ pub fn spawn_reader(path: &Path, pattern: ReadPattern) -> Result<Worker> {
         path.display()
     );
     let blocks = len / bs;
-    spawn_worker(
-        &format!("reader-{pattern:?}"),
-        move |progress, stop, latency| {
-            let mut buf = AlignedBuf::new(bs as usize);
-            // xorshift: cheap, deterministic, and no dependency for a benchmark's offsets.
-            let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
-            let mut next = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let block = match pattern {
-                    ReadPattern::Random4k => {
-                        x ^= x << 13;
-                        x ^= x >> 7;
-                        x ^= x << 17;
-                        x % blocks
-                    }
-                    ReadPattern::Seq1m => {
-                        let b = next;
-                        next = (next + 1) % blocks;
-                        b
-                    }
-                };
-                let t0 = std::time::Instant::now();
+    let name: String = format!("reader-{pattern:?}").chars().take(15).collect();
+    spawn_worker(&name, move |c| {
+        if let Some(cpu) = spec.pin {
+            pin_self(cpu)?;
+        }
+        let mut buf = AlignedBuf::new(bs as usize);
+        // Reads fill the buffer; writes then put back data that is never all zero.
+        buf.as_mut().fill(0x5a);
+        // xorshift: cheap, deterministic, and no dependency for a benchmark's offsets.
+        let mut x: u64 = spec.seed | 1;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut next = 0u64;
+        let mut acc = 1u64;
+        while !c.stop.load(Ordering::Relaxed) {
+            let (block, write) = match pattern {
+                ReadPattern::Random4k | ReadPattern::Request => (rnd() % blocks, false),
+                ReadPattern::RandRw70 => {
+                    let r = rnd();
+                    (r % blocks, (r >> 40) % 10 < 3)
+                }
+                ReadPattern::Seq128k | ReadPattern::Seq1m => {
+                    let b = next;
+                    next = (next + 1) % blocks;
+                    (b, false)
+                }
+            };
+            let t0 = Instant::now();
+            if write {
+                file.write_all_at(buf.as_mut(), block * bs)
+                    .context("O_DIRECT write")?;
+                c.writes.fetch_add(1, Ordering::Relaxed);
+            } else {
                 file.read_exact_at(buf.as_mut(), block * bs)
                     .context("O_DIRECT read")?;
-                let us = t0.elapsed().as_micros().max(1) as u64;
-                if let Ok(mut h) = latency.lock() {
-                    h.saturating_record(us);
-                }
-                progress.fetch_add(1, Ordering::Relaxed);
             }
-            Ok(())
-        },
-    )
+            if pattern == ReadPattern::Request {
+                for _ in 0..spec.request_work {
+                    acc = work_unit(acc);
+                }
+            }
+            let us = t0.elapsed().as_micros().max(1) as u64;
+            if let Ok(mut h) = c.latency.lock() {
+                h.saturating_record(us);
+            }
+            c.progress.fetch_add(1, Ordering::Relaxed);
+        }
+        std::hint::black_box(acc);
+        Ok(())
+    })
 }
 
 /// Starts a thread that burns CPU in small units (counted), optionally pinned to `cpu`.
 pub fn spawn_hog(cpu: Option<usize>) -> Result<Worker> {
-    spawn_worker("cpu-hog", move |progress, stop, _| {
+    spawn_worker("cpu-hog", move |c| {
+        let (progress, stop) = (c.progress, c.stop);
         if let Some(cpu) = cpu {
-            let mut set = nix::sched::CpuSet::new();
-            set.set(cpu)?;
-            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)?;
+            pin_self(cpu)?;
         }
         let mut acc = 1u64;
         while !stop.load(Ordering::Relaxed) {

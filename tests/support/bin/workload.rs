@@ -1,18 +1,24 @@
 //! `vmigrater-workload`: the guest tasks of the tests and benchmarks in a process of
 //! their own, so the daemon, the test and the workload are accounted separately and the
 //! reader can be frozen with SIGSTOP. Prints one JSON line with what each thread did.
+//! The flags are used by tests, benchmarks and the lab guests: keep old ones working.
 
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
-use vmigrater_testbed::workload::{self, ReadPattern};
+use vmigrater_testbed::workload::{self, IoSpec, ReadPattern};
 
-const USAGE: &str = "usage: vmigrater-workload --file F [--pattern random4k|seq1m] [--readers N] [--seq-readers N] [--hogs N] [--pin-hogs] [--duration-ms MS]
-  Runs N O_DIRECT readers of F (plus --seq-readers 1 MiB sequential ones) and N CPU hogs for
-  MS milliseconds (default: until killed), then prints {\"elapsed_s\", \"readers\": [{\"tid\",
-  \"pattern\", \"reads\", \"bytes\", \"p50_us\", \"p99_us\", \"cpu_s\", \"migrations\", \"last_cpu\",
-  \"reads_per_s\": reads in each whole second}],
+const USAGE: &str = "usage: vmigrater-workload --file F [--pattern P] [--readers N] [--seq-readers N] [--hogs N] [--pin-hogs] [--pin CPU] [--request-work-us US] [--warmup-ms MS] [--duration-ms MS]
+  Runs N O_DIRECT I/O threads on F (plus --seq-readers 1 MiB sequential ones) and N CPU hogs
+  for MS milliseconds (default: until killed), then prints {\"elapsed_s\", \"readers\": [{\"tid\",
+  \"pattern\", \"reads\", \"writes\", \"ops\", \"bytes\", \"p50_us\", \"p99_us\", \"cpu_s\", \"migrations\",
+  \"last_cpu\", \"reads_per_s\": requests in each whole second}],
   \"hogs\": [{\"tid\", \"units\", \"cpu_s\", \"migrations\", \"last_cpu\"}]} (migrations: the kernel's
-  se.nr_migrations of the thread, whoever moved it).";
+  se.nr_migrations of the thread, whoever moved it; \"reads\" counts reads, \"ops\" reads and writes).
+  Patterns: random4k (default), seq128k, seq1m, randrw70 (70/30 random 4 KiB reads/writes;
+  F must be a regular file), request (a random 4 KiB read then --request-work-us of CPU work,
+  default 200; latencies are whole requests'). N I/O threads of random4k keep N requests in
+  flight: QD N by threads. --pin CPU pins the I/O threads to CPU. The first --warmup-ms of
+  --duration-ms are a warm-up: only what follows is reported (counts, latencies, CPU, elapsed_s).";
 
 fn main() {
     if let Err(e) = run() {
@@ -23,9 +29,10 @@ fn main() {
 
 fn run() -> anyhow::Result<()> {
     let mut file: Option<PathBuf> = None;
-    let (mut pattern, mut readers, mut hogs, mut pin, mut duration) =
+    let (mut pattern, mut readers, mut hogs, mut pin_hogs, mut duration) =
         (ReadPattern::Random4k, 1usize, 0usize, false, None);
-    let mut seq_readers = 0usize;
+    let (mut seq_readers, mut pin, mut work_us, mut warmup) =
+        (0usize, None, 200u64, Duration::ZERO);
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = |name: &str| {
@@ -34,17 +41,14 @@ fn run() -> anyhow::Result<()> {
         };
         match a.as_str() {
             "--file" => file = Some(val("--file")?.into()),
-            "--pattern" => {
-                pattern = match val("--pattern")?.as_str() {
-                    "random4k" => ReadPattern::Random4k,
-                    "seq1m" => ReadPattern::Seq1m,
-                    other => anyhow::bail!("--pattern {other:?}: expected random4k or seq1m"),
-                }
-            }
+            "--pattern" => pattern = val("--pattern")?.parse()?,
             "--readers" => readers = val("--readers")?.parse()?,
             "--seq-readers" => seq_readers = val("--seq-readers")?.parse()?,
             "--hogs" => hogs = val("--hogs")?.parse()?,
-            "--pin-hogs" => pin = true,
+            "--pin-hogs" => pin_hogs = true,
+            "--pin" => pin = Some(val("--pin")?.parse::<usize>()?),
+            "--request-work-us" => work_us = val("--request-work-us")?.parse()?,
+            "--warmup-ms" => warmup = Duration::from_millis(val("--warmup-ms")?.parse()?),
             "--duration-ms" => {
                 duration = Some(Duration::from_millis(val("--duration-ms")?.parse()?))
             }
@@ -57,21 +61,58 @@ fn run() -> anyhow::Result<()> {
     }
     let file = file.ok_or_else(|| anyhow::anyhow!("--file is required"))?;
     let ncpu = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let t0 = Instant::now();
+    if let Some(cpu) = pin {
+        anyhow::ensure!(cpu < ncpu, "--pin {cpu}: this machine has CPUs 0..{ncpu}");
+    }
+    // Calibrated before any thread starts, so the hogs do not slow the trials.
+    let request_work = if pattern == ReadPattern::Request && readers > 0 {
+        workload::work_units_for(Duration::from_micros(work_us))
+    } else {
+        0
+    };
     let hog_workers = (0..hogs)
-        .map(|i| workload::spawn_hog(pin.then_some(i % ncpu)))
+        .map(|i| workload::spawn_hog(pin_hogs.then_some(i % ncpu)))
         .collect::<anyhow::Result<Vec<_>>>()?;
     let reader_workers = (0..readers)
         .map(|_| pattern)
         .chain((0..seq_readers).map(|_| ReadPattern::Seq1m))
-        .map(|p| Ok((p, workload::spawn_reader(&file, p)?)))
+        .enumerate()
+        .map(|(i, p)| {
+            let mut spec = IoSpec::new(p);
+            spec.pin = pin;
+            spec.request_work = request_work;
+            // The first thread keeps the historical offsets; the others read elsewhere.
+            spec.seed ^= (i as u64).wrapping_mul(0x2545_f491_4f6c_dd1d);
+            Ok((p, workload::spawn_io(&file, spec)?))
+        })
         .collect::<anyhow::Result<Vec<_>>>()?;
-    // Each reader's reads per whole second of the run: where in the run a cost falls (a
+    if !warmup.is_zero() {
+        std::thread::sleep(warmup);
+    }
+    // What the warm-up did, subtracted from every total below.
+    let base_ops: Vec<u64> = reader_workers.iter().map(|(_, w)| w.count()).collect();
+    let base_writes: Vec<u64> = reader_workers
+        .iter()
+        .map(|(_, w)| w.write_count())
+        .collect();
+    let base_cpu: Vec<f64> = reader_workers
+        .iter()
+        .map(|(_, w)| thread_cpu_s(w.tid))
+        .collect();
+    let base_units: Vec<u64> = hog_workers.iter().map(|w| w.count()).collect();
+    let base_hog_cpu: Vec<f64> = hog_workers.iter().map(|w| thread_cpu_s(w.tid)).collect();
+    if !warmup.is_zero() {
+        for (_, w) in &reader_workers {
+            w.latency_us.lock().expect("latency histogram").reset();
+        }
+    }
+    let t0 = Instant::now();
+    // Each reader's requests per whole second of the run: where in the run a cost falls (a
     // daemon's start, say) is not in the totals.
     let mut per_s: Vec<Vec<u64>> = vec![Vec::new(); reader_workers.len()];
-    let mut last: Vec<u64> = vec![0; reader_workers.len()];
+    let mut last = base_ops.clone();
     let mut next = t0 + Duration::from_secs(1);
-    let end = duration.map(|d| t0 + d);
+    let end = duration.map(|d| t0 + d.saturating_sub(warmup));
     loop {
         let wake = end.map_or(next, |e| e.min(next));
         std::thread::sleep(wake.saturating_duration_since(Instant::now()));
@@ -91,32 +132,41 @@ fn run() -> anyhow::Result<()> {
     let readers: Vec<_> = reader_workers
         .into_iter()
         .zip(per_s)
-        .map(|((p, w), per_s)| {
+        .enumerate()
+        .map(|(i, ((p, w), per_s))| {
             let (tid, cpu_s, sched) = (w.tid, thread_cpu_s(w.tid), thread_sched(w.tid));
             let latency = w.latency_us.clone();
+            let writes = w.write_count() - base_writes[i];
             w.stop().map(|n| {
+                let ops = n - base_ops[i];
                 let h = latency.lock().expect("latency histogram");
                 let q = |q: f64| (!h.is_empty()).then(|| h.value_at_quantile(q));
-                serde_json::json!({"tid": tid, "pattern": format!("{p:?}"), "reads": n,
-                    "bytes": n * p.block_size() as u64, "p50_us": q(0.5), "p99_us": q(0.99),
-                    "cpu_s": cpu_s, "migrations": sched.0, "last_cpu": sched.1,
+                serde_json::json!({"tid": tid, "pattern": format!("{p:?}"),
+                    "reads": ops - writes, "writes": writes, "ops": ops,
+                    "bytes": ops * p.block_size() as u64, "p50_us": q(0.5), "p99_us": q(0.99),
+                    "cpu_s": cpu_s - base_cpu[i], "migrations": sched.0, "last_cpu": sched.1,
                     "reads_per_s": per_s})
             })
         })
         .collect::<anyhow::Result<_>>()?;
     let hogs: Vec<_> = hog_workers
         .into_iter()
-        .map(|w| {
+        .enumerate()
+        .map(|(i, w)| {
             let (tid, cpu_s, sched) = (w.tid, thread_cpu_s(w.tid), thread_sched(w.tid));
             w.stop().map(|n| {
-                serde_json::json!({"tid": tid, "units": n, "cpu_s": cpu_s,
+                serde_json::json!({"tid": tid, "units": n - base_units[i],
+                    "cpu_s": cpu_s - base_hog_cpu[i],
                     "migrations": sched.0, "last_cpu": sched.1})
             })
         })
         .collect::<anyhow::Result<_>>()?;
     println!(
         "{}",
-        serde_json::json!({"elapsed_s": elapsed, "pattern": format!("{pattern:?}"), "readers": readers, "hogs": hogs})
+        serde_json::json!({"elapsed_s": elapsed, "pattern": format!("{pattern:?}"),
+            "warmup_s": warmup.as_secs_f64(), "pin": pin,
+            "request_work_units": (request_work > 0).then_some(request_work),
+            "readers": readers, "hogs": hogs})
     );
     Ok(())
 }

@@ -1,0 +1,1004 @@
+//! The hard-IRQ deschedule benchmark (`make bench-steal`, root): the guest workloads of
+//! `vmigrater-workload` on a file of the root disk, a CPU hog pinned on every CPU, while
+//! `irq-steal` takes CPUs away in hard-IRQ context on a planned schedule (nothing runs on
+//! a CPU while it is out, not even the disk's completion interrupt: what a guest sees
+//! while its host runs another vCPU). For every schedule × workload, every mode runs once
+//! per repetition, in an order rotated each repetition:
+//!
+//! - `vanilla`: Linux alone;
+//! - `vmigrater`: the release daemon with the default configuration (private state dir),
+//!   started before the run and warmed up under the same schedule;
+//! - `vmigrater_dry`: the same daemon with `--dry-run` (watching only: its cost);
+//! - `pinned`: the oracle that knows where completions land: every I/O thread pinned to
+//!   the CPU of the disk's request interrupt (`/proc/irq/*/effective_affinity_list`);
+//! - `sched_oracle`: a thread of this harness that knows the plan in advance and moves
+//!   every I/O thread, just before each window change, to the CPU that will run
+//!   (the completion CPU when it runs).
+//!
+//! Every mode has the same timeline: steal starts, the daemon warm-up elapses (the daemon
+//! runs in the daemon modes only), then the workload runs its own short I/O warm-up and
+//! the measured seconds. A run whose steal report is more than 5% off its plan is rejected
+//! and repeated (at most twice; both recorded).
+//!
+//! Writes `steal.json` (raw runs, per-cell medians, ratios with 95% bootstrap intervals,
+//! paired ratios, spreads) and `steal.png` (benches/plot_steal.py) in the output
+//! directory, and prints a table. It only measures: every figure comes from the kernel,
+//! the workload, the steal program or the daemon. It never writes to a device: the
+//! read/write workload writes into the data file this benchmark creates.
+//!
+//! Flags (after `--`): --reps N (8), --secs S (8), --warmup-secs S (3), --io-warmup-ms MS
+//! (1000), --only SCHEDULES (names or specs, comma-separated), --workloads LIST,
+//! --modes LIST, --out DIR (default `$VMIGRATER_BENCH_DIR` or target/bench),
+//! --completion-cpu N (instead of reading /proc/irq), --seed N (random schedules, 1).
+
+use anyhow::{Context, Result};
+use irq_steal::{IrqSteal, Plan, Schedule, StealReport};
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use vmigrater_testbed::completion::CompletionMap;
+use vmigrater_testbed::stats::{self, Estimate};
+use vmigrater_testbed::{placement, require_root, workload, workspace_bin};
+
+const MODES: [&str; 5] = [
+    "vanilla",
+    "vmigrater",
+    "vmigrater_dry",
+    "pinned",
+    "sched_oracle",
+];
+
+/// A workload of the benchmark: its name, `--pattern`, I/O threads, and its metric.
+struct Workload {
+    name: &'static str,
+    pattern: &'static str,
+    threads: usize,
+    /// "iops" (requests per second, reads and writes) or "mb_s".
+    metric: &'static str,
+}
+
+const WORKLOADS: [Workload; 6] = [
+    Workload {
+        name: "rand4k",
+        pattern: "random4k",
+        threads: 1,
+        metric: "iops",
+    },
+    // Eight requests in flight by eight synchronous threads (no io_uring): QD8 as an
+    // application with a thread per request keeps it.
+    Workload {
+        name: "rand4k_qd8_threads",
+        pattern: "random4k",
+        threads: 8,
+        metric: "iops",
+    },
+    Workload {
+        name: "seq128k",
+        pattern: "seq128k",
+        threads: 1,
+        metric: "mb_s",
+    },
+    Workload {
+        name: "randrw70",
+        pattern: "randrw70",
+        threads: 1,
+        metric: "iops",
+    },
+    Workload {
+        name: "rand4k_4readers",
+        pattern: "random4k",
+        threads: 4,
+        metric: "iops",
+    },
+    // One random read then ~200 µs of CPU work per request; p50/p99 of whole requests.
+    Workload {
+        name: "request",
+        pattern: "request",
+        threads: 1,
+        metric: "iops",
+    },
+];
+
+/// (name, spec) of the default schedules; `SEED` is replaced by --seed. Windows of
+/// 3 ms / 3 ms mean (KVM-like) and 30 ms / 30 ms (Xen-like) are exponential draws.
+const SCHEDULES: [(&str, &str); 6] = [
+    ("none", "none"),
+    ("anti", "anti:20000:10000"),
+    ("in", "in:20000:10000"),
+    ("rphase", "rphase:20000:10000:SEED"),
+    ("kvm", "random:3000:3000:exp:SEED"),
+    ("xen", "random:30000:30000:exp:SEED"),
+];
+
+const FILE_SIZE: u64 = 1 << 30;
+/// A run whose stolen time is further than this from its plan, on any CPU, is rejected.
+const STEAL_TOLERANCE: f64 = 0.05;
+const MAX_RETRIES: usize = 2;
+/// The oracle moves the I/O threads this long before a window change, so the move is done
+/// when the CPU they leave goes out.
+const ORACLE_LEAD: Duration = Duration::from_micros(200);
+const ORACLE_PRIORITY: i32 = 10;
+
+struct Settings {
+    reps: usize,
+    secs: f64,
+    warmup: Duration,
+    io_warmup: Duration,
+    schedules: Vec<(String, String)>,
+    workloads: Vec<&'static Workload>,
+    modes: Vec<&'static str>,
+    out: PathBuf,
+    completion_cpu: Option<usize>,
+}
+
+fn list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn parse_args() -> Result<Settings> {
+    let mut s = Settings {
+        reps: 8,
+        secs: 8.0,
+        warmup: Duration::from_secs(3),
+        io_warmup: Duration::from_millis(1000),
+        schedules: Vec::new(),
+        workloads: WORKLOADS.iter().collect(),
+        modes: MODES.to_vec(),
+        out: vmigrater_testbed::bench_dir(),
+        completion_cpu: None,
+    };
+    let (mut only, mut seed) = (None, 1u64);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            // cargo bench passes this to every harness = false bench.
+            "--bench" => {}
+            "--reps" => s.reps = val()?.parse::<usize>()?.max(1),
+            "--secs" => s.secs = val()?.parse::<f64>()?.max(0.5),
+            "--warmup-secs" => s.warmup = Duration::from_secs_f64(val()?.parse()?),
+            "--io-warmup-ms" => s.io_warmup = Duration::from_millis(val()?.parse()?),
+            "--only" => only = Some(list(&val()?)),
+            "--seed" => seed = val()?.parse()?,
+            "--workloads" => {
+                s.workloads = list(&val()?)
+                    .iter()
+                    .map(|n| {
+                        WORKLOADS.iter().find(|w| w.name == n).with_context(|| {
+                            let names: Vec<_> = WORKLOADS.iter().map(|w| w.name).collect();
+                            format!("--workloads: unknown {n:?}; known: {}", names.join(","))
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+            "--modes" => {
+                s.modes = list(&val()?)
+                    .iter()
+                    .map(|m| {
+                        MODES.iter().copied().find(|x| x == m).with_context(|| {
+                            format!("--modes: unknown {m:?}; known: {}", MODES.join(","))
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+            "--out" => s.out = val()?.into(),
+            "--completion-cpu" => s.completion_cpu = Some(val()?.parse()?),
+            other => anyhow::bail!(
+                "unknown argument {other:?} (see the top of benches/steal.rs for the flags)"
+            ),
+        }
+    }
+    let defaults: Vec<(String, String)> = SCHEDULES
+        .iter()
+        .map(|(n, spec)| (n.to_string(), spec.replace("SEED", &seed.to_string())))
+        .collect();
+    s.schedules = match only {
+        None => defaults,
+        Some(names) => names
+            .into_iter()
+            .map(|n| match defaults.iter().find(|(d, _)| *d == n) {
+                Some(d) => Ok(d.clone()),
+                // A spec of its own: named by itself.
+                None if n.contains(':') => Ok((n.clone(), n)),
+                None => anyhow::bail!(
+                    "--only: unknown schedule {n:?}; known: {} (or a spec such as anti:6000:3000)",
+                    SCHEDULES.map(|s| s.0).join(",")
+                ),
+            })
+            .collect::<Result<_>>()?,
+    };
+    Ok(s)
+}
+
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime fills the timespec we own.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Sleeps until CLOCK_MONOTONIC reads `ns` (absolute: no drift from late wake-ups).
+fn sleep_until_ns(ns: u64) {
+    let ts = libc::timespec {
+        tv_sec: (ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: the timespec outlives the call; EINTR just ends the sleep early, and every
+    // caller re-reads the clock.
+    unsafe {
+        libc::clock_nanosleep(
+            libc::CLOCK_MONOTONIC,
+            libc::TIMER_ABSTIME,
+            &ts,
+            std::ptr::null_mut(),
+        )
+    };
+}
+
+fn ncpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+/// On-CPU seconds of every live thread of a process, from schedstat (ns resolution).
+fn proc_cpu_s(pid: u32) -> f64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum::<u64>() as f64
+        / 1e9
+}
+
+/// Busy CPU seconds of the whole machine (all CPUs) from /proc/stat: user through softirq,
+/// without idle, iowait and the hypervisor's steal column.
+fn busy_cpu_s() -> f64 {
+    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<f64> = text
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .take(8)
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64;
+    [0, 1, 2, 5, 6]
+        .iter()
+        .filter_map(|&i| f.get(i))
+        .sum::<f64>()
+        / hz
+}
+
+/// user+system seconds of this process, or of its waited-for children.
+fn rusage_s(who: libc::c_int) -> f64 {
+    // SAFETY: getrusage fills the struct we own.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    unsafe { libc::getrusage(who, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// The daemon under test: the release build, default configuration (an empty file, so
+/// /etc is not read), private state directory, no metrics endpoint.
+struct Daemon {
+    child: Child,
+    state_dir: tempfile::TempDir,
+    reaped: bool,
+}
+
+impl Daemon {
+    fn start(dry_run: bool) -> Result<Daemon> {
+        let state_dir = tempfile::tempdir()?;
+        let config = state_dir.path().join("vmigrater.toml");
+        std::fs::write(&config, "")?;
+        let mut cmd = Command::new(workspace_bin("vmigrater"));
+        cmd.arg("--config")
+            .arg(&config)
+            .args(["--log", "warn", "run", "--no-metrics", "--state-dir"])
+            .arg(state_dir.path());
+        if dry_run {
+            cmd.arg("--dry-run");
+        }
+        let child = cmd
+            .stdout(Stdio::null())
+            .spawn()
+            .context("starting vmigrater")?;
+        let mut d = Daemon {
+            child,
+            state_dir,
+            reaped: false,
+        };
+        let t0 = Instant::now();
+        while d.status().is_none() {
+            if let Some(st) = d.child.try_wait()? {
+                d.reaped = true;
+                anyhow::bail!("vmigrater exited at start with {st}");
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(20),
+                "vmigrater did not answer on its status socket within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(d)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn status(&self) -> Option<Value> {
+        let out = Command::new(workspace_bin("vmigrater"))
+            .args(["status", "--json", "--state-dir"])
+            .arg(self.state_dir.path())
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
+    fn stop(mut self) -> Result<()> {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        let st = self.child.wait()?;
+        self.reaped = true;
+        anyhow::ensure!(st.success(), "vmigrater exited with {st} after SIGTERM");
+        Ok(())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        // An error path left the daemon running: stop it so it restores every mask. Never
+        // signal a reaped pid (it may belong to someone else by now).
+        if self.reaped {
+            return;
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+/// The I/O threads of a workload process (named `reader-*`), once `n` of them exist.
+fn io_tids(pid: u32, n: usize, deadline: Instant) -> Result<Vec<u32>> {
+    loop {
+        let tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| {
+                std::fs::read_to_string(e.path().join("comm"))
+                    .is_ok_and(|c| c.starts_with("reader-"))
+            })
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect();
+        if tids.len() >= n {
+            return Ok(tids);
+        }
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "workload {pid} started {} of its {n} I/O threads in time",
+            tids.len()
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn set_affinity(tid: u32, cpu: usize) -> nix::Result<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu)?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid as i32), &set)
+}
+
+/// What the schedule-aware oracle did in one run.
+#[derive(Default)]
+struct OracleLog {
+    moves: AtomicU64,
+    errors: AtomicU64,
+    late_us_max: AtomicU64,
+    late_over_1ms: AtomicU64,
+}
+
+/// The schedule-aware oracle: moves every I/O thread of `pid` to the CPU that runs after
+/// each window change, `ORACLE_LEAD` before it, until `stop`. Runs as SCHED_FIFO so its
+/// own wake-up is not what makes it late, and sleeps on a CPU that runs until its wake-up.
+/// What the schedule-aware oracle knows in advance: the plan, its t = 0, the CPUs and
+/// where completions land.
+struct OracleView<'a> {
+    plan: &'a Plan,
+    start_ns: u64,
+    cpus: &'a [usize],
+    completion: Option<usize>,
+}
+
+fn sched_oracle(
+    view: &OracleView,
+    pid: u32,
+    threads: usize,
+    stop: &AtomicBool,
+    log: &OracleLog,
+) -> Result<()> {
+    let param = libc::sched_param {
+        sched_priority: ORACLE_PRIORITY,
+    };
+    // SAFETY: plain syscall on the calling thread with a valid parameter.
+    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
+        eprintln!(
+            "WARNING: sched_oracle runs without SCHED_FIFO: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    let tids = io_tids(pid, threads, Instant::now() + Duration::from_secs(10))?;
+    let place = |cpu: usize| {
+        for &tid in &tids {
+            if set_affinity(tid, cpu).is_err() {
+                log.errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        log.moves.fetch_add(1, Ordering::Relaxed);
+    };
+    let OracleView {
+        plan,
+        start_ns,
+        cpus,
+        completion,
+    } = *view;
+    let now_rel = || monotonic_ns().saturating_sub(start_ns);
+    let target_at = |t: u64| placement::oracle_cpu(cpus, completion, |c| plan.is_out(c, t));
+    let mut current = target_at(now_rel());
+    place(current);
+    let lead = ORACLE_LEAD.as_nanos() as u64;
+    let mut after = now_rel();
+    while !stop.load(Ordering::Relaxed) {
+        let Some(change) = placement::next_change(cpus, |c| plan.next_change(c, after)) else {
+            break;
+        };
+        // Sleep on a CPU that runs from now until the wake-up: between two changes the set
+        // of running CPUs does not change.
+        let _ = set_affinity(0, target_at(after));
+        let wake = start_ns + change.saturating_sub(lead);
+        // Short naps, so a stop request is seen within 50 ms.
+        while monotonic_ns() < wake && !stop.load(Ordering::Relaxed) {
+            sleep_until_ns(wake.min(monotonic_ns() + 50_000_000));
+        }
+        let late = monotonic_ns().saturating_sub(wake) / 1000;
+        log.late_us_max.fetch_max(late, Ordering::Relaxed);
+        if late > 1000 {
+            log.late_over_1ms.fetch_add(1, Ordering::Relaxed);
+        }
+        let next = target_at(change);
+        if next != current {
+            place(next);
+            current = next;
+        }
+        after = change.max(now_rel());
+    }
+    Ok(())
+}
+
+/// One run of one mode, and the steal report that judges it.
+fn run_once(
+    sched: &Schedule,
+    wl: &Workload,
+    mode: &str,
+    file: &Path,
+    completion: Option<usize>,
+    s: &Settings,
+) -> Result<(Value, StealReport)> {
+    let cpus: Vec<usize> = (0..ncpus()).collect();
+    let workload_ms = (s.io_warmup + Duration::from_secs_f64(s.secs)).as_millis() as u64;
+    // The plan covers the warm-up, the workload, its start and exit.
+    let length = s.warmup + Duration::from_millis(workload_ms) + Duration::from_millis(700);
+    let plan = sched.plan(&cpus, length).context("planning the schedule")?;
+    plan.validate().context("the schedule's plan")?;
+    let steal = IrqSteal::start(&plan).context("starting irq-steal")?;
+    let start_ns = steal.start_ns();
+    let daemon = match mode {
+        "vmigrater" => Some(Daemon::start(false)?),
+        "vmigrater_dry" => Some(Daemon::start(true)?),
+        _ => None,
+    };
+    sleep_until_ns(start_ns + s.warmup.as_nanos() as u64);
+    let status0 = daemon.as_ref().and_then(Daemon::status);
+    let dcpu0 = daemon.as_ref().map(|d| proc_cpu_s(d.pid()));
+
+    let mut cmd = Command::new(workspace_bin("vmigrater-workload"));
+    cmd.arg("--file")
+        .arg(file)
+        .args(["--pattern", wl.pattern, "--readers"])
+        .arg(wl.threads.to_string())
+        .arg("--hogs")
+        .arg(cpus.len().to_string())
+        .args(["--pin-hogs", "--warmup-ms"])
+        .arg(s.io_warmup.as_millis().to_string())
+        .arg("--duration-ms")
+        .arg(workload_ms.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if mode == "pinned" {
+        let cpu = completion.context("the pinned mode needs the completion CPU")?;
+        cmd.arg("--pin").arg(cpu.to_string());
+    }
+    let (busy0, me0, kids0) = (
+        busy_cpu_s(),
+        rusage_s(libc::RUSAGE_SELF),
+        rusage_s(libc::RUSAGE_CHILDREN),
+    );
+    let t0 = monotonic_ns();
+    let child = cmd.spawn().context("starting vmigrater-workload")?;
+    let pid = child.id();
+    let stop = AtomicBool::new(false);
+    let log = OracleLog::default();
+    let out = std::thread::scope(|scope| {
+        let oracle = (mode == "sched_oracle").then(|| {
+            let view = OracleView {
+                plan: &plan,
+                start_ns,
+                cpus: &cpus,
+                completion,
+            };
+            let (stop, log) = (&stop, &log);
+            scope.spawn(move || sched_oracle(&view, pid, wl.threads, stop, log))
+        });
+        let out = child.wait_with_output();
+        stop.store(true, Ordering::Relaxed);
+        if let Some(o) = oracle {
+            o.join()
+                .map_err(|_| anyhow::anyhow!("sched_oracle thread panicked"))?
+                .context("sched_oracle")?;
+        }
+        anyhow::Ok(out.context("waiting for vmigrater-workload")?)
+    })?;
+    let t1 = monotonic_ns();
+    let (busy1, me1, kids1) = (
+        busy_cpu_s(),
+        rusage_s(libc::RUSAGE_SELF),
+        rusage_s(libc::RUSAGE_CHILDREN),
+    );
+    anyhow::ensure!(
+        out.status.success(),
+        "vmigrater-workload failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let w: Value =
+        serde_json::from_slice(&out.stdout).context("parsing vmigrater-workload's JSON")?;
+
+    let mut daemon_json = Value::Null;
+    let mut daemon_cpu_s = 0.0;
+    if let (Some(d), Some(c0)) = (daemon, dcpu0) {
+        let cpu_s = proc_cpu_s(d.pid()) - c0;
+        daemon_cpu_s = cpu_s;
+        let st = d.status().context("vmigrater status after the run")?;
+        let m0 = status0
+            .as_ref()
+            .and_then(|v| v["migrations"].as_u64())
+            .unwrap_or(0);
+        daemon_json = json!({
+            "cpu_s": cpu_s,
+            "cpu_pct_of_one_cpu": cpu_s / ((t1 - t0) as f64 / 1e9) * 100.0,
+            "migrations": st["migrations"].as_u64().unwrap_or(0).saturating_sub(m0),
+            "migrations_during_warmup": m0,
+            "io_tasks_at_end": st["io_tasks"],
+            "attach_mode": st["attach_mode"],
+        });
+        d.stop()?;
+    }
+    // The plan ends on its own; stopping at its end compares whole plans.
+    sleep_until_ns(start_ns + length.as_nanos() as u64);
+    let report = steal.stop().context("stopping irq-steal")?;
+
+    // Busy CPU that neither the workload, the daemon nor this harness accounts for (the
+    // steal's spins are charged to whatever they interrupted, ours or not): someone else
+    // ran, and the run shared the machine. Recorded, not used to drop runs.
+    let window_s = (t1 - t0) as f64 / 1e9;
+    let foreign_s = ((busy1 - busy0) - (kids1 - kids0) - (me1 - me0) - daemon_cpu_s).max(0.0);
+    let elapsed = f(&w["elapsed_s"]);
+    let readers = w["readers"].as_array().cloned().unwrap_or_default();
+    let sum = |k: &str| readers.iter().map(|r| f(&r[k])).sum::<f64>();
+    let (ops, bytes) = (sum("ops"), sum("bytes"));
+    let q = |k: &str| readers.iter().map(|r| f(&r[k])).collect::<Vec<_>>();
+    let hogs = w["hogs"].as_array().cloned().unwrap_or_default();
+    let hog_units: f64 = hogs.iter().map(|h| f(&h["units"])).sum();
+    let v = json!({
+        "mode": mode,
+        "elapsed_s": elapsed,
+        "ops": ops,
+        "iops": ops / elapsed,
+        "mb_s": bytes / elapsed / 1e6,
+        // Over the I/O threads: the median thread's p50, the worst thread's p99.
+        "p50_us": stats::median(&q("p50_us")),
+        "p99_us": q("p99_us").into_iter().filter(|x| x.is_finite()).reduce(f64::max),
+        "hog_units_per_s": hog_units / elapsed,
+        "reader_migrations": q("migrations"),
+        "reader_last_cpu": readers.iter().map(|r| r["last_cpu"].clone()).collect::<Vec<_>>(),
+        "pinned_cpu": (mode == "pinned").then_some(completion).flatten(),
+        "daemon": daemon_json,
+        "foreign_cpu_pct_of_all_cpus": foreign_s / (window_s * cpus.len() as f64) * 100.0,
+        "oracle": (mode == "sched_oracle").then(|| json!({
+            "moves": log.moves.load(Ordering::Relaxed),
+            "setaffinity_errors": log.errors.load(Ordering::Relaxed),
+            "late_wakeup_us_max": log.late_us_max.load(Ordering::Relaxed),
+            "late_wakeups_over_1ms": log.late_over_1ms.load(Ordering::Relaxed),
+            "lead_us": ORACLE_LEAD.as_micros() as u64,
+        })),
+        "steal": &report,
+        "steal_worst_error": report.worst_error(),
+        "workload": w,
+    });
+    Ok((v, report))
+}
+
+/// A run, repeated (at most `MAX_RETRIES` times) while its steal report is off its plan.
+fn run(
+    sched: &Schedule,
+    wl: &Workload,
+    mode: &str,
+    file: &Path,
+    completion: Option<usize>,
+    s: &Settings,
+) -> Result<Value> {
+    let mut rejected = Vec::new();
+    loop {
+        let (mut v, report) = run_once(sched, wl, mode, file, completion, s)?;
+        let ok = report.within(STEAL_TOLERANCE);
+        if ok || rejected.len() >= MAX_RETRIES {
+            v["retries"] = json!(rejected.len());
+            v["steal_ok"] = json!(ok);
+            v["rejected_steal"] = json!(rejected);
+            return Ok(v);
+        }
+        eprintln!(
+            "  rejected: steal {:.1}% off its plan; repeating",
+            report.worst_error() * 100.0
+        );
+        rejected.push(json!(report));
+    }
+}
+
+fn est(e: Option<Estimate>) -> Value {
+    e.map_or(Value::Null, |e| json!(e))
+}
+
+/// Medians, ratios and spreads of one schedule × workload.
+fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
+    // Runs whose steal stayed off its plan after every retry are kept in the raw list but
+    // left out of the statistics.
+    let good: Vec<&Value> = runs.iter().filter(|r| r["steal_ok"] == true).collect();
+    let vals = |mode: &str, key: &str| -> Vec<f64> {
+        good.iter()
+            .filter(|r| r["mode"] == mode)
+            .map(|r| f(&r[key]))
+            .collect()
+    };
+    let by_rep = |mode: &str, key: &str| -> Map<String, Value> {
+        good.iter()
+            .filter(|r| r["mode"] == mode)
+            .map(|r| (r["rep"].to_string(), r[key].clone()))
+            .collect()
+    };
+    let paired = |a: &str, b: &str, key: &str| -> Option<Estimate> {
+        let (ma, mb) = (by_rep(a, key), by_rep(b, key));
+        let pairs: Vec<(f64, f64)> = ma
+            .iter()
+            .filter_map(|(rep, x)| Some((f(x), f(mb.get(rep)?))))
+            .collect();
+        stats::paired_ratio(&pairs)
+    };
+    let mut per_mode = Map::new();
+    for &m in modes {
+        let v = vals(m, metric);
+        let mut e = json!({
+            "runs": v,
+            "median": stats::median(&v),
+            "spread_max_over_min": stats::spread(&v),
+            "p50_us_median": stats::median(&vals(m, "p50_us")),
+            "p99_us_median": stats::median(&vals(m, "p99_us")),
+            "p99_us_runs": vals(m, "p99_us"),
+            "hog_units_per_s_median": stats::median(&vals(m, "hog_units_per_s")),
+            "retries": runs.iter().filter(|r| r["mode"] == m).map(|r| r["retries"].as_u64().unwrap_or(0)).sum::<u64>(),
+            "runs_off_plan": runs.iter().filter(|r| r["mode"] == m && r["steal_ok"] != true).count(),
+        });
+        if m != "vanilla" {
+            e["vs_vanilla"] = est(stats::ratio_of_medians(&v, &vals("vanilla", metric)));
+            e["paired_vs_vanilla"] = est(paired(m, "vanilla", metric));
+            e["hog_vs_vanilla"] = est(stats::ratio_of_medians(
+                &vals(m, "hog_units_per_s"),
+                &vals("vanilla", "hog_units_per_s"),
+            ));
+            e["p99_vs_vanilla"] = est(stats::ratio_of_medians(
+                &vals(m, "p99_us"),
+                &vals("vanilla", "p99_us"),
+            ));
+        }
+        for oracle in ["pinned", "sched_oracle"] {
+            if m == oracle || !modes.contains(&oracle) {
+                continue;
+            }
+            let o = vals(oracle, metric);
+            e[format!("vs_{oracle}")] = est(stats::ratio_of_medians(&v, &o));
+            e[format!("paired_vs_{oracle}")] = est(paired(m, oracle, metric));
+            if let Some(om) = stats::median(&o) {
+                e[format!("runs_at_least_0.8_of_{oracle}")] =
+                    json!(stats::fraction_at_least(&v, 0.8 * om));
+                e[format!("runs_at_least_0.6_of_{oracle}")] =
+                    json!(stats::fraction_at_least(&v, 0.6 * om));
+            }
+        }
+        if m.starts_with("vmigrater") {
+            let d: Vec<f64> = good
+                .iter()
+                .filter(|r| r["mode"] == m)
+                .map(|r| f(&r["daemon"]["cpu_pct_of_one_cpu"]))
+                .collect();
+            e["daemon_cpu_pct_of_one_cpu_median"] = json!(stats::median(&d));
+        }
+        per_mode.insert(m.to_string(), e);
+    }
+    json!({ "metric": metric, "modes": per_mode })
+}
+
+fn fmt_est(e: &Value) -> String {
+    if e.is_null() {
+        return "-".into();
+    }
+    format!(
+        "{:.2} [{:.2},{:.2}]",
+        f(&e["value"]),
+        f(&e["lo"]),
+        f(&e["hi"])
+    )
+}
+
+fn print_table(report: &Value, s: &Settings) {
+    println!(
+        "\nhard-IRQ steal benchmark: median per mode (IOPS or MB/s), ratio of medians with \
+         95% bootstrap interval, paired ratio, spread max/min"
+    );
+    println!(
+        "completion CPU {}; {} reps × {} s; a CPU hog pinned on each CPU",
+        report["setup"]["completion_cpu"], s.reps, s.secs
+    );
+    let head: String = s.modes.iter().map(|m| format!(" {m:>13}")).collect();
+    println!(
+        "{:<9} {:<19}{head} {:>20} {:>20} {:>20} {:>11} {:>7} {:>7}",
+        "schedule",
+        "workload",
+        "vm/vanilla",
+        "vm paired/vanilla",
+        "vm/pinned",
+        "spread va/vm",
+        "vm≥.8o",
+        "vm≥.6o"
+    );
+    for (sname, _) in &s.schedules {
+        for wl in &s.workloads {
+            let c = &report["cells"][sname][wl.name];
+            let m = &c["modes"];
+            let meds: String = s
+                .modes
+                .iter()
+                .map(|mode| format!(" {:>13.1}", f(&m[*mode]["median"])))
+                .collect();
+            let vm = &m["vmigrater"];
+            println!(
+                "{:<9} {:<19}{meds} {:>20} {:>20} {:>20} {:>5.1}/{:<5.1} {:>7.2} {:>7.2}",
+                sname,
+                wl.name,
+                fmt_est(&vm["vs_vanilla"]),
+                fmt_est(&vm["paired_vs_vanilla"]),
+                fmt_est(&vm["vs_pinned"]),
+                f(&m["vanilla"]["spread_max_over_min"]),
+                f(&vm["spread_max_over_min"]),
+                f(&vm["runs_at_least_0.8_of_pinned"]),
+                f(&vm["runs_at_least_0.6_of_pinned"]),
+            );
+            if wl.name == "request" {
+                let p99: String = s
+                    .modes
+                    .iter()
+                    .map(|mode| format!(" {:>13.0}", f(&m[*mode]["p99_us_median"])))
+                    .collect();
+                println!(
+                    "{:<9} {:<19}{p99}   (p99 µs; vm/vanilla {})",
+                    "",
+                    "  p99",
+                    fmt_est(&vm["p99_vs_vanilla"])
+                );
+            }
+        }
+    }
+}
+
+/// Names every mode whose runs stayed off their steal plan after the retries: those runs
+/// are in the JSON but not in the statistics above.
+fn print_off_plan(report: &Value) {
+    let off: Vec<String> = report["runs"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|r| r["steal_ok"] != true)
+        .map(|r| {
+            format!(
+                "{} {} rep {} {} ({:.0}% off)",
+                r["schedule"].as_str().unwrap_or(""),
+                r["workload_name"].as_str().unwrap_or(""),
+                r["rep"],
+                r["mode"].as_str().unwrap_or(""),
+                f(&r["steal_worst_error"]) * 100.0
+            )
+        })
+        .collect();
+    if !off.is_empty() {
+        println!(
+            "\n{} run(s) stayed more than {:.0}% off their steal plan after {MAX_RETRIES} \
+             retries and are left out of the statistics: {}",
+            off.len(),
+            STEAL_TOLERANCE * 100.0,
+            off.join("; ")
+        );
+    }
+}
+
+fn main() -> Result<()> {
+    if !require_root("hard-IRQ steal benchmark") {
+        return Ok(());
+    }
+    let s = parse_args()?;
+    anyhow::ensure!(ncpus() >= 2, "the steal benchmark needs at least 2 CPUs");
+    let schedules: Vec<Schedule> = s
+        .schedules
+        .iter()
+        .map(|(n, spec)| {
+            spec.parse()
+                .with_context(|| format!("schedule {n} ({spec})"))
+        })
+        .collect::<Result<_>>()?;
+    std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
+    // A file the benchmark owns on the root disk: the read/write workload writes into it.
+    let file = s.out.join("steal-data.bin");
+    let t = Instant::now();
+    workload::prepare_file(&file, FILE_SIZE)?;
+    if t.elapsed() > Duration::from_secs(1) {
+        eprintln!("prepared {} in {:.1?}", file.display(), t.elapsed());
+    }
+    let map = CompletionMap::for_file(&file);
+    let completion = match (s.completion_cpu, &map) {
+        (Some(c), _) => Some(c),
+        (None, Ok(m)) => {
+            let cpus = m.cpus();
+            if cpus.len() > 1 {
+                eprintln!(
+                    "WARNING: {} completes on CPUs {cpus:?} (a queue per CPU): `pinned` uses \
+                     CPU {}, which is not an oracle for this geometry",
+                    m.disk, cpus[0]
+                );
+            }
+            cpus.first().copied()
+        }
+        (None, Err(e)) => {
+            eprintln!("WARNING: no completion CPU ({e:#}); the pinned mode is skipped");
+            None
+        }
+    };
+    let modes: Vec<&str> = s
+        .modes
+        .iter()
+        .copied()
+        .filter(|m| *m != "pinned" || completion.is_some())
+        .collect();
+    let per_run = s.warmup.as_secs_f64() + s.io_warmup.as_secs_f64() + s.secs + 1.0;
+    let n_runs = s.reps * modes.len() * s.workloads.len() * schedules.len();
+    eprintln!(
+        "steal benchmark: {} schedules × {} workloads × {} modes × {} reps, ~{:.0} min; completion CPU {completion:?}",
+        schedules.len(),
+        s.workloads.len(),
+        modes.len(),
+        s.reps,
+        n_runs as f64 * per_run / 60.0
+    );
+
+    let mut raw: Vec<Value> = Vec::new();
+    let mut cells = Map::new();
+    for ((sname, spec), sched) in s.schedules.iter().zip(&schedules) {
+        let mut per_wl = Map::new();
+        for wl in &s.workloads {
+            let mut runs = Vec::new();
+            for rep in 0..s.reps {
+                for k in 0..modes.len() {
+                    let mode = modes[(k + rep) % modes.len()];
+                    let mut v = run(sched, wl, mode, &file, completion, &s)
+                        .with_context(|| format!("{sname} {} rep {rep} {mode}", wl.name))?;
+                    v["schedule"] = json!(sname);
+                    v["spec"] = json!(spec);
+                    v["workload_name"] = json!(wl.name);
+                    v["rep"] = json!(rep);
+                    v["order"] = json!(k);
+                    eprintln!(
+                        "{sname:<7} {:<19} rep {rep} {mode:<13} {:>9.1} {:<4} p99 {:>7.0} µs  hogs {:>7.0}/s  steal err {:>4.1}%  foreign {:>4.1}%{}{}",
+                        wl.name,
+                        f(&v[wl.metric]),
+                        if wl.metric == "iops" { "IOPS" } else { "MB/s" },
+                        f(&v["p99_us"]),
+                        f(&v["hog_units_per_s"]),
+                        f(&v["steal_worst_error"]) * 100.0,
+                        f(&v["foreign_cpu_pct_of_all_cpus"]),
+                        match v["retries"].as_u64() { Some(0) | None => String::new(), Some(n) => format!("  retries {n}") },
+                        match v["daemon"]["migrations"].as_u64() {
+                            Some(m) => format!("  migrations {m}  daemon {:.2}%", f(&v["daemon"]["cpu_pct_of_one_cpu"])),
+                            None => String::new(),
+                        }
+                    );
+                    runs.push(v);
+                }
+            }
+            per_wl.insert(wl.name.to_string(), summarise(wl.metric, &runs, &modes));
+            raw.extend(runs);
+        }
+        cells.insert(sname.clone(), Value::Object(per_wl));
+    }
+
+    let report = json!({
+        "benchmark": "steal",
+        "setup": {
+            "cpus": ncpus(),
+            "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
+            "schedules": s.schedules.iter().map(|(n, spec)| json!({"name": n, "spec": spec})).collect::<Vec<_>>(),
+            "workloads": s.workloads.iter().map(|w| json!({"name": w.name, "pattern": w.pattern, "io_threads": w.threads, "metric": w.metric})).collect::<Vec<_>>(),
+            "modes": modes,
+            "hogs": "one CPU hog pinned on every CPU, every mode",
+            "file": file.display().to_string(),
+            "file_bytes": FILE_SIZE,
+            "completion_cpu": completion,
+            "completion_map": map.as_ref().ok(),
+            "reps": s.reps,
+            "seconds_per_run": s.secs,
+            "daemon_warmup_s": s.warmup.as_secs_f64(),
+            "io_warmup_ms": s.io_warmup.as_millis() as u64,
+            "steal_tolerance": STEAL_TOLERANCE,
+            "max_retries": MAX_RETRIES,
+            "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
+            "daemon_config": "defaults (empty config file), --no-metrics, private --state-dir",
+            "oracle_lead_us": ORACLE_LEAD.as_micros() as u64,
+            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        },
+        "cells": cells,
+        "runs": raw,
+    });
+    let path = s.out.join("steal.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
+    print_table(&report, &s);
+    print_off_plan(&report);
+    println!("\nwrote {}", path.display());
+    let png = s.out.join("steal.png");
+    let plot = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/plot_steal.py");
+    match Command::new("/usr/bin/python3").arg(&plot).arg(&path).arg(&png).status() {
+        Ok(st) if st.success() => println!("wrote {}", png.display()),
+        other => eprintln!(
+            "WARNING: no chart ({other:?}); the numbers above stand. Install python3-matplotlib for {}",
+            png.display()
+        ),
+    }
+    Ok(())
+}

@@ -1,0 +1,293 @@
+//! The kernel side of a run: loads bpf/irqsteal.bpf.c, writes the plan into its maps,
+//! opens one `PERF_COUNT_SW_CPU_CLOCK` event per planned CPU with the program attached,
+//! and keeps the heartbeat fresh from a controller thread until stopped; then reads what
+//! each CPU stole.
+//!
+//! Owns the BPF object, the perf events and the heartbeat. Must never start without a
+//! validated plan, and never outlive its owner: the links detach when the controller
+//! thread ends (stop, drop, or the process's death closes them), and the program itself
+//! stops stealing when the heartbeat goes stale.
+
+use crate::bpf_skel::IrqstealSkelBuilder;
+use crate::plan::{Plan, MAX_WINDOWS_PER_CPU};
+use crate::report::{CpuSteal, StealReport};
+use crate::throttle::ThrottleOff;
+use anyhow::{anyhow, bail, Context, Result};
+use libbpf_rs::skel::{OpenSkel, SkelBuilder};
+use libbpf_rs::{MapCore, MapFlags};
+use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{sync_channel, SyncSender};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+/// bpf/irqsteal.h IS_MAX_CPUS.
+const MAX_CPUS: usize = 1024;
+/// The sample period: how often the program looks at the plan on each CPU, and so the
+/// most a window can be entered late.
+pub const SAMPLE_PERIOD_NS: u64 = 250_000;
+/// How often the controller refreshes the heartbeat (the program gives up at 100 ms).
+const HEARTBEAT_EVERY: Duration = Duration::from_millis(10);
+/// Between attaching and the plan's t = 0, so that every CPU starts on the same clock.
+const LEAD_NS: u64 = 20_000_000;
+
+/// The first fields of `struct perf_event_attr` (PERF_ATTR_SIZE_VER0, 64 bytes), all a
+/// software clock event needs.
+#[repr(C)]
+#[derive(Default)]
+struct PerfEventAttr {
+    type_: u32,
+    size: u32,
+    config: u64,
+    sample_period: u64,
+    sample_type: u64,
+    read_format: u64,
+    flags: u64,
+    wakeup_events: u32,
+    bp_type: u32,
+    config1: u64,
+}
+
+const PERF_TYPE_SOFTWARE: u32 = 1;
+const PERF_COUNT_SW_CPU_CLOCK: u64 = 0;
+const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
+/// `disabled`: libbpf enables the event once the program is attached.
+const ATTR_DISABLED: u64 = 1;
+
+fn open_cpu_clock(cpu: usize) -> Result<i32> {
+    let attr = PerfEventAttr {
+        type_: PERF_TYPE_SOFTWARE,
+        size: std::mem::size_of::<PerfEventAttr>() as u32,
+        config: PERF_COUNT_SW_CPU_CLOCK,
+        sample_period: SAMPLE_PERIOD_NS,
+        flags: ATTR_DISABLED,
+        ..Default::default()
+    };
+    // SAFETY: a valid attr that outlives the call; pid -1 with a cpu is a CPU-wide event.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_perf_event_open,
+            &attr as *const PerfEventAttr,
+            -1 as libc::pid_t,
+            cpu as libc::c_int,
+            -1 as libc::c_int,
+            PERF_FLAG_FD_CLOEXEC,
+        )
+    };
+    if fd < 0 {
+        return Err(anyhow!(std::io::Error::last_os_error()))
+            .with_context(|| format!("perf_event_open(cpu-clock, cpu {cpu})"));
+    }
+    Ok(fd as i32)
+}
+
+/// A running hard-IRQ stealing run.
+pub struct IrqSteal {
+    start_ns: u64,
+    stop: Arc<AtomicBool>,
+    controller: Option<JoinHandle<Result<StealReport>>>,
+}
+
+impl IrqSteal {
+    /// Validates `plan`, loads and attaches (root), turns perf throttling off, and returns
+    /// once every planned CPU is attached; the plan's t = 0 is `start_ns()`, shortly after.
+    pub fn start(plan: &Plan) -> Result<IrqSteal> {
+        plan.validate().context("refusing the plan")?;
+        if !nix::unistd::geteuid().is_root() {
+            bail!("irq-steal needs root (BPF, perf events on whole CPUs, a sysctl)");
+        }
+        let online = os_layer::Root::real().online_cpus()?;
+        for c in &plan.cpus {
+            if !online.contains(&c.cpu) || c.cpu >= MAX_CPUS {
+                bail!(
+                    "CPU {} of the plan is not online (online: {online:?})",
+                    c.cpu
+                );
+            }
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (tx, rx) = sync_channel(1);
+        let controller = {
+            let (plan, stop) = (plan.clone(), stop.clone());
+            std::thread::Builder::new()
+                .name("irq-steal".into())
+                .spawn(move || controller(&plan, &stop, tx))
+                .context("starting the irq-steal controller thread")?
+        };
+        match rx.recv() {
+            Ok(Ok(start_ns)) => Ok(IrqSteal {
+                start_ns,
+                stop,
+                controller: Some(controller),
+            }),
+            Ok(Err(e)) => {
+                let _ = controller.join();
+                Err(e)
+            }
+            Err(_) => Err(match controller.join() {
+                Ok(Err(e)) => e,
+                _ => anyhow!("the irq-steal controller thread died while starting"),
+            }),
+        }
+    }
+
+    /// CLOCK_MONOTONIC ns of the plan's t = 0 (the clock of `bpf_ktime_get_ns`).
+    pub fn start_ns(&self) -> u64 {
+        self.start_ns
+    }
+
+    /// Detaches, restores the sysctl and reports what each CPU stole.
+    pub fn stop(mut self) -> Result<StealReport> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<StealReport> {
+        self.stop.store(true, Ordering::Relaxed);
+        let Some(c) = self.controller.take() else {
+            bail!("already stopped");
+        };
+        c.join()
+            .map_err(|_| anyhow!("the irq-steal controller thread panicked"))?
+    }
+}
+
+impl Drop for IrqSteal {
+    fn drop(&mut self) {
+        if self.controller.is_some() {
+            if let Err(e) = self.finish() {
+                eprintln!("irq-steal: stopping: {e:#}");
+            }
+        }
+    }
+}
+
+/// A lower-priority SCHED_FIFO thread still preempts every CPU hog, so the heartbeat
+/// stays fresh on a loaded machine (it sleeps between beats and costs nothing).
+fn make_realtime() {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: plain syscall on the calling thread.
+    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+    if rc != 0 {
+        eprintln!(
+            "irq-steal: the controller runs as a normal task ({}): under load the heartbeat \
+             may go stale and stealing pause",
+            std::io::Error::last_os_error()
+        );
+    }
+}
+
+fn controller(
+    plan: &Plan,
+    stop: &AtomicBool,
+    started: SyncSender<Result<u64>>,
+) -> Result<StealReport> {
+    make_realtime();
+    let mut storage = MaybeUninit::uninit();
+    let mut open = match IrqstealSkelBuilder::default()
+        .open(&mut storage)
+        .context("opening the irq-steal BPF object")
+    {
+        Ok(o) => o,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return Ok(StealReport::default());
+        }
+    };
+    let slots = plan.cpus.len().max(1);
+    let set_up = (|| -> Result<_> {
+        open.maps
+            .windows
+            .set_max_entries((slots * MAX_WINDOWS_PER_CPU) as u32)
+            .context("sizing the windows map")?;
+        let mut skel = open.load().context("loading bpf/irqsteal.bpf.c")?;
+        for (slot, c) in plan.cpus.iter().enumerate() {
+            for (k, w) in c.windows.iter().enumerate() {
+                let key = (slot * MAX_WINDOWS_PER_CPU + k) as u32;
+                let mut value = [0u8; 16];
+                value[..8].copy_from_slice(&w.start_ns.to_ne_bytes());
+                value[8..].copy_from_slice(&w.end_ns.to_ne_bytes());
+                skel.maps
+                    .windows
+                    .update(&key.to_ne_bytes(), &value, MapFlags::ANY)
+                    .with_context(|| format!("writing CPU {} window {k}", c.cpu))?;
+            }
+        }
+        let bss = skel
+            .maps
+            .bss_data
+            .as_deref_mut()
+            .context("the irq-steal BPF object has no mmapped .bss")?;
+        for (slot, c) in plan.cpus.iter().enumerate() {
+            bss.cpus[c.cpu].slot = slot as u32;
+            bss.cpus[c.cpu].nwindows = c.windows.len() as u32;
+        }
+        bss.heartbeat_ns = os_layer::monotonic_ns();
+        let throttle = ThrottleOff::new()?;
+        let mut links = Vec::new();
+        for c in &plan.cpus {
+            let fd = open_cpu_clock(c.cpu)?;
+            // The link owns the fd from here: detaching closes it.
+            let link = skel
+                .progs
+                .steal
+                .attach_perf_event(fd)
+                .with_context(|| format!("attaching the stealing program on CPU {}", c.cpu))?;
+            links.push(link);
+        }
+        Ok((skel, throttle, links))
+    })();
+    let (mut skel, throttle, links) = match set_up {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return Ok(StealReport::default());
+        }
+    };
+    let Some(bss) = skel.maps.bss_data.as_deref_mut() else {
+        unreachable!("checked while setting up");
+    };
+    // Raw pointers: the program writes the counters concurrently, so no Rust reference to
+    // the .bss is held across the run.
+    let heartbeat: *mut u64 = std::ptr::addr_of_mut!(bss.heartbeat_ns);
+    let start: *mut u64 = std::ptr::addr_of_mut!(bss.start_ns);
+    let cpus: *const crate::bpf_skel::types::steal_cpu = std::ptr::addr_of!(bss.cpus).cast();
+    let start_ns = os_layer::monotonic_ns() + LEAD_NS;
+    // SAFETY: both point into the mmapped .bss of the loaded skeleton, alive until return.
+    unsafe {
+        heartbeat.write_volatile(os_layer::monotonic_ns());
+        start.write_volatile(start_ns);
+    }
+    let _ = started.send(Ok(start_ns));
+    let mut next = os_layer::monotonic_ns();
+    while !stop.load(Ordering::Relaxed) {
+        // SAFETY: as above.
+        unsafe { heartbeat.write_volatile(os_layer::monotonic_ns()) };
+        next += HEARTBEAT_EVERY.as_nanos() as u64;
+        os_layer::sleep_until(next.max(os_layer::monotonic_ns()));
+    }
+    drop(links);
+    let report = StealReport {
+        cpus: plan
+            .cpus
+            .iter()
+            .map(|c| {
+                // SAFETY: c.cpu < MAX_CPUS (checked at start); the program is detached.
+                let s = unsafe { cpus.add(c.cpu).read_volatile() };
+                CpuSteal {
+                    cpu: c.cpu,
+                    asked_ns: plan.asked_ns(c.cpu),
+                    stolen_ns: s.stolen_ns,
+                    windows: c.windows.len() as u64,
+                    windows_hit: s.windows_hit,
+                    windows_missed: s.windows_missed,
+                    late_ns: s.late_ns,
+                    watchdog_skips: s.watchdog_skips,
+                    samples: s.samples,
+                }
+            })
+            .collect(),
+    };
+    throttle.restore()?;
+    Ok(report)
+}

@@ -1,0 +1,25 @@
+//! Hypervisor-like deschedules on the machine itself: takes CPUs away from this kernel in
+//! hard-IRQ context, on a planned schedule, so that nothing runs on a CPU during a window
+//! (no task, no device interrupt, no IPI), as when a host runs another vCPU.
+//!
+//! - `plan`: the one representation of a schedule (per-CPU windows) and its safety bounds;
+//! - `schedule`: the named schedule families, their text form, and their plans;
+//! - `kernel`: the run itself (bpf/irqsteal.bpf.c on per-CPU perf clock events);
+//! - `throttle`: perf throttling off for the run, restored whatever happens;
+//! - `report`: what each CPU stole against what it was asked.
+//!
+//! The plan is the truth a benchmark's oracle reads (`Plan::is_out`, `next_change`),
+//! relative to `IrqSteal::start_ns`.
+
+mod bpf_skel;
+pub mod kernel;
+pub mod plan;
+pub mod report;
+pub mod schedule;
+pub mod throttle;
+
+pub use kernel::{IrqSteal, SAMPLE_PERIOD_NS};
+pub use plan::{CpuPlan, Plan, Window, MAX_OUT_PERCENT, MAX_WINDOWS_PER_CPU, MAX_WINDOW_NS};
+pub use report::{CpuSteal, StealReport};
+pub use schedule::{Dist, Schedule};
+pub use throttle::{read_perf_cpu_time_max_percent, PERF_CPU_TIME_MAX_PERCENT};

@@ -1,0 +1,60 @@
+//! The schedule-aware oracle's choice of CPU for the I/O threads, given which CPUs a
+//! deschedule plan has out at a moment: the disk's completion CPU while it runs, else a
+//! running CPU. Pure: the plan is a closure, so the choice is tested without a kernel; it
+//! never moves anything itself.
+
+/// Where the oracle puts every I/O thread when `out(cpu)` says which of `cpus` are
+/// descheduled: `completion` when it runs, else the first running CPU, else (all out)
+/// `completion` or the first CPU, where the thread at least completes its own requests.
+pub fn oracle_cpu(cpus: &[usize], completion: Option<usize>, out: impl Fn(usize) -> bool) -> usize {
+    if let Some(c) = completion.filter(|&c| cpus.contains(&c) && !out(c)) {
+        return c;
+    }
+    cpus.iter()
+        .copied()
+        .find(|&c| !out(c))
+        .or(completion)
+        .or_else(|| cpus.first().copied())
+        .unwrap_or(0)
+}
+
+/// The earliest of the per-CPU next changes, as `next(cpu)` gives them.
+pub fn next_change(cpus: &[usize], next: impl Fn(usize) -> Option<u64>) -> Option<u64> {
+    cpus.iter().filter_map(|&c| next(c)).min()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_cpu_while_it_runs() {
+        assert_eq!(oracle_cpu(&[0, 1], Some(1), |_| false), 1);
+        assert_eq!(oracle_cpu(&[0, 1], Some(1), |c| c == 0), 1);
+    }
+
+    #[test]
+    fn a_running_cpu_when_the_completion_cpu_is_out() {
+        assert_eq!(oracle_cpu(&[0, 1], Some(1), |c| c == 1), 0);
+        assert_eq!(oracle_cpu(&[0, 1, 2], Some(0), |c| c < 2), 2);
+    }
+
+    #[test]
+    fn all_out_keeps_the_completion_cpu() {
+        assert_eq!(oracle_cpu(&[0, 1], Some(1), |_| true), 1);
+        assert_eq!(oracle_cpu(&[0, 1], None, |_| true), 0);
+        assert_eq!(oracle_cpu(&[0, 1], None, |c| c == 0), 1);
+    }
+
+    #[test]
+    fn a_completion_cpu_outside_the_plan_is_ignored_while_others_run() {
+        assert_eq!(oracle_cpu(&[0, 1], Some(5), |c| c == 0), 1);
+    }
+
+    #[test]
+    fn next_change_is_the_earliest() {
+        assert_eq!(next_change(&[0, 1], |c| [Some(20), Some(10)][c]), Some(10));
+        assert_eq!(next_change(&[0, 1], |c| [None, Some(7)][c]), Some(7));
+        assert_eq!(next_change(&[0, 1], |_| None), None);
+    }
+}

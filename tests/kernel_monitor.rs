@@ -223,3 +223,77 @@ fn a_steal_emulator_inside_the_kernel_is_invisible_to_kernel_timers() {
         emulated as f64 / 1e6
     );
 }
+
+/// Hypervisor-like deschedules (irq-steal: nothing runs on the CPU during a window, not
+/// even its timer interrupt) are what the kernel source exists to see: each 10 ms window
+/// of an anti-phase 20 ms schedule shows as a gap, and the time out as seen matches what
+/// the program stole, on both CPUs.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
+    assert_root();
+    vmigrater_testbed::assert_cpus(2);
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cpus = vec![0usize, 1];
+    let hook = Arc::new(Counter::default());
+    let (board, mon) = start(&cpus, hook.clone());
+    board.set_demand(Demand::Active);
+    let hogs: Vec<_> = cpus
+        .iter()
+        .map(|&c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let before: Vec<(u64, u64)> = board
+        .snapshot(monotonic_ns())
+        .iter()
+        .map(|s| (s.inactive_total_ns, s.deschedules))
+        .collect();
+    let steal0 = steal_ns(&cpus);
+    let plan = "anti:20000:10000"
+        .parse::<irq_steal::Schedule>()
+        .expect("schedule")
+        .plan(&cpus, Duration::from_secs(3))
+        .expect("plan");
+    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
+    std::thread::sleep(Duration::from_millis(3_100));
+    let report = steal.stop().expect("stop irq-steal");
+    let host = steal_ns(&cpus);
+    std::thread::sleep(Duration::from_millis(150));
+    let snap = board.snapshot(monotonic_ns());
+    for h in hogs {
+        h.stop().expect("hog");
+    }
+    mon.stop();
+    for (i, s) in snap.iter().enumerate() {
+        let c = report.cpus.iter().find(|c| c.cpu == s.cpu).expect("cpu");
+        let seen = s.inactive_total_ns - before[i].0;
+        let gaps = s.deschedules - before[i].1;
+        let host_stole = host[i] - steal0[i];
+        eprintln!(
+            "cpu {}: stolen {:.1} ms in {} windows, seen {:.1} ms in {gaps} gaps (host steal {:.0} ms)",
+            s.cpu,
+            c.stolen_ns as f64 / 1e6,
+            c.windows_hit,
+            seen as f64 / 1e6,
+            host_stole as f64 / 1e6
+        );
+        // Every window seen as one gap (the host's own steal may add a few).
+        assert!(
+            gaps + 5 >= c.windows_hit && gaps <= c.windows_hit + 20,
+            "cpu {}: {gaps} gaps for {} windows",
+            s.cpu,
+            c.windows_hit
+        );
+        // The time out as seen: the stolen time, give or take the monitor's resolution
+        // per gap and what the real host stole meanwhile.
+        let lo = c.stolen_ns * 8 / 10;
+        let hi = c.stolen_ns + host_stole + c.windows_hit * MS;
+        assert!(
+            seen >= lo && seen <= hi,
+            "cpu {}: seen {:.1} ms out, stolen {:.1} ms",
+            s.cpu,
+            seen as f64 / 1e6,
+            c.stolen_ns as f64 / 1e6
+        );
+    }
+}

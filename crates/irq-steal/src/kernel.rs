@@ -9,6 +9,7 @@
 //! stops stealing when the heartbeat goes stale.
 
 use crate::bpf_skel::IrqstealSkelBuilder;
+use crate::no_idle::NoIdle;
 use crate::plan::{Plan, MAX_WINDOWS_PER_CPU};
 use crate::report::{CpuSteal, StealReport};
 use crate::throttle::ThrottleOff;
@@ -86,6 +87,7 @@ fn open_cpu_clock(cpu: usize) -> Result<i32> {
 pub struct IrqSteal {
     start_ns: u64,
     stop: Arc<AtomicBool>,
+    no_idle: Option<NoIdle>,
     controller: Option<JoinHandle<Result<StealReport>>>,
 }
 
@@ -106,6 +108,8 @@ impl IrqSteal {
                 );
             }
         }
+        let cpus: Vec<usize> = plan.cpus.iter().map(|c| c.cpu).collect();
+        let no_idle = NoIdle::start(&cpus)?;
         let stop = Arc::new(AtomicBool::new(false));
         let (tx, rx) = sync_channel(1);
         let controller = {
@@ -119,10 +123,12 @@ impl IrqSteal {
             Ok(Ok(start_ns)) => Ok(IrqSteal {
                 start_ns,
                 stop,
+                no_idle: Some(no_idle),
                 controller: Some(controller),
             }),
             Ok(Err(e)) => {
                 let _ = controller.join();
+                drop(no_idle);
                 Err(e)
             }
             Err(_) => Err(match controller.join() {
@@ -147,8 +153,12 @@ impl IrqSteal {
         let Some(c) = self.controller.take() else {
             bail!("already stopped");
         };
-        c.join()
-            .map_err(|_| anyhow!("the irq-steal controller thread panicked"))?
+        let report = c
+            .join()
+            .map_err(|_| anyhow!("the irq-steal controller thread panicked"))?;
+        // The spinners end with the run.
+        self.no_idle = None;
+        report
     }
 }
 

@@ -13,6 +13,7 @@
 
 mod bpf_skel;
 pub mod kernel;
+mod no_idle;
 pub mod plan;
 pub mod report;
 pub mod schedule;

@@ -297,7 +297,6 @@ impl Agent {
             share: self.cfg.share,
             max_nice_delta: self.cfg.max_nice_delta,
             io_boost_nice: self.cfg.io_boost_nice,
-            io_slice_ns: self.cfg.io_slice_us * 1_000,
         };
         let settings = weights::plan(&self.params, &rules, &figures);
         let applied = self.apply(&settings);
@@ -445,7 +444,6 @@ impl Agent {
             st.cv_credit = s.cv_credit;
             st.boost = s.boost;
             st.nice = s.nice;
-            st.slice_us = s.slice_ns.map(|n| n / 1_000);
             st.weight = weight;
             st.held = s.held;
             applied.entry(s.key.0).or_default().push(VcpuWeight {

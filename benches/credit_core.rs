@@ -78,13 +78,12 @@ fn agent_period(c: &mut Criterion) {
     let mut figures = figures;
     figures.sort_by_key(|f| f.key);
     let params = CreditParams::default();
-    // The agent's defaults: the vm-funded share rule, slices left alone.
+    // The agent's defaults: the vm-funded share rule.
     let cfg = hv_agent::config::Config::default();
     let rules = Rules {
         share: cfg.share,
         max_nice_delta: cfg.max_nice_delta,
         io_boost_nice: cfg.io_boost_nice,
-        io_slice_ns: cfg.io_slice_us * 1_000,
     };
     c.bench_function("agent_period_1000vm_x16vcpu", |b| {
         b.iter(|| {

@@ -4,8 +4,8 @@
  * Owns: the per-thread counters (requests, bytes, time with >= 1 request in flight), the
  * per-CPU completion counters with the ISACS Eq. 1 interval EMA, and the table of
  * requests in flight that maps a request back to the thread that submitted it.
- * Must never: wake user space per I/O (no ring buffer, no perf events: aggregation in
- * maps costs ~1 us per request, a ring-buffer record with wake-up ~10-15 us), count
+ * Must never: wake user space per I/O (no ring buffer, no perf events: aggregating in
+ * maps costs a request an order of magnitude less than a record with its wake-up), count
  * kernel threads as submitters, or let a lost completion keep a thread "in flight".
  *
  * Request life and the hooks that see it:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A Debian 12 guest with systemd as init for the package install test (issue 5,
-# `make lab-install-test`): debootstrap --variant=minbase into an ext4 image, cached as
+# A Debian 12 guest with systemd as init for the package install test
+# (`make lab-install-test`): debootstrap --variant=minbase into an ext4 image, cached as
 # target/lab/debian/rootfs.img (rebuilt only when this script changes). The lab's kernel
 # boots it through the lab initramfs (crates/lab/guest/init, `lab.root=/dev/vda`), which
 # loads the virtio modules and switches to it. Inside, a unit serves the lab's command port,

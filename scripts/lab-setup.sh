@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The nested-VM lab's host tools and guest kernel (issue 4), installed when missing; safe to
+# The nested-VM lab's host tools and guest kernel, installed when missing; safe to
 # run again. QEMU (TCG: no KVM needed), static busybox for the initramfs, and Debian's
 # current 6.1 kernel package unpacked under target/lab/kernel (never installed on the host;
 # only the kernel image and the modules the guests load are kept).

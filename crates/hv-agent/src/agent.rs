@@ -134,8 +134,8 @@ fn vcpu_count(threads: usize, hello: u32, before: usize) -> usize {
 
 /// Whether a vCPU carries its VM's I/O now: where the guest reports, it says which vCPUs
 /// hold I/O-bound tasks (its classifier has hysteresis of its own); where the host only sees
-/// the thread, I/O wake-ups in 3 of the last 4 periods (a hog vCPU's stray wake-ups come in
-/// ones and twos: 2–5 of 15 periods in the lab against 14–15 of 15 for the reader's vCPU).
+/// the thread, I/O wake-ups in 3 of the last 4 periods (a computing vCPU's stray wake-ups
+/// come in ones and twos, a reader's vCPU wakes in nearly every period).
 fn carries_io(guest_io_tasks: Option<u32>, io_history: u8) -> bool {
     match guest_io_tasks {
         Some(n) => n > 0,
@@ -144,12 +144,12 @@ fn carries_io(guest_io_tasks: Option<u32>, io_history: u8) -> bool {
 }
 
 /// When every vCPU of a VM carries I/O, `vm-funded` has nobody to pay for a favour and
-/// does nothing. In the lab that was the usual case with the guest reporting: its 4 KiB
-/// reader on one vCPU and its sequential reader on the other are both I/O-bound, so the
-/// agent favoured nobody (`both` at 0.92-0.98x vanilla in four of six main runs, while the
-/// agent alone, judging by kicks, favoured one vCPU and gained). There a vCPU that
-/// completes at least twice the I/O events of the VM's quietest one carries the VM's I/O
-/// and the others do not (they may pay). I/O spread evenly, or claimed everywhere alike,
+/// does nothing. With the guest reporting that is the usual case: a VM with a random reader
+/// on one vCPU and a sequential reader on another has both vCPUs I/O-bound, so the agent
+/// favoured nobody and the VM gained nothing, where the agent alone, judging by kicks,
+/// favoured one vCPU and the VM gained. So a vCPU that completes at least twice the I/O
+/// events of the VM's quietest one carries the VM's I/O and the others do not (they may
+/// pay). I/O spread evenly, or claimed everywhere alike,
 /// still favours nobody. Returns whether `carries` changed.
 fn favour_dominant(carries: &mut [bool], events: &[u64]) -> bool {
     if carries.len() < 2 || !carries.iter().all(|&c| c) {
@@ -297,7 +297,6 @@ impl Agent {
             share: self.cfg.share,
             max_nice_delta: self.cfg.max_nice_delta,
             io_boost_nice: self.cfg.io_boost_nice,
-            io_slice_ns: self.cfg.io_slice_us * 1_000,
         };
         let settings = weights::plan(&self.params, &rules, &figures);
         let applied = self.apply(&settings);
@@ -359,8 +358,8 @@ impl Agent {
                 let seen = self.cfg.observe_schedstat && !first && track.tid.is_some();
                 // Kicks that single out vCPUs outrank the guest's report: they are this
                 // period's requests as the device saw them, while the guest's figures come
-                // from sampled tracking (in the lab's main scenario `both` favoured nobody,
-                // or a vCPU its reader had left, on them), and a guest cannot claim them.
+                // from sampled tracking (on them the agent favoured nobody, or a vCPU the
+                // reader had already left), and a guest cannot claim them.
                 // Where kicks single out no vCPU, the guest's report decides, then wake-ups.
                 let report = reports.get(&(cpu as u32)).filter(|_| !(by_kicks && seen));
                 let (source, events, ema_ns) = match report {
@@ -445,7 +444,6 @@ impl Agent {
             st.cv_credit = s.cv_credit;
             st.boost = s.boost;
             st.nice = s.nice;
-            st.slice_us = s.slice_ns.map(|n| n / 1_000);
             st.weight = weight;
             st.held = s.held;
             applied.entry(s.key.0).or_default().push(VcpuWeight {

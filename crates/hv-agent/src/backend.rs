@@ -1,7 +1,7 @@
 //! Backends apply the credit core's settings to a real hypervisor and undo them on exit.
-//! - `KvmQemu`: per vCPU thread, the share either as nice (with the EEVDF slice, in one
-//!   `sched_setattr`) or as the thread's cgroup weight (`cgroup`), and Algorithm 2 moves
-//!   as single-CPU affinity. Everything is saved at first touch and put back by
+//! - `KvmQemu`: per vCPU thread, the share either as nice (`sched_setattr` with the rest of
+//!   the thread's attributes as read, so a slice or policy somebody set stays) or as the
+//!   thread's cgroup weight (`cgroup`), and Algorithm 2 moves as single-CPU affinity. Everything is saved at first touch and put back by
 //!   `restore`. Threads that are not SCHED_OTHER (someone made them real-time) are left
 //!   alone.
 //! - `Xen`: one credit2 weight per domain (`xl sched-credit2 -d DOM -w W`), 256 being the
@@ -71,34 +71,13 @@ pub fn for_name(
 
 use os_layer::sched::{get_attr, set_attr};
 
-/// A thread's (nice, slice) as we asked for it and as the kernel then reported it. They
-/// differ: a kernel clamps the slice, and one before 6.12 ignores a fair thread's slice and
-/// reports 0, so only the readback says later whether the thread still carries our change.
-#[derive(Clone, Copy, Debug, PartialEq)]
-struct Applied {
-    asked: (i32, u64),
-    got: (i32, u64),
-}
-
-impl Applied {
-    /// Whether a thread that now carries `now` needs `sched_setattr` to carry `asked`:
-    /// not when it has it, nor when it has what the kernel made of the same request.
-    fn needs_set(last: Option<&Applied>, asked: (i32, u64), now: (i32, u64)) -> bool {
-        now != asked && last.is_none_or(|a| (a.asked, a.got) != (asked, now))
-    }
-
-    /// Whether a thread that now carries `now` still carries this change.
-    fn still_ours(&self, now: (i32, u64)) -> bool {
-        self.got == now
-    }
-}
-
 pub struct KvmQemu {
     share: Share,
-    originals: HashMap<u32, libc::sched_attr>,
-    /// Our last change of each thread's (nice, slice): at exit, a thread that carries
-    /// anything else was changed by somebody after us and is left as they set it.
-    last_set: HashMap<u32, Applied>,
+    /// Each thread's nice when the agent first touched it.
+    originals: HashMap<u32, i32>,
+    /// The nice the agent last set on each thread: at exit, a thread that carries any other
+    /// was reniced by somebody after us and is left as they set it.
+    last_set: HashMap<u32, i32>,
     masks: HashMap<u32, nix::sched::CpuSet>,
     /// The host CPU each placed thread was pinned to, for the same check.
     placed: HashMap<u32, usize>,
@@ -131,24 +110,23 @@ impl KvmQemu {
 }
 
 impl KvmQemu {
-    /// Gives `tid` its original nice and slice back unless somebody else changed them
-    /// after our last change (then theirs stay). Ok(false): nothing was put back.
-    fn put_back_attr(&mut self, tid: u32, original: &libc::sched_attr) -> std::io::Result<bool> {
-        let Some(applied) = self.last_set.remove(&tid) else {
+    /// Gives `tid` its original nice back unless somebody else changed it after our last
+    /// change (then theirs stays). Ok(false): nothing was put back.
+    fn put_back_nice(&mut self, tid: u32, original: i32) -> std::io::Result<bool> {
+        let Some(ours) = self.last_set.remove(&tid) else {
             return Ok(false); // never changed
         };
+        // The whole attribute set is written back as read, so only the nice changes.
         let mut now = get_attr(tid)?;
-        if !applied.still_ours((now.sched_nice, now.sched_runtime)) {
+        if now.sched_nice != ours {
             info!(
                 tid,
                 nice = now.sched_nice,
-                slice_ns = now.sched_runtime,
                 "changed by somebody else after us: left as is"
             );
             return Ok(false);
         }
-        now.sched_nice = original.sched_nice;
-        now.sched_runtime = original.sched_runtime;
+        now.sched_nice = original;
         set_attr(tid, &now)?;
         Ok(true)
     }
@@ -207,42 +185,36 @@ impl Backend for KvmQemu {
             return Ok(false);
         }
         if !self.originals.contains_key(&tid) {
-            self.journal(tid, "ISACS credits weight the vCPU (nice, slice)", |e| {
+            self.journal(tid, "ISACS credits weight the vCPU (nice)", |e| {
                 e.nice = Some(current.sched_nice);
-                e.runtime_ns = Some(current.sched_runtime);
             })?;
-            self.originals.insert(tid, current);
+            self.originals.insert(tid, current.sched_nice);
         }
         let original = self.originals[&tid];
-        let mut want = current;
-        let mut changed = false;
-        match &mut self.share {
-            Share::Nice => want.sched_nice = (original.sched_nice + s.nice).clamp(-20, 19),
+        let nice = match &mut self.share {
+            Share::Nice => (original + s.nice).clamp(-20, 19),
             Share::Cgroup(cg) => {
                 let journal = &mut self.journal;
-                changed = cg.set(tid, s.nice, |t| match journal {
+                return cg.set(tid, s.nice, |t| match journal {
                     Some(j) => j.record(tid, "ISACS credits weight the vCPU (cpu.weight)", |e| {
                         e.cgroup = Some(t.clone())
                     }),
                     None => Ok(()),
-                })?
+                });
             }
+        };
+        if current.sched_nice == nice {
+            return Ok(false);
         }
-        want.sched_runtime = s.slice_ns.unwrap_or(original.sched_runtime);
-        let asked = (want.sched_nice, want.sched_runtime);
-        let now = (current.sched_nice, current.sched_runtime);
-        if !Applied::needs_set(self.last_set.get(&tid), asked, now) {
-            return Ok(changed);
-        }
+        let mut want = current;
+        want.sched_nice = nice;
         set_attr(tid, &want).with_context(|| format!("sched_setattr({tid})"))?;
-        let got = get_attr(tid).map_or(asked, |a| (a.sched_nice, a.sched_runtime));
-        self.last_set.insert(tid, Applied { asked, got });
+        self.last_set.insert(tid, nice);
         debug!(
             vm,
             vcpu = s.key.1,
             tid,
-            nice = want.sched_nice,
-            slice_ns = want.sched_runtime,
+            nice,
             iv = s.iv_credit,
             cv = s.cv_credit,
             boost = s.boost,
@@ -273,8 +245,8 @@ impl Backend for KvmQemu {
     }
 
     fn forget(&mut self, tid: u32) {
-        if let Some(attr) = self.originals.remove(&tid) {
-            let _ = self.put_back_attr(tid, &attr);
+        if let Some(nice) = self.originals.remove(&tid) {
+            let _ = self.put_back_nice(tid, nice);
         }
         if let Some(mask) = self.masks.remove(&tid) {
             let _ = self.put_back_mask(tid, &mask);
@@ -290,11 +262,11 @@ impl Backend for KvmQemu {
     fn restore(&mut self) -> usize {
         let mut n = 0;
         let originals: Vec<_> = self.originals.drain().collect();
-        for (tid, attr) in originals {
-            match self.put_back_attr(tid, &attr) {
+        for (tid, nice) in originals {
+            match self.put_back_nice(tid, nice) {
                 Ok(restored) => n += usize::from(restored),
                 Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
-                Err(e) => warn!(tid, "could not restore scheduling attributes: {e}"),
+                Err(e) => warn!(tid, "could not restore the nice: {e}"),
             }
         }
         let masks: Vec<_> = self.masks.drain().collect();
@@ -430,7 +402,15 @@ impl Backend for DryRun {
         tid: Option<u32>,
         s: &Setting,
     ) -> Result<bool> {
-        debug!(vm, vcpu = s.key.1, ?tid, nice = s.nice, slice_ns = ?s.slice_ns, iv = s.iv_credit, cv = s.cv_credit, "dry-run: would apply");
+        debug!(
+            vm,
+            vcpu = s.key.1,
+            ?tid,
+            nice = s.nice,
+            iv = s.iv_credit,
+            cv = s.cv_credit,
+            "dry-run: would apply"
+        );
         Ok(false)
     }
 
@@ -457,40 +437,11 @@ mod tests {
         Setting {
             key: (0, cpu),
             nice,
-            slice_ns: None,
             iv_credit: 0.0,
             cv_credit: 0.0,
             boost: false,
             held: false,
         }
-    }
-
-    #[test]
-    fn a_change_is_ours_by_what_the_kernel_reported_after_it() {
-        // Linux 6.12+: the slice reads back as set.
-        let exact = Applied {
-            asked: (3, 500_000),
-            got: (3, 500_000),
-        };
-        assert!(exact.still_ours((3, 500_000)));
-        assert!(!exact.still_ours((0, 500_000)), "somebody renice'd it");
-        assert!(!Applied::needs_set(
-            Some(&exact),
-            (3, 500_000),
-            (3, 500_000)
-        ));
-        assert!(Applied::needs_set(Some(&exact), (3, 500_000), (0, 500_000)));
-        // Before 6.12 a fair thread's slice is ignored and reads back as 0: the thread still
-        // carries our nice (restored at exit), and the same request is not made every period.
-        let old_kernel = Applied {
-            asked: (3, 500_000),
-            got: (3, 0),
-        };
-        assert!(old_kernel.still_ours((3, 0)));
-        assert!(!Applied::needs_set(Some(&old_kernel), (3, 500_000), (3, 0)));
-        assert!(Applied::needs_set(Some(&old_kernel), (5, 500_000), (3, 0)));
-        assert!(Applied::needs_set(None, (3, 500_000), (3, 0)));
-        assert!(!Applied::needs_set(None, (0, 0), (0, 0)));
     }
 
     #[test]

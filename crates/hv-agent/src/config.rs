@@ -27,12 +27,6 @@ pub struct Config {
     /// Weight steps (nice) a vCPU carrying I/O gets under `vm-funded` (never more than
     /// `max_nice_delta`).
     pub io_boost_nice: i32,
-    /// EEVDF slice for I/O-intensive vCPU threads (0, the default, = never change slices).
-    /// Off by default because it hurt where it was meant to help: in the nested-VM lab's
-    /// main scenario a 500 µs slice on the I/O vCPU gave 0.78× vanilla's 4 KiB IOPS alone
-    /// and took the share rule's gain away with it (0.80× with it, 1.24× without; 4
-    /// interleaved runs each, `benches/results/lab-issue12-slice-ablation.json`).
-    pub io_slice_us: u64,
     /// How a vCPU thread's share is changed: `nice` (setpriority-equivalent) or `cgroup`
     /// (`cpu.shares` on v1, `cpu.weight` on v2).
     pub weight: WeightKind,
@@ -57,7 +51,7 @@ pub struct Config {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum BackendKind {
-    /// QEMU vCPU threads on the host kernel (nice or cgroup weight, EEVDF slice, affinity).
+    /// QEMU vCPU threads on the host kernel (nice or cgroup weight, affinity).
     KvmQemu,
     /// Xen credit2 weights through `xl`.
     Xen,
@@ -156,7 +150,6 @@ impl Default for Config {
             max_nice_delta: 3,
             share: ShareRule::VmFunded,
             io_boost_nice: 2,
-            io_slice_us: 0,
             weight: WeightKind::Nice,
             balance_io: true,
             observe_schedstat: true,
@@ -211,12 +204,6 @@ impl Config {
         )?;
         in_range("max_nice_delta", self.max_nice_delta, 0, 19)?;
         in_range("io_boost_nice", self.io_boost_nice, 0, 19)?;
-        // The kernel takes EEVDF slices of 0.1..100 ms; 0 leaves slices alone.
-        if self.io_slice_us != 0 {
-            in_range("io_slice_us", self.io_slice_us, 100, 100_000).map_err(|e| {
-                Invalid::new(&e.key, format!("{}, or 0 to leave slices alone", e.message))
-            })?;
-        }
         let mut names = std::collections::HashSet::new();
         for vm in &self.vms {
             if !names.insert(&vm.name) {
@@ -289,12 +276,6 @@ mod tests {
             ),
             ("max_nice_delta", "0", "19", &["-1", "20"]),
             ("io_boost_nice", "0", "19", &["-1", "20"]),
-            (
-                "io_slice_us",
-                "100",
-                "100000",
-                &["99", "100001", "9223372036854775807"],
-            ),
         ];
         for (key, lo, hi, refused) in cases {
             let text = |v: &str| format!("# c\n{key} = {v}\n");
@@ -312,10 +293,26 @@ mod tests {
                 assert!(e.contains(key), "{e}");
             }
         }
-        assert!(
-            Config::parse("io_slice_us = 0\n", "a").is_ok(),
-            "0 leaves slices alone"
-        );
+    }
+
+    /// The agent sets no EEVDF slices: a configuration that asks for one (`io_slice_us`) is
+    /// refused like any unknown key, naming the line, rather than run without it unnoticed.
+    #[test]
+    fn the_removed_slice_key_is_refused_naming_the_line() {
+        for value in ["0", "500"] {
+            let e = format!(
+                "{:#}",
+                Config::parse(
+                    &format!("period_ms = 100\nio_slice_us = {value}\n"),
+                    "a.toml"
+                )
+                .unwrap_err()
+            );
+            assert!(
+                e.starts_with("a.toml:2: unknown field `io_slice_us`"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

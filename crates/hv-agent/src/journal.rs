@@ -1,5 +1,5 @@
 //! Crash safety for the `kvm-qemu` backend: the undo of every change to a vCPU thread
-//! (original nice and slice, affinity, cgroup weight) is written to
+//! (original nice, affinity, cgroup weight) is written to
 //! `<state_dir>/journal.json` before the change is made, in the change ledger both programs
 //! share (crates/ledger: fsync'd atomic writes, an unreadable file kept aside as
 //! `.corrupt`). A clean exit restores everything and removes the file; after SIGKILL, an
@@ -8,8 +8,8 @@
 //! touched, and a mask is put back only while it is still one this agent sets (a single
 //! host CPU): a mask somebody else set since is theirs.
 //!
-//! What is not checked after a crash: nice and slice are written every period, too often
-//! to journal each value, so recovery cannot tell ours from a later one of somebody else's
+//! What is not checked after a crash: nice is written every period, too often to journal
+//! each value, so recovery cannot tell ours from a later one of somebody else's
 //! and restores the original whenever the thread is the same. A clean exit does check
 //! (the backend remembers what it last set).
 
@@ -28,6 +28,9 @@ pub struct Entry {
     /// `/proc/<tid>/stat` field 22, in clock ticks since boot.
     pub start_time: u64,
     pub nice: Option<i32>,
+    /// The original EEVDF slice, in entries of agents that could set one: still put back
+    /// after such an agent died, never written now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub runtime_ns: Option<u64>,
     pub mask: Option<Vec<usize>>,
     pub cgroup: Option<Touched>,
@@ -89,7 +92,6 @@ impl Journal {
         let mut fresh = fresh_entry();
         add(&mut fresh);
         e.nice = e.nice.or(fresh.nice);
-        e.runtime_ns = e.runtime_ns.or(fresh.runtime_ns);
         e.mask = e.mask.take().or(fresh.mask);
         e.cgroup = e.cgroup.take().or(fresh.cgroup);
         if before.as_ref() == Some(&e) {
@@ -160,7 +162,7 @@ fn restore_thread(tid: u32, e: &Entry) {
                     a.sched_runtime = r;
                 }
                 if let Err(err) = os_layer::sched::set_attr(tid, &a) {
-                    warn!(tid, "journal: could not restore nice/slice: {err}");
+                    warn!(tid, "journal: could not restore the nice or slice: {err}");
                 }
             }
             Err(err) => warn!(tid, "journal: sched_getattr: {err}"),
@@ -256,5 +258,37 @@ mod tests {
         assert!(format!("{e:#}").contains("change journal"), "{e:#}");
         assert!(format!("{e:#}").contains("corrupt"), "{e:#}");
         assert!(path.with_extension("json.corrupt").exists());
+    }
+
+    /// An agent that could set EEVDF slices journaled the original; after its crash the
+    /// next agent must still put that slice back.
+    #[test]
+    fn recovery_puts_back_a_slice_an_older_agent_journaled() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.json");
+        let tid = nix::unistd::gettid().as_raw() as u32;
+        let mut attr = os_layer::sched::get_attr(tid).unwrap();
+        let original = attr.sched_runtime;
+        attr.sched_runtime = 7_000_000;
+        os_layer::sched::set_attr(tid, &attr).unwrap();
+        assert_eq!(
+            os_layer::sched::get_attr(tid).unwrap().sched_runtime,
+            7_000_000,
+            "this kernel keeps no custom slice (Linux 6.12+ does)"
+        );
+        let mut ledger = Ledger::fresh(&path, &FORMAT);
+        ledger
+            .insert(Entry {
+                tid,
+                start_time: start_time(tid).unwrap(),
+                runtime_ns: Some(original),
+                ..Entry::default()
+            })
+            .unwrap();
+        assert_eq!(recover(&path).unwrap(), 1);
+        assert_eq!(
+            os_layer::sched::get_attr(tid).unwrap().sched_runtime,
+            original
+        );
     }
 }

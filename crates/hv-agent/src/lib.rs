@@ -5,11 +5,11 @@
 //! (`agent`), published as a snapshot (`status`, `metrics`). VMs and their vCPU threads
 //! come from the config, libvirt and QEMU's thread names (`discovery`), or QMP (`qmp`).
 //!
-//! ISACS mapped onto Linux: IVCredit buys *latency*, never share — an I/O-intensive vCPU
-//! thread gets a short EEVDF slice (`sched_setattr` runtime, 6.12+), so it runs soon after
-//! it wakes; its CFS weight stays put, like concealed credit. CVCredit buys share: a
-//! CPU-BOOST vCPU's weight rises, the run queue's total weight stays constant. So a guest
-//! that lies about its I/O gains no CPU at all.
+//! ISACS mapped onto Linux: IVCredit buys no share — an I/O-intensive vCPU thread's CFS
+//! weight stays put, like concealed credit. CVCredit buys share: a CPU-BOOST vCPU's weight
+//! rises, the run queue's total weight stays constant (`isacs`); or a VM's I/O vCPUs gain
+//! weight its other vCPUs give up (`vm-funded`, the default). So a guest that lies about
+//! its I/O gains no CPU at all.
 
 pub mod agent;
 pub mod backend;

@@ -80,10 +80,10 @@ fn real_main(cli: Cli) -> Result<()> {
             let uname = nix::sys::utsname::uname()?;
             println!("kernel:   {}", uname.release().to_string_lossy());
             println!(
-                "slice:    {}",
+                "nice:     {}",
                 match os_layer::sched::get_attr(0) {
-                    Ok(_) => "sched_setattr available (custom EEVDF slices need Linux 6.12+)",
-                    Err(_) => "sched_getattr failed",
+                    Ok(_) => "sched_getattr works (vCPU threads are weighted by nice)",
+                    Err(_) => "sched_getattr failed (weight = \"nice\" unusable)",
                 }
             );
             match cfg {

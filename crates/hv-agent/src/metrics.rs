@@ -61,7 +61,6 @@ pub fn encode(s: &AgentStatus) -> String {
     let nice = Family::<VcpuLabel, Gauge>::default();
     let boost = Family::<VcpuLabel, Gauge>::default();
     let held = Family::<VcpuLabel, Gauge>::default();
-    let slice = Family::<VcpuLabel, FloatGauge>::default();
     let events = Family::<VcpuLabel, Gauge>::default();
     let run = Family::<VcpuLabel, FloatGauge>::default();
     let wait = Family::<VcpuLabel, FloatGauge>::default();
@@ -92,9 +91,6 @@ pub fn encode(s: &AgentStatus) -> String {
             nice.get_or_create(&l).set(v.nice as i64);
             boost.get_or_create(&l).set(v.boost as i64);
             held.get_or_create(&l).set(v.held as i64);
-            slice
-                .get_or_create(&l)
-                .set(v.slice_us.map_or(0.0, |u| u as f64 / 1e6));
             events.get_or_create(&l).set(v.events as i64);
             run.get_or_create(&l).set(v.run_ns_total as f64 / 1e9);
             wait.get_or_create(&l).set(v.wait_ns_total as f64 / 1e9);
@@ -145,12 +141,6 @@ pub fn encode(s: &AgentStatus) -> String {
         "vcpu_held",
         "1 while the vCPU is favoured for its VM's I/O (vm-funded share rule)",
         held,
-    );
-    reg.register_with_unit(
-        "vcpu_slice",
-        "Custom EEVDF slice of the vCPU thread (0 = kernel default)",
-        Unit::Seconds,
-        slice,
     );
     reg.register(
         "vcpu_io_events",
@@ -203,7 +193,6 @@ mod tests {
                     source: Source::Guest,
                     iv_credit: 2e6,
                     nice: -2,
-                    slice_us: Some(500),
                     ..Default::default()
                 }],
                 ..Default::default()
@@ -218,7 +207,6 @@ mod tests {
             "vmigrater_hv_guest_connected{vm=\"db\"} 1",
             "vmigrater_hv_vcpu_iv_credit_seconds{vm=\"db\",vcpu=\"0\"} 0.002",
             "vmigrater_hv_vcpu_nice{vm=\"db\",vcpu=\"0\"} -2",
-            "vmigrater_hv_vcpu_slice_seconds{vm=\"db\",vcpu=\"0\"} 0.0005",
             "vmigrater_hv_vcpu_source{vm=\"db\",vcpu=\"0\",source=\"guest\"} 1",
             "# EOF",
         ] {

@@ -6,12 +6,11 @@
 //!
 //! Kicks: where the VMM handles a guest's virtqueue notification in the vCPU thread's user
 //! space (QEMU under TCG, or KVM without ioeventfd), each I/O request the guest submits
-//! from that vCPU is one `write` to an eventfd by that thread. Measured in the lab (one
-//! O_DIRECT 4 KiB reader pinned to a vCPU, CPU hogs on both): ~3,000 writes/s from the
-//! reader's vCPU thread at ~3,000 reads/s, ~250/s from the other (QEMU's own kicks of its
-//! main loop). That names the vCPU that submits the VM's I/O; wake-ups do not when every
-//! vCPU also computes (it never halts), and in the main scenario the agent then favoured
-//! the sequential reader's vCPU over the 4 KiB reader's in some runs. With in-kernel
+//! from that vCPU is one `write` to an eventfd by that thread, on top of a steady floor of
+//! QEMU's own writes (kicks of its main loop) that every vCPU thread shares. That names the
+//! vCPU that submits the VM's I/O; wake-ups do not when every vCPU also computes (it never
+//! halts), and then they can favour the wrong vCPU (a sequential reader's over a random
+//! reader's). With in-kernel
 //! ioeventfd (KVM's usual path) the vCPU thread makes no such call, kicks stay flat, and
 //! wake-ups are used as before.
 
@@ -81,7 +80,8 @@ fn syscw(io: &str) -> Option<u64> {
 }
 
 /// Kicks per second a vCPU must submit above its VM's quietest vCPU to count as carrying
-/// I/O: the lab's vCPU threads differ by ±50/s around their ~250/s of QEMU's own writes.
+/// I/O: well above how much the VMM's own writes differ between the threads of one VM, so
+/// that floor's noise never names a vCPU.
 pub const KICK_MARGIN_PER_S: u64 = 100;
 
 /// This period's host-side I/O events of a VM's vCPUs, and whether they are kicks: each

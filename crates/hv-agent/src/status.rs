@@ -47,7 +47,6 @@ pub struct VcpuStatus {
     pub boost: bool,
     /// Nice offset the credit core asked for (weight = 1.25^−nice).
     pub nice: i32,
-    pub slice_us: Option<u64>,
     /// Relative CFS weight applied (1.0 = unchanged).
     pub weight: f64,
     /// Algorithm 2 moves of this vCPU so far.
@@ -111,7 +110,7 @@ pub fn render(s: &AgentStatus) -> String {
         );
         let _ = writeln!(
             out,
-            "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9} {:>8} {:>8} {:>9} {:>9} {:>5} {:>4} {:>8} {:>5} {:>4}",
+            "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9} {:>8} {:>8} {:>9} {:>9} {:>5} {:>4} {:>5} {:>4}",
             "vcpu",
             "tid",
             "cpu",
@@ -124,14 +123,13 @@ pub fn render(s: &AgentStatus) -> String {
             "cv",
             "boost",
             "nice",
-            "slice_us",
             "moves",
             "io"
         );
         for v in &vm.vcpus {
             let _ = writeln!(
                 out,
-                "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9.1} {:>8.1} {:>8.1} {:>9.0} {:>9.0} {:>5} {:>4} {:>8} {:>5} {:>4}",
+                "  {:>4} {:>8} {:>4} {:>9} {:>7} {:>9.1} {:>8.1} {:>8.1} {:>9.0} {:>9.0} {:>5} {:>4} {:>5} {:>4}",
                 v.vcpu,
                 v.tid.map_or("-".into(), |t| t.to_string()),
                 v.host_cpu.map_or("-".into(), |c| c.to_string()),
@@ -144,7 +142,6 @@ pub fn render(s: &AgentStatus) -> String {
                 v.cv_credit,
                 if v.boost { "yes" } else { "no" },
                 v.nice,
-                v.slice_us.map_or("-".into(), |t| t.to_string()),
                 v.moves,
                 // held: favoured for the VM's I/O; io: carries I/O but is not held.
                 match (v.held, v.carries_io) {
@@ -176,7 +173,6 @@ mod tests {
                     vcpu: 1,
                     tid: Some(4242),
                     source: Source::Guest,
-                    slice_us: Some(500),
                     carries_io: true,
                     held: true,
                     ..Default::default()

@@ -1,31 +1,27 @@
 //! From ISACS credits to Linux scheduling settings for vCPU threads (pure).
 //!
-//! Per host run queue (the CPU a vCPU thread is pinned to; unpinned threads share one):
-//! - IVCredit → latency only, where `io_slice_us` is set (off by default): a short EEVDF
-//!   slice for the vCPU thread, which lets it preempt sooner after a wake-up and, from
-//!   Linux 6.17, bounds how long a neighbour with a longer slice runs before it — the
-//!   Linux counterpart of ISACS's concealed credit. EEVDF charges every preemption won to
-//!   the thread's own lag, so a slice buys no lasting share. Measured in the nested-VM
-//!   lab, it did not buy latency either: a vCPU that mixes I/O with computation never
-//!   blocks on the host, so there is no wake-up to win, and its 500 µs slices cost 4 KiB
-//!   IOPS (0.78× vanilla alone; the vm-funded rule 1.24× without it, 0.80× with it).
-//! - Share, by [`ShareRule`]:
-//!   - `isacs` (the paper): CVCredit → weight ∝ default + CVCredit, as a nice offset
-//!     `round(−log₁.₂₅(w / geometric mean))` clamped to ±max_nice_delta; Σ nice = 0 per
-//!     run queue. It compensates the CPU-BOOST group for the time I/O vCPUs took first.
-//!   - `vm-funded` (default): the vCPUs that carry a VM's I/O get `io_boost_nice` steps
-//!     more weight, paid for by the same VM's other vCPUs, so no VM's share and no run
-//!     queue's balance moves (see [`fund`]).
+//! Per host run queue (the CPU a vCPU thread is pinned to; unpinned threads share one),
+//! the share, by [`ShareRule`]:
+//! - `isacs` (the paper): CVCredit → weight ∝ default + CVCredit, as a nice offset
+//!   `round(−log₁.₂₅(w / geometric mean))` clamped to ±max_nice_delta; Σ nice = 0 per run
+//!   queue. It compensates the CPU-BOOST group for the time I/O vCPUs took first.
+//! - `vm-funded` (default): the vCPUs that carry a VM's I/O get `io_boost_nice` steps more
+//!   weight, paid for by the same VM's other vCPUs, so no VM's share and no run queue's
+//!   balance moves (see [`fund`]).
+//!
+//! IVCredit changes no setting of its own: the credit core derives the CPU-BOOST group and
+//! its CVCredit from it. A shorter EEVDF slice for I/O vCPUs (Linux's closest counterpart
+//! of concealed credit) is deliberately not offered: EEVDF charges every preemption won to
+//! the thread's own lag, so a slice buys no lasting share, and a vCPU that mixes I/O with
+//! computation never blocks on the host, so there is no wake-up to win either; shorter
+//! slices only cost the guest's I/O.
 //!
 //! Why `vm-funded` departs from the paper: ISACS assumes an I/O-intensive vCPU blocks
 //! often, so the share taken from it is share it would not have used. Real guests mix I/O
-//! and computation on every vCPU; there the compensating nice (+1 to +2.8 measured in the
-//! lab's main scenario) took CPU from the very vCPU whose I/O task was waiting to run,
-//! and the agent made 4 KiB reads 0.52–0.81× as fast as no agent at all. On Linux the
-//! compensation is also redundant: a vCPU that blocks leaves its time to the others
-//! anyway (work conservation). Measured side by side (lab main scenario, 2 interleaved
-//! runs, slices on in both): `isacs` 0.76×, `vm-funded` 0.79× of vanilla; the slice was
-//! the larger cost (see above), and without it `vm-funded` gained.
+//! and computation on every vCPU; there the compensating nice takes CPU from the very vCPU
+//! whose I/O task is waiting to run, and the agent made the guest's I/O slower than no
+//! agent at all. On Linux the compensation is also redundant: a vCPU that blocks leaves
+//! its time to the others anyway (work conservation). Measurements: benches/RESULTS.md.
 
 use crate::config::ShareRule;
 use sched_core::{reallocate, CreditParams, VcpuInput};
@@ -57,16 +53,12 @@ pub struct Rules {
     pub max_nice_delta: i32,
     /// Steps of weight a vCPU carrying I/O gets under `vm-funded` (≤ max_nice_delta).
     pub io_boost_nice: i32,
-    /// 0: slices are never changed.
-    pub io_slice_ns: u64,
 }
 
 #[derive(Clone, Debug, PartialEq)]
 pub struct Setting {
     pub key: VcpuKey,
     pub nice: i32,
-    /// `None`: the kernel's default slice.
-    pub slice_ns: Option<u64>,
     pub iv_credit: f64,
     pub cv_credit: f64,
     pub boost: bool,
@@ -76,7 +68,8 @@ pub struct Setting {
 }
 
 /// A vCPU that used less than 1/BUSY_DIVISOR of the period is not busy enough to pay (see
-/// [`fund`]). In the lab a paying vCPU at +2 nice still used ~22% of its period.
+/// [`fund`]). A vCPU that pays at +2 nice still runs for a good part of every period, far
+/// above this floor.
 const BUSY_DIVISOR: u64 = 10;
 
 /// One nice step is a factor 1.25 of CFS weight (the kernel's prio_to_weight table).
@@ -84,7 +77,6 @@ const NICE_STEP: f64 = 1.25;
 
 pub fn plan(params: &CreditParams, rules: &Rules, vcpus: &[VcpuFigures]) -> Vec<Setting> {
     let max_nice_delta = rules.max_nice_delta;
-    let io_slice_ns = rules.io_slice_ns;
     let mut queues: BTreeMap<usize, Vec<&VcpuFigures>> = BTreeMap::new();
     for v in vcpus {
         queues.entry(v.run_queue).or_default().push(v);
@@ -117,7 +109,6 @@ pub fn plan(params: &CreditParams, rules: &Rules, vcpus: &[VcpuFigures]) -> Vec<
             out.push(Setting {
                 key: v.key,
                 nice: (-steps).clamp(-max_nice_delta, max_nice_delta),
-                slice_ns: (c.iv_credit > 0.0 && io_slice_ns > 0).then_some(io_slice_ns),
                 iv_credit: c.iv_credit,
                 cv_credit: c.cv_credit,
                 boost: c.boost,
@@ -231,27 +222,25 @@ mod tests {
         }
     }
 
-    fn isacs(max_nice_delta: i32, io_slice_ns: u64) -> Rules {
+    fn isacs(max_nice_delta: i32) -> Rules {
         Rules {
             share: ShareRule::Isacs,
             max_nice_delta,
             io_boost_nice: 0,
-            io_slice_ns,
         }
     }
 
     #[test]
-    fn io_vcpus_get_latency_not_share() {
+    fn io_vcpus_get_no_share() {
         let p = CreditParams::default();
         let s = plan(
             &p,
-            &isacs(3, 500_000),
+            &isacs(3),
             &[fig(0, 0, 200, 50_000.0, 10), fig(1, 0, 0, 0.0, 10)],
         );
-        // vm 0 does I/O: short slice, and no more weight than the CPU-bound vm 1.
-        assert_eq!(s[0].slice_ns, Some(500_000));
+        // vm 0 does I/O: no more weight than the CPU-bound vm 1, which is compensated.
+        assert!(s[0].iv_credit > 0.0, "{s:?}");
         assert!(s[0].nice >= s[1].nice, "{s:?}");
-        assert_eq!(s[1].slice_ns, None);
         assert!(s[1].boost && s[1].cv_credit > 0.0);
     }
 
@@ -259,17 +248,14 @@ mod tests {
     fn no_io_changes_nothing() {
         let s = plan(
             &CreditParams::default(),
-            &isacs(3, 500_000),
+            &isacs(3),
             &[
                 fig(0, 0, 0, 0.0, 10),
                 fig(1, 0, 0, 0.0, 10),
                 fig(2, 1, 0, 0.0, 5),
             ],
         );
-        assert!(
-            s.iter().all(|s| s.nice == 0 && s.slice_ns.is_none()),
-            "{s:?}"
-        );
+        assert!(s.iter().all(|s| s.nice == 0), "{s:?}");
     }
 
     #[test]
@@ -281,10 +267,10 @@ mod tests {
             fig(2, 0, 0, 0.0, 30),
             fig(3, 0, 10, 20_000.0, 30),
         ];
-        let s = plan(&p, &isacs(19, 0), &vcpus);
+        let s = plan(&p, &isacs(19), &vcpus);
         let sum: i32 = s.iter().map(|s| s.nice).sum();
         assert!(sum.abs() <= 2, "rounding only: {s:?}");
-        let clamped = plan(&p, &isacs(1, 0), &vcpus);
+        let clamped = plan(&p, &isacs(1), &vcpus);
         assert!(clamped.iter().all(|s| s.nice.abs() <= 1));
     }
 
@@ -293,7 +279,7 @@ mod tests {
         let p = CreditParams::default();
         let s = plan(
             &p,
-            &isacs(3, 500_000),
+            &isacs(3),
             &[fig(0, 0, u64::MAX, 1e12, 10), fig(1, 0, 0, 0.0, 10)],
         );
         assert!(s[0].nice >= 0, "the liar must not gain weight: {s:?}");
@@ -315,7 +301,6 @@ mod tests {
             share: ShareRule::VmFunded,
             max_nice_delta: 3,
             io_boost_nice: 2,
-            io_slice_ns: 500_000,
         }
     }
 
@@ -437,11 +422,10 @@ mod tests {
     }
 
     #[test]
-    fn vm_funded_keeps_the_slice_and_drops_the_compensation() {
+    fn vm_funded_drops_the_compensation() {
         let v = [vcpu(0, 0, 0, true), vcpu(1, 0, 0, false)];
         let rules = vm_funded();
         let s = plan(&CreditParams::default(), &rules, &v);
-        assert_eq!(s[0].slice_ns, Some(500_000));
         assert!(s[1].boost, "the credit core still runs: {s:?}");
         assert_eq!((s[0].nice, s[1].nice), (0, 0));
     }

@@ -420,7 +420,6 @@ fn agent_view(samples: &[Value]) -> Vec<AgentVcpu> {
                 a.events_sum += v["events"].as_u64().unwrap_or(0);
                 a.cpu_ms_sum += v["cpu_ms"].as_f64().unwrap_or(0.0);
                 a.wait_ms_sum += v["wait_ms"].as_f64().unwrap_or(0.0);
-                a.sliced += (!v["slice_us"].is_null()) as u32;
                 a.source = v["source"].as_str().unwrap_or("").to_string();
                 a.moves = a.moves.max(v["moves"].as_u64().unwrap_or(0));
                 if let Some(c) = v["host_cpu"].as_u64().map(|c| c as usize) {

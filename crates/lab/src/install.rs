@@ -1,4 +1,4 @@
-//! The package install test (issue 5, `make lab-install-test`): the `.deb` built by
+//! The package install test (`make lab-install-test`): the `.deb` built by
 //! `make package` installed with apt in a Debian 12 guest that boots systemd
 //! (scripts/lab-debian.sh), started with `systemctl`, its metrics checked by `promtool` on
 //! the host, and every CPU mask checked back to normal after `systemctl stop`.

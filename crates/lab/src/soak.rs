@@ -1,4 +1,4 @@
-//! The soak and fault-injection pass (issue 11): both programs together for a long time in
+//! The soak and fault-injection pass: both programs together for a long time in
 //! the main scenario (VM A with the guest daemon and a streaming workload, hog VM B, the
 //! host agent steering both), memory and file descriptors of each program sampled, and
 //! faults injected on a cycle while VM A's I/O keeps streaming:

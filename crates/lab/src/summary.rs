@@ -77,10 +77,9 @@ pub struct AgentVcpu {
     /// Where its I/O figures came from: `guest` reports or host `schedstat`.
     pub source: String,
     pub samples: u32,
-    /// Samples in the CPU-BOOST state, with IVCredit, with a custom slice set.
+    /// Samples in the CPU-BOOST state, with IVCredit.
     pub boosted: u32,
     pub iv_credited: u32,
-    pub sliced: u32,
     /// Sum of the nice values seen (mean = nice_sum / samples).
     pub nice_sum: i64,
     /// Sums over the samples of the period's I/O events (E_n), CPU and wait time (ms).

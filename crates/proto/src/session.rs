@@ -33,12 +33,11 @@ pub enum Accepted {
 
 /// Reports a guest may send back to back before the rate limit bites. Lines that left the
 /// guest a period apart can reach the host together: virtio-serial and QEMU's chardev
-/// deliver in batches when the vCPU or QEMU's main loop was descheduled (seen in the lab:
-/// 14 reports of a 100 ms period in the same millisecond; in CI, on a host whose own
-/// hypervisor was stealing, 53 after a ~5 s stall), so arrival gaps alone would punish the
-/// very guests this agent exists for. 128 covers a 12 s stall at the default period; a
-/// flood is still held to one report per interval, and 128 reports cost the host ~1.3 ms
-/// to parse.
+/// deliver in batches when the vCPU or QEMU's main loop was descheduled (a second's worth
+/// of reports within one millisecond, or dozens at once after a stall of seconds on a host
+/// whose own hypervisor steals), so arrival gaps alone would punish the very guests this
+/// agent exists for. 128 covers a 12 s stall at the default period; a flood is still held
+/// to one report per interval, and a burst this size is cheap for the host to parse.
 pub const BURST: u64 = 128;
 
 #[derive(Debug)]

@@ -288,8 +288,8 @@ impl<'obj> IoTracker<'obj> {
     }
 
     /// Pauses, then takes the programs off their tracepoints: while paused each request
-    /// still runs a program that returns at once (~1-2 µs under TCG, on the issuing
-    /// path and in the completion interrupt); detached, none. Detaching and attaching
+    /// still runs a program that returns at once (on the issuing path and in the
+    /// completion interrupt, dear where the CPU is emulated); detached, none. Detaching and attaching
     /// patch kernel text (static keys, IPIs to every CPU), so this is for long pauses
     /// only; maps and what the classifier knows stay.
     pub fn detach(&mut self, now_ns: u64) -> Result<()> {

@@ -26,10 +26,10 @@ pub struct MonitorConfig {
 /// The defaults, one source for the monitor and the daemon's configuration.
 pub const DEFAULT_PERIOD: Duration = Duration::from_micros(300);
 pub const DEFAULT_PROBE_PERIOD: Duration = Duration::from_millis(2);
-/// A wake-up from idle costs 15–50 µs of CPU on this project's VMs, a bare C sleeper too:
-/// 10 ms on 2 vCPUs measured 0.38–0.46% of a CPU and 50 ms up to 0.20%, against a 0.2%
-/// budget. 100 ms keeps half of it spare, and loses no reaction time: turning demand
-/// active wakes the sleepers through the board.
+/// Every wake-up from idle costs tens of µs of CPU (a bare C sleeper's too), so an idle
+/// period of a few tens of ms already spends the whole 0.2% budget of a CPU that an idle
+/// daemon may use. 100 ms keeps half of it spare, and loses no reaction time: turning
+/// demand active wakes the sleepers through the board.
 pub const DEFAULT_IDLE_PERIOD: Duration = Duration::from_millis(100);
 pub const DEFAULT_MIN_GAP_THRESHOLD: Duration = Duration::from_micros(200);
 /// The vMigrater paper's hypervisor slice.

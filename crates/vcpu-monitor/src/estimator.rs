@@ -18,8 +18,8 @@
 //!
 //! A late wake-up far shorter than the vCPU's recent gaps (under a quarter of their median)
 //! is a hiccup, not a deschedule: on a non-preemptible kernel a busy neighbour delays even
-//! a SCHED_FIFO sleeper by 0.3–5 ms (measured under a parallel build here), and taking
-//! those for slice ends cut 10 ms slices into sub-ms ones and dragged the prediction down.
+//! a SCHED_FIFO sleeper by up to a few milliseconds, and taking those for slice ends cuts
+//! long slices into tiny ones and drags the prediction down.
 //! A hiccup is counted, but neither ends the slice nor reports a resume. It still enters
 //! the gap history, so a host that really moves to shorter deschedules is followed after a
 //! handful of them.

@@ -44,8 +44,8 @@ const MAX_WAIT: Duration = Duration::from_millis(100);
 /// No deschedule for this long: the vCPU is treated as dedicated (no slice end ahead).
 const QUIET_NS: u64 = 1_000_000_000;
 /// Push points are predicted only from slices at least this long: shorter "slices" are a
-/// host's housekeeping chopping a vCPU's time (seen in the TCG lab: median 2–4.5 ms), too
-/// irregular to time a move by, and a wake-up each would cost more than it could save.
+/// host's housekeeping chopping a vCPU's time (an emulating host such as QEMU TCG does so
+/// constantly), too irregular to time a move by, and a wake-up each would cost more than it could save.
 const MIN_PREDICTABLE_SLICE_NS: u64 = 5_000_000;
 /// Slices kept per vCPU for the median estimate (as `SliceEstimator`).
 const SLICE_HISTORY: usize = 8;

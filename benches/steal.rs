@@ -307,16 +307,18 @@ impl Daemon {
         let state_dir = tempfile::tempdir()?;
         let config = state_dir.path().join("vmigrater.toml");
         std::fs::write(&config, "")?;
+        let log = std::fs::File::create(state_dir.path().join("daemon.log"))?;
         let mut cmd = Command::new(workspace_bin("vmigrater"));
         cmd.arg("--config")
             .arg(&config)
-            .args(["--log", "warn", "run", "--no-metrics", "--state-dir"])
+            .args(["--log", "info", "run", "--no-metrics", "--state-dir"])
             .arg(state_dir.path());
         if dry_run {
             cmd.arg("--dry-run");
         }
         let child = cmd
             .stdout(Stdio::null())
+            .stderr(log)
             .spawn()
             .context("starting vmigrater")?;
         let mut d = Daemon {
@@ -353,7 +355,38 @@ impl Daemon {
         serde_json::from_slice(&out.stdout).ok()
     }
 
-    fn stop(mut self) -> Result<()> {
+    /// What the daemon decided, from its info log: each decision is one line.
+    fn decisions(&self) -> Value {
+        let log =
+            std::fs::read_to_string(self.state_dir.path().join("daemon.log")).unwrap_or_default();
+        let count = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+        let lines: Vec<&str> = log
+            .lines()
+            .filter(|l| {
+                [
+                    "managing it",
+                    "kept there",
+                    "move guard",
+                    "restored",
+                    "WARN",
+                    "ERROR",
+                ]
+                .iter()
+                .any(|k| l.contains(k))
+            })
+            .take(40)
+            .collect();
+        json!({
+            "managed": count("managing it"),
+            "kept_with_completions": count("kept there"),
+            "guard_pays": count("pays=true"),
+            "guard_holds": count("pays=false"),
+            "lines": lines,
+        })
+    }
+
+    /// Stops the daemon (every mask restored); returns its decisions.
+    fn stop(mut self) -> Result<Value> {
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(self.child.id() as i32),
             nix::sys::signal::Signal::SIGTERM,
@@ -361,7 +394,7 @@ impl Daemon {
         let st = self.child.wait()?;
         self.reaped = true;
         anyhow::ensure!(st.success(), "vmigrater exited with {st} after SIGTERM");
-        Ok(())
+        Ok(self.decisions())
     }
 }
 
@@ -603,7 +636,7 @@ fn run_once(
             "io_tasks_at_end": st["io_tasks"],
             "attach_mode": st["attach_mode"],
         });
-        d.stop()?;
+        daemon_json["decisions"] = d.stop()?;
     }
     // The plan ends on its own; stopping at its end compares whole plans.
     sleep_until_ns(start_ns + length.as_nanos() as u64);

@@ -630,3 +630,45 @@ fn completions_are_recorded_on_the_vcpu_that_took_the_interrupt() {
         );
     }
 }
+
+/// The kernel's queue map says where each vCPU's requests complete; the disk's own
+/// interrupt counts (the reader pinned to each vCPU in turn) must agree with it.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn the_queue_map_names_the_vcpu_whose_interrupts_grow() {
+    assert_root();
+    let _serial = serial();
+    let file = data_file();
+    let map = task_detector::queues::QueueMap::read(&os_layer::Root::real()).expect("queue map");
+    eprintln!("queue map: {map:?}");
+    let completes = map.completion_cpus();
+    assert!(
+        !completes.is_empty(),
+        "no disk mapped on this virtio machine"
+    );
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&file)
+        .expect("open O_DIRECT");
+    let mut backing = vec![0u8; 8192];
+    let skip = backing.as_ptr().align_offset(4096);
+    let buf = &mut backing[skip..skip + 4096];
+    for (&cpu, expected) in &completes {
+        let mut set = nix::sched::CpuSet::new();
+        set.set(cpu).unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).expect("pin");
+        let irqs0 = disk_irqs_per_cpu(&file);
+        for i in 0..200u64 {
+            f.read_exact_at(buf, (i * 7919 % 65536) * 4096)
+                .expect("read");
+        }
+        let irqs1 = disk_irqs_per_cpu(&file);
+        let grew: Vec<u64> = irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect();
+        let busiest = (0..grew.len()).max_by_key(|&c| grew[c]).unwrap();
+        assert!(
+            expected.contains(&busiest),
+            "submitting from vCPU {cpu}: the map says {expected:?}, the interrupts grew on {grew:?}"
+        );
+    }
+}

@@ -32,7 +32,6 @@ impl NoIdle {
         }
         Ok(NoIdle { stop, spinners })
     }
-
 }
 
 impl Drop for NoIdle {
@@ -55,7 +54,9 @@ fn spin(cpu: usize, stop: &AtomicBool) {
         // A spinner that is not pinned or not SCHED_IDLE would take CPU from the guest's
         // tasks: better no spinner (windows on an idle CPU pass unstolen, and the report
         // says so) than a distorted workload.
-        eprintln!("irq-steal: no idle-state spinner on CPU {cpu} (pinned {placed}, SCHED_IDLE {idle})");
+        eprintln!(
+            "irq-steal: no idle-state spinner on CPU {cpu} (pinned {placed}, SCHED_IDLE {idle})"
+        );
         return;
     }
     while !stop.load(Ordering::Relaxed) {

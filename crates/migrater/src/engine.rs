@@ -21,7 +21,7 @@ use task_detector::{CpuIoSample, DetectorOutput, IoTaskInfo};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
 use crate::affinity::Outcome;
-use crate::completion::{CompletionHomes, HomeConfig};
+use crate::completion::{CompletionHomes, Home, HomeConfig};
 use crate::guard::{Contention, GuardConfig, MoveGuard};
 use crate::hook::{FoundTask, TaskEntry};
 use crate::planner::Reason;
@@ -53,6 +53,8 @@ pub struct EngineConfig {
     pub gate_on_contention: bool,
     /// The move guard; `None` moves whenever the gate allows (guard off, or dry run).
     pub guard: Option<GuardConfig>,
+    /// Where tasks' completions land before their own say (`completion::prior`).
+    pub completion_prior: Home,
 }
 
 /// What the host agent says, as the channel last heard it.
@@ -184,6 +186,8 @@ pub struct Engine {
     sampled_cpus: Vec<CpuIoSample>,
     /// What the last window found; stands between samples.
     found: Vec<IoTaskInfo>,
+    /// Whether `found` came from this step's poll (not one that stands from before).
+    fresh: bool,
     last_completions: u64,
     host_held: bool,
     /// The managed tasks (the monitor threads move those not kept with their
@@ -211,11 +215,12 @@ impl Engine {
             estimate: CompletionEstimate::default(),
             sampled_cpus: Vec::new(),
             found: Vec::new(),
+            fresh: false,
             last_completions: 0,
             host_held: false,
             current: Arc::new(Vec::new()),
             anchored: Vec::new(),
-            homes: CompletionHomes::new(HomeConfig::default()),
+            homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
             snap: EngineSnapshot::default(),
             cfg,
         }
@@ -286,8 +291,10 @@ impl Engine {
             };
             self.sampled_cpus = out.cpus;
             self.found = out.tasks;
+            self.fresh = true;
             Some(io_seen)
         } else {
+            self.fresh = false;
             if let Some(d) = disk.filter(|_| act.attached()) {
                 self.snap.cpu_io = self.estimate.update(&self.sampled_cpus, d);
             }

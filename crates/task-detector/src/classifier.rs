@@ -84,6 +84,8 @@ pub struct CompletionSite {
     pub remote_fraction: f64,
     /// Completions in the window.
     pub count: u64,
+    /// Of those, handled on another vCPU than the submitter's.
+    pub remote: u64,
 }
 
 /// A thread that is I/O-bound now.
@@ -223,6 +225,7 @@ impl IoClassifier {
                         (remote.min(done)) as f64 / done as f64
                     },
                     count: done,
+                    remote: remote.min(done),
                 },
             };
             st.base_done = t.completions;

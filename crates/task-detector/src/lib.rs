@@ -13,6 +13,7 @@ pub mod diskstats;
 mod hooks;
 pub mod libbpf_log;
 mod probe;
+pub mod queues;
 mod tracker;
 
 pub use classifier::{

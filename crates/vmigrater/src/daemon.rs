@@ -6,10 +6,12 @@
 
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
+use os_layer::Root;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use task_detector::queues::QueueMap;
 use task_detector::{ClassifierConfig, TrackerOptions};
 use tracing::{info, warn};
 use vcpu_monitor::{AnyMonitor, MonitorConfig, VcpuBoard};
@@ -22,6 +24,7 @@ use crate::status;
 use crate::view::Running;
 use crate::{instance, recovery};
 use migrater::affinity::AffinityExecutor;
+use migrater::completion::{prior, Home};
 use migrater::engine::{self, EngineConfig, EngineSnapshot};
 use migrater::guard::GuardConfig;
 use migrater::hook::{LatencyRing, MigrationHook, Placement, Shared};
@@ -53,7 +56,7 @@ fn classifier_config(cfg: &Config) -> ClassifierConfig {
 
 /// The engine's settings. `measures_contention`: whether the monitor's out times tell how
 /// contended the vCPUs are.
-fn engine_config(cfg: &Config, measures_contention: bool) -> EngineConfig {
+fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> EngineConfig {
     let d = &cfg.detector;
     EngineConfig {
         window: Duration::from_millis(d.window_ms),
@@ -72,7 +75,34 @@ fn engine_config(cfg: &Config, measures_contention: bool) -> EngineConfig {
             epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
             ..GuardConfig::default()
         }),
+        completion_prior: completion_prior(cpus),
     }
+}
+
+/// Where block requests complete, by the kernel's queue and interrupt maps, said once.
+fn completion_prior(cpus: &[usize]) -> Home {
+    let map = match QueueMap::read(&Root::real()) {
+        Ok(m) => m,
+        Err(e) => {
+            warn!("reading the disks' queue map failed ({e:#}): where requests complete is learned from the block programs alone");
+            return Home::Unknown;
+        }
+    };
+    for d in &map.disks {
+        let queues: Vec<String> = d
+            .queues
+            .iter()
+            .map(|q| format!("{:?}→{:?}", q.submit_cpus, q.completion_cpus))
+            .collect();
+        info!(disk = %d.disk, queues = %queues.join(" "), "block queues: submitting vCPUs → completing vCPUs");
+    }
+    let home = prior(&map.completion_cpus(), cpus);
+    match home {
+        Home::Fixed(c) => info!("every vCPU's requests complete on vCPU {c}: I/O-bound tasks are kept there while moves may pay"),
+        Home::FollowsSubmitter => info!("requests complete on the vCPU that submits them: I/O-bound tasks follow the running vCPUs"),
+        Home::Unknown => info!("where requests complete is learned per task from the block programs"),
+    }
+    home
 }
 
 pub fn run(cfg: Config) -> Result<()> {
@@ -132,7 +162,7 @@ pub fn run(cfg: Config) -> Result<()> {
             board: board.clone(),
             // Only the kernel source sees deschedules while idle; sleepers at their idle
             // period catch a fraction of them, so there the guard judges by I/O alone.
-            engine: engine_config(&cfg, monitor_source == vcpu_monitor::Source::Kernel),
+            engine: engine_config(&cfg, monitor_source == vcpu_monitor::Source::Kernel, &cpus),
             snapshot: engine.clone(),
             stop: stop.clone(),
             channel: channel_stats.clone(),

@@ -117,11 +117,14 @@ impl Engine {
         next: &[TaskEntry],
         act: &mut impl TaskPlacement,
     ) -> Vec<Anchored> {
-        for i in found {
-            self.homes.observe(i.task.tid, &i.task.completion);
+        // Each poll's window once: between samples the last one stands.
+        if self.fresh {
+            for i in found {
+                self.homes.observe(i.task.tid, &i.task.completion);
+            }
+            self.homes
+                .retain(|tid| found.iter().any(|i| i.task.tid == tid));
         }
-        self.homes
-            .retain(|tid| found.iter().any(|i| i.task.tid == tid));
         let mut homed = Vec::new();
         for e in next {
             let Home::Fixed(cpu) = self.homes.home(e.tid) else {

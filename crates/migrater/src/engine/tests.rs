@@ -165,6 +165,7 @@ fn config() -> EngineConfig {
         detach_after: None,
         gate_on_contention: false,
         guard: None,
+        completion_prior: crate::completion::Home::Unknown,
     }
 }
 
@@ -496,6 +497,7 @@ fn io_task_completing_on(tid: u32, cpu: u32, remote: f64) -> IoTaskInfo {
         cpu,
         remote_fraction: remote,
         count: 500,
+        remote: (remote * 500.0) as u64,
     };
     t
 }

@@ -145,6 +145,15 @@ pub struct EngineSnapshot {
     pub releases: u64,
     /// Failed operations of the block programs, cumulative.
     pub detector_errors: u64,
+    /// Tasks kept on the vCPU that takes their completions.
+    pub kept_with_completions: Vec<KeptTask>,
+}
+
+/// A task pinned to the vCPU that takes its requests' completions.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeptTask {
+    pub tid: u32,
+    pub cpu: usize,
 }
 
 impl Default for EngineSnapshot {
@@ -162,6 +171,7 @@ impl Default for EngineSnapshot {
             cpu_io: Vec::new(),
             releases: 0,
             detector_errors: 0,
+            kept_with_completions: Vec::new(),
         }
     }
 }

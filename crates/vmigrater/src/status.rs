@@ -95,6 +95,16 @@ pub struct StatusReport {
     pub migration_latency_us: LatencySummary,
     pub vcpus: Vec<VcpuStatus>,
     pub tasks: Vec<TaskStatus>,
+    /// Tasks pinned to the vCPU that takes their requests' completions (not in `tasks`:
+    /// the planner does not move them).
+    #[serde(default)]
+    pub kept_with_completions: Vec<KeptStatus>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeptStatus {
+    pub tid: u32,
+    pub cpu: usize,
 }
 
 /// Asks the daemon behind `state_dir` for its status.
@@ -132,6 +142,14 @@ pub fn render(r: &StatusReport) -> String {
         "io-bound tasks {}  managed {}  hands-off {}  migrations {}  latency µs p50 {:.1} p99 {:.1} max {:.1}",
         r.io_tasks, r.managed_tasks, r.hands_off_tasks, r.migrations, l.p50, l.p99, l.max
     );
+    if !r.kept_with_completions.is_empty() {
+        let kept: Vec<String> = r
+            .kept_with_completions
+            .iter()
+            .map(|k| format!("{} on vCPU {}", k.tid, k.cpu))
+            .collect();
+        let _ = writeln!(s, "kept with their completions: {}", kept.join(", "));
+    }
     if r.journal_errors > 0 {
         let _ = writeln!(
             s,

@@ -12,7 +12,7 @@ use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
 
 use crate::channel::{ChannelStats, VcpuSample};
 use crate::metrics::Metrics;
-use crate::status::{self, StatusReport, TaskStatus, VcpuStatus};
+use crate::status::{self, KeptStatus, StatusReport, TaskStatus, VcpuStatus};
 use migrater::engine::EngineSnapshot;
 use migrater::hook::{lock_placement, try_lock_placement, FoundTask, Shared};
 
@@ -141,6 +141,14 @@ impl Running {
                     priority: t.priority,
                     placed_on: *p,
                     allowed: t.allowed.clone(),
+                })
+                .collect(),
+            kept_with_completions: engine
+                .kept_with_completions
+                .iter()
+                .map(|k| KeptStatus {
+                    tid: k.tid,
+                    cpu: k.cpu,
                 })
                 .collect(),
         }

@@ -126,6 +126,7 @@ impl Engine {
                 .retain(|tid| found.iter().any(|i| i.task.tid == tid));
         }
         let mut homed = Vec::new();
+        self.snap.kept_with_completions.clear();
         for e in next {
             let Home::Fixed(cpu) = self.homes.home(e.tid) else {
                 continue;
@@ -153,6 +154,9 @@ impl Engine {
                     "its requests complete on vCPU {cpu} wherever it submits: kept there"
                 );
             }
+            self.snap
+                .kept_with_completions
+                .push(super::KeptTask { tid: e.tid, cpu });
             homed.push(Anchored {
                 tid: e.tid,
                 comm: e.comm.clone(),

@@ -517,6 +517,11 @@ fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_t
         "the planner moves only the other task"
     );
     assert!(f.released.is_empty());
+    assert_eq!(
+        e.snapshot().kept_with_completions,
+        [KeptTask { tid: 10, cpu: 1 }],
+        "status shows it"
+    );
     // Pinned there it submits and completes on vCPU 1: it stays, nothing is re-managed.
     let managed_before = f.anchors.len();
     f.window = vec![io_task_completing_on(10, 1, 0.0), io_task(11)];

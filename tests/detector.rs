@@ -521,6 +521,33 @@ fn a_pause_does_not_read_as_idleness() {
     reader.stop().expect("reader");
 }
 
+/// Pins this thread to `cpu` and reads `n` 4 KiB blocks of `file` (O_DIRECT, one at a
+/// time); returns how many of the disk's interrupts each CPU took meanwhile.
+fn reads_from(cpu: usize, file: &Path, n: u64) -> Vec<u64> {
+    let me = nix::unistd::Pid::from_raw(0);
+    let mask = nix::sched::sched_getaffinity(me).expect("own mask");
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu).unwrap();
+    nix::sched::sched_setaffinity(me, &set).expect("pin");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(file)
+        .expect("open O_DIRECT");
+    // O_DIRECT wants an aligned buffer: a 4 KiB-aligned slice of a larger one.
+    let mut backing = vec![0u8; 8192];
+    let skip = backing.as_ptr().align_offset(4096);
+    let buf = &mut backing[skip..skip + 4096];
+    let irqs0 = disk_irqs_per_cpu(file);
+    for i in 0..n {
+        f.read_exact_at(buf, (i * 7919 % 65536) * 4096)
+            .expect("read");
+    }
+    let irqs1 = disk_irqs_per_cpu(file);
+    nix::sched::sched_setaffinity(me, &mask).expect("restore own mask");
+    irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect()
+}
+
 /// Per CPU, how many interrupts of the disk that holds `file` were handled: the lines of
 /// /proc/interrupts named after its virtio device's request queues (`virtioN-req.Q`).
 fn disk_irqs_per_cpu(file: &Path) -> Vec<u64> {
@@ -571,35 +598,17 @@ fn completions_are_recorded_on_the_vcpu_that_took_the_interrupt() {
         .ok()
         .flatten()
         .unwrap_or(1) as usize;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&file)
-        .expect("open O_DIRECT");
-    // O_DIRECT wants an aligned buffer: a 4 KiB-aligned slice of a larger one.
-    let mut backing = vec![0u8; 8192];
-    let skip = backing.as_ptr().align_offset(4096);
-    let buf = &mut backing[skip..skip + 4096];
     let tid = gettid();
     for cpu in 0..ncpu {
-        let mut set = nix::sched::CpuSet::new();
-        set.set(cpu).unwrap();
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).expect("pin");
         let before = sample_of(&mut tracker, tid).map(|s| s.completions);
-        let irqs0 = disk_irqs_per_cpu(&file);
         let reads = 400u64;
-        for i in 0..reads {
-            let off = (i * 7919 % 65536) * 4096;
-            f.read_exact_at(buf, off).expect("read");
-        }
-        let irqs1 = disk_irqs_per_cpu(&file);
+        let grew = reads_from(cpu, &file, reads);
         let after = sample_of(&mut tracker, tid)
             .expect("the reader in the map")
             .completions;
         let before = before.unwrap_or_default();
         let done = after.total - before.total;
         let remote = after.remote - before.remote;
-        let grew: Vec<u64> = irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect();
         let busiest = (0..grew.len()).max_by_key(|&c| grew[c]).unwrap();
         let irq_remote = grew
             .iter()
@@ -646,25 +655,8 @@ fn the_queue_map_names_the_vcpu_whose_interrupts_grow() {
         !completes.is_empty(),
         "no disk mapped on this virtio machine"
     );
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_DIRECT)
-        .open(&file)
-        .expect("open O_DIRECT");
-    let mut backing = vec![0u8; 8192];
-    let skip = backing.as_ptr().align_offset(4096);
-    let buf = &mut backing[skip..skip + 4096];
     for (&cpu, expected) in &completes {
-        let mut set = nix::sched::CpuSet::new();
-        set.set(cpu).unwrap();
-        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).expect("pin");
-        let irqs0 = disk_irqs_per_cpu(&file);
-        for i in 0..200u64 {
-            f.read_exact_at(buf, (i * 7919 % 65536) * 4096)
-                .expect("read");
-        }
-        let irqs1 = disk_irqs_per_cpu(&file);
-        let grew: Vec<u64> = irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect();
+        let grew = reads_from(cpu, &file, 200);
         let busiest = (0..grew.len()).max_by_key(|&c| grew[c]).unwrap();
         assert!(
             expected.contains(&busiest),

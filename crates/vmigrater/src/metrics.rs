@@ -126,7 +126,7 @@ impl Metrics {
         );
         r.register(
             "migrations",
-            "Migration attempts by reason (push, pull, balance) and result",
+            "Migration attempts by reason (push, pull, balance, held, completion) and result",
             m.migrations.clone(),
         );
         r.register_with_unit(

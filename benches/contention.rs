@@ -27,9 +27,10 @@
 use anyhow::{Context, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 use steal_emulator::{monotonic_ns, Emulator, Pattern, StealRecord};
+use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::{require_root, workload, workspace_bin};
 
 const MODES: [&str; 3] = ["no_sharing", "vanilla", "vmigrater"];
@@ -161,93 +162,20 @@ impl ProcCpu {
     }
 }
 
-/// The daemon under test, in a private state directory with default configuration.
-struct Daemon {
-    child: Child,
-    state_dir: tempfile::TempDir,
-    reaped: bool,
-}
-
-impl Daemon {
-    fn start(warmup: Duration) -> Result<Daemon> {
-        let state_dir = tempfile::tempdir()?;
-        let config = state_dir.path().join("vmigrater.toml");
-        // The steal emulator's threads run inside this kernel, which serves their CPUs'
-        // timer interrupts on time: only the sleepers see its "deschedules".
-        // VMIGRATER_BENCH_GUARD=0 measures the migration mechanism without the move guard,
-        // whose first 6 s probe is longer than a 4 s round.
-        let guard = std::env::var("VMIGRATER_BENCH_GUARD").map_or(true, |v| v != "0");
-        std::fs::write(
-            &config,
-            format!("[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard = {guard}\n"),
-        )?;
-        let child = Command::new(workspace_bin("vmigrater"))
-            .arg("--config")
-            .arg(&config)
-            .args(["--log", "warn", "run", "--no-metrics", "--state-dir"])
-            .arg(state_dir.path())
-            .stdout(Stdio::null())
-            .spawn()
-            .context("starting vmigrater")?;
-        let mut d = Daemon {
-            child,
-            state_dir,
-            reaped: false,
-        };
-        let t0 = Instant::now();
-        while d.status().is_none() {
-            if let Some(st) = d.child.try_wait()? {
-                anyhow::bail!("vmigrater exited at start with {st}");
-            }
-            anyhow::ensure!(
-                t0.elapsed() < Duration::from_secs(20),
-                "vmigrater did not answer on its status socket within 20 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        std::thread::sleep(warmup);
-        Ok(d)
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn status(&self) -> Option<Value> {
-        let out = Command::new(workspace_bin("vmigrater"))
-            .args(["status", "--json", "--state-dir"])
-            .arg(self.state_dir.path())
-            .stderr(Stdio::null())
-            .output()
-            .ok()?;
-        serde_json::from_slice(&out.stdout).ok()
-    }
-
-    fn stop(mut self) -> Result<()> {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )?;
-        let st = self.child.wait()?;
-        self.reaped = true;
-        anyhow::ensure!(st.success(), "vmigrater exited with {st} after SIGTERM");
-        Ok(())
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // An error path left the daemon running: stop it so it restores every mask. Never
-        // signal a reaped pid (it may belong to someone else by now).
-        if self.reaped {
-            return;
-        }
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-    }
+/// The daemon under test, with default configuration but for the vCPU source (and the
+/// guard, for a measurement of the mechanism alone), warmed up before it is measured.
+fn start_daemon(warmup: Duration) -> Result<BenchDaemon> {
+    // The steal emulator's threads run inside this kernel, which serves their CPUs'
+    // timer interrupts on time: only the sleepers see its "deschedules".
+    // VMIGRATER_BENCH_GUARD=0 measures the migration mechanism without the move guard,
+    // whose first 6 s probe is longer than a 4 s round.
+    let guard = std::env::var("VMIGRATER_BENCH_GUARD").map_or(true, |v| v != "0");
+    let d = BenchDaemon::start(
+        &format!("[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard = {guard}\n"),
+        &[],
+    )?;
+    std::thread::sleep(warmup);
+    Ok(d)
 }
 
 fn run_workload(file: &Path, pattern: &str, hogs: usize, secs: f64) -> Result<Value> {
@@ -314,10 +242,10 @@ fn round(mode: &str, file: &Path, pattern: &str, s: &Settings) -> Result<Value> 
         _ => Some(Emulator::start(&anti_phase(), STEAL_PRIORITY)?),
     };
     let daemon = match mode {
-        "vmigrater" => Some(Daemon::start(s.warmup)?),
+        "vmigrater" => Some(start_daemon(s.warmup)?),
         _ => None,
     };
-    let status0 = daemon.as_ref().and_then(Daemon::status);
+    let status0 = daemon.as_ref().and_then(BenchDaemon::status);
     let dcpu0 = daemon.as_ref().map(|d| ProcCpu::read(d.pid()));
     let (sys0, me0, kids0, t0) = (
         SystemCpu::read(),
@@ -420,7 +348,7 @@ fn daemon_cpu(steal: bool, reader: Option<&Path>, s: &Settings) -> Result<Value>
     } else {
         None
     };
-    let d = Daemon::start(s.warmup)?;
+    let d = start_daemon(s.warmup)?;
     let status0 = d.status();
     let c0 = ProcCpu::read(d.pid());
     let t0 = Instant::now();

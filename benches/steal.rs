@@ -35,10 +35,11 @@ use anyhow::{Context, Result};
 use irq_steal::{IrqSteal, Plan, Schedule, StealReport};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use vmigrater_testbed::completion::CompletionMap;
+use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{placement, require_root, workload, workspace_bin};
 
@@ -296,121 +297,36 @@ fn rusage_s(who: libc::c_int) -> f64 {
 
 /// The daemon under test: the release build, default configuration (an empty file, so
 /// /etc is not read), private state directory, no metrics endpoint.
-struct Daemon {
-    child: Child,
-    state_dir: tempfile::TempDir,
-    reaped: bool,
+fn start_daemon(dry_run: bool) -> Result<BenchDaemon> {
+    BenchDaemon::start("", if dry_run { &["--dry-run"] } else { &[] })
 }
 
-impl Daemon {
-    fn start(dry_run: bool) -> Result<Daemon> {
-        let state_dir = tempfile::tempdir()?;
-        let config = state_dir.path().join("vmigrater.toml");
-        std::fs::write(&config, "")?;
-        let log = std::fs::File::create(state_dir.path().join("daemon.log"))?;
-        let mut cmd = Command::new(workspace_bin("vmigrater"));
-        cmd.arg("--config")
-            .arg(&config)
-            .args(["--log", "info", "run", "--no-metrics", "--state-dir"])
-            .arg(state_dir.path());
-        if dry_run {
-            cmd.arg("--dry-run");
-        }
-        let child = cmd
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .context("starting vmigrater")?;
-        let mut d = Daemon {
-            child,
-            state_dir,
-            reaped: false,
-        };
-        let t0 = Instant::now();
-        while d.status().is_none() {
-            if let Some(st) = d.child.try_wait()? {
-                d.reaped = true;
-                anyhow::bail!("vmigrater exited at start with {st}");
-            }
-            anyhow::ensure!(
-                t0.elapsed() < Duration::from_secs(20),
-                "vmigrater did not answer on its status socket within 20 s"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        Ok(d)
-    }
-
-    fn pid(&self) -> u32 {
-        self.child.id()
-    }
-
-    fn status(&self) -> Option<Value> {
-        let out = Command::new(workspace_bin("vmigrater"))
-            .args(["status", "--json", "--state-dir"])
-            .arg(self.state_dir.path())
-            .stderr(Stdio::null())
-            .output()
-            .ok()?;
-        serde_json::from_slice(&out.stdout).ok()
-    }
-
-    /// What the daemon decided, from its info log: each decision is one line.
-    fn decisions(&self) -> Value {
-        let log =
-            std::fs::read_to_string(self.state_dir.path().join("daemon.log")).unwrap_or_default();
-        let count = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
-        let lines: Vec<&str> = log
-            .lines()
-            .filter(|l| {
-                [
-                    "managing it",
-                    "kept there",
-                    "move guard",
-                    "restored",
-                    "WARN",
-                    "ERROR",
-                ]
-                .iter()
-                .any(|k| l.contains(k))
-            })
-            .take(40)
-            .collect();
-        json!({
-            "managed": count("managing it"),
-            "kept_with_completions": count("kept there"),
-            "guard_pays": count("pays=true"),
-            "guard_holds": count("pays=false"),
-            "lines": lines,
+/// What the daemon decided, from its info log: each decision is one line.
+fn decisions(log: &str) -> Value {
+    let count = |needle: &str| log.lines().filter(|l| l.contains(needle)).count();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| {
+            [
+                "managing it",
+                "kept there",
+                "move guard",
+                "restored",
+                "WARN",
+                "ERROR",
+            ]
+            .iter()
+            .any(|k| l.contains(k))
         })
-    }
-
-    /// Stops the daemon (every mask restored); returns its decisions.
-    fn stop(mut self) -> Result<Value> {
-        nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        )?;
-        let st = self.child.wait()?;
-        self.reaped = true;
-        anyhow::ensure!(st.success(), "vmigrater exited with {st} after SIGTERM");
-        Ok(self.decisions())
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        // An error path left the daemon running: stop it so it restores every mask. Never
-        // signal a reaped pid (it may belong to someone else by now).
-        if self.reaped {
-            return;
-        }
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(self.child.id() as i32),
-            nix::sys::signal::Signal::SIGTERM,
-        );
-        let _ = self.child.wait();
-    }
+        .take(40)
+        .collect();
+    json!({
+        "managed": count("managing it"),
+        "kept_with_completions": count("kept there"),
+        "guard_pays": count("pays=true"),
+        "guard_holds": count("pays=false"),
+        "lines": lines,
+    })
 }
 
 /// The I/O threads of a workload process (named `reader-*`), once `n` of them exist.
@@ -548,12 +464,12 @@ fn run_once(
     let steal = IrqSteal::start(&plan).context("starting irq-steal")?;
     let start_ns = steal.start_ns();
     let daemon = match mode {
-        "vmigrater" => Some(Daemon::start(false)?),
-        "vmigrater_dry" => Some(Daemon::start(true)?),
+        "vmigrater" => Some(start_daemon(false)?),
+        "vmigrater_dry" => Some(start_daemon(true)?),
         _ => None,
     };
     sleep_until_ns(start_ns + s.warmup.as_nanos() as u64);
-    let status0 = daemon.as_ref().and_then(Daemon::status);
+    let status0 = daemon.as_ref().and_then(BenchDaemon::status);
     let dcpu0 = daemon.as_ref().map(|d| proc_cpu_s(d.pid()));
 
     let mut cmd = Command::new(workspace_bin("vmigrater-workload"));
@@ -636,7 +552,7 @@ fn run_once(
             "io_tasks_at_end": st["io_tasks"],
             "attach_mode": st["attach_mode"],
         });
-        daemon_json["decisions"] = d.stop()?;
+        daemon_json["decisions"] = decisions(&d.stop()?);
     }
     // The plan ends on its own; stopping at its end compares whole plans.
     sleep_until_ns(start_ns + length.as_nanos() as u64);

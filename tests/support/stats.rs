@@ -48,27 +48,10 @@ pub fn fraction_at_least(v: &[f64], floor: f64) -> Option<f64> {
     (!s.is_empty()).then(|| s.iter().filter(|&&x| x >= floor).count() as f64 / s.len() as f64)
 }
 
-/// splitmix64: a small, well-mixed generator; the bootstrap needs reproducible indices, not
-/// cryptographic ones, and the benchmarks need no dependency for it.
-struct SplitMix(u64);
-
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    fn index(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
-fn resample(rng: &mut SplitMix, v: &[f64], out: &mut Vec<f64>) {
+/// The bootstrap needs reproducible indices (a fixed seed), not cryptographic ones.
+fn resample(rng: &mut fastrand::Rng, v: &[f64], out: &mut Vec<f64>) {
     out.clear();
-    out.extend((0..v.len()).map(|_| v[rng.index(v.len())]));
+    out.extend((0..v.len()).map(|_| v[rng.usize(..v.len())]));
 }
 
 /// 2.5% and 97.5% quantiles of the (finite) bootstrap statistics, nearest rank.
@@ -95,7 +78,7 @@ pub fn ratio_of_medians(a: &[f64], b: &[f64]) -> Option<Estimate> {
     if mb <= 0.0 {
         return None;
     }
-    let mut rng = SplitMix(SEED);
+    let mut rng = fastrand::Rng::with_seed(SEED);
     let (mut ra, mut rb) = (Vec::new(), Vec::new());
     let stats = (0..RESAMPLES)
         .map(|_| {
@@ -125,7 +108,7 @@ pub fn paired_ratio(pairs: &[(f64, f64)]) -> Option<Estimate> {
         .map(|(a, b)| a / b)
         .collect();
     let value = median(&ratios)?;
-    let mut rng = SplitMix(SEED);
+    let mut rng = fastrand::Rng::with_seed(SEED);
     let mut r = Vec::new();
     let stats = (0..RESAMPLES)
         .map(|_| {

@@ -1,0 +1,103 @@
+//! The daemon under test in the benchmarks: the release `vmigrater run` with a given
+//! configuration, in a private state directory (never /run/vmigrater), its info log kept
+//! there, no metrics endpoint. Stopped with SIGTERM so it restores every mask, also when a
+//! benchmark fails half-way (drop).
+
+use anyhow::{Context, Result};
+use serde_json::Value;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::workspace_bin;
+
+pub struct BenchDaemon {
+    child: Child,
+    state_dir: tempfile::TempDir,
+    reaped: bool,
+}
+
+impl BenchDaemon {
+    /// Starts the daemon with `config` (TOML text) and `extra` arguments after `run`, and
+    /// returns once it answers on its status socket.
+    pub fn start(config: &str, extra: &[&str]) -> Result<BenchDaemon> {
+        let state_dir = tempfile::tempdir()?;
+        let config_path = state_dir.path().join("vmigrater.toml");
+        std::fs::write(&config_path, config)?;
+        let log = std::fs::File::create(state_dir.path().join("daemon.log"))?;
+        let child = Command::new(workspace_bin("vmigrater"))
+            .arg("--config")
+            .arg(&config_path)
+            .args(["--log", "info", "run", "--no-metrics", "--state-dir"])
+            .arg(state_dir.path())
+            .args(extra)
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .context("starting vmigrater")?;
+        let mut d = BenchDaemon {
+            child,
+            state_dir,
+            reaped: false,
+        };
+        let t0 = Instant::now();
+        while d.status().is_none() {
+            if let Some(st) = d.child.try_wait()? {
+                d.reaped = true;
+                anyhow::bail!("vmigrater exited at start with {st}: {}", d.log());
+            }
+            anyhow::ensure!(
+                t0.elapsed() < Duration::from_secs(20),
+                "vmigrater did not answer on its status socket within 20 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Ok(d)
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// `vmigrater status --json`, or `None` while it does not answer.
+    pub fn status(&self) -> Option<Value> {
+        let out = Command::new(workspace_bin("vmigrater"))
+            .args(["status", "--json", "--state-dir"])
+            .arg(self.state_dir.path())
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
+    /// Its log so far (info: each decision is one line).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.state_dir.path().join("daemon.log")).unwrap_or_default()
+    }
+
+    /// Stops it (every mask restored); returns its whole log.
+    pub fn stop(mut self) -> Result<String> {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        let st = self.child.wait()?;
+        self.reaped = true;
+        anyhow::ensure!(st.success(), "vmigrater exited with {st} after SIGTERM");
+        Ok(self.log())
+    }
+}
+
+impl Drop for BenchDaemon {
+    fn drop(&mut self) {
+        // An error path left the daemon running: stop it so it restores every mask. Never
+        // signal a reaped pid (it may belong to someone else by now).
+        if self.reaped {
+            return;
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        let _ = self.child.wait();
+    }
+}

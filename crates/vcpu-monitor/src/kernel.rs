@@ -272,6 +272,42 @@ fn open_attach<'o>(
     Ok((skel, links))
 }
 
+/// The timer programs, attached: tp_btf where the kernel has it, raw_tp otherwise, each
+/// attempt in a storage of its own (a failed attempt's skeleton still borrows it).
+fn load<'o>(
+    btf_storage: &'o mut MaybeUninit<libbpf_rs::OpenObject>,
+    raw_storage: &'o mut MaybeUninit<libbpf_rs::OpenObject>,
+    threshold_ns: u64,
+    nr_cpus: u32,
+) -> Result<((crate::bpf_skel::VcputickSkel<'o>, Vec<Link>), TimerAttach)> {
+    let tp_btf = match open_attach(btf_storage, TimerAttach::TpBtf, threshold_ns, nr_cpus) {
+        Ok(x) => return Ok((x, TimerAttach::TpBtf)),
+        Err(e) => e,
+    };
+    match open_attach(raw_storage, TimerAttach::RawTp, threshold_ns, nr_cpus) {
+        Ok(x) => Ok((x, TimerAttach::RawTp)),
+        Err(raw_tp) => Err(anyhow!(
+            "no timer program loaded (tp_btf: {tp_btf:#}; raw_tp: {raw_tp:#})"
+        )),
+    }
+}
+
+/// The ring buffer of gap events, each parsed into `sink`.
+fn gap_ring<'a>(
+    skel: &'a crate::bpf_skel::VcputickSkel<'_>,
+    sink: Rc<RefCell<Vec<GapEvent>>>,
+) -> Result<libbpf_rs::RingBuffer<'a>> {
+    let mut b = RingBufferBuilder::new();
+    b.add(&skel.maps.gaps, move |data: &[u8]| {
+        if let Some(e) = parse_event(data) {
+            sink.borrow_mut().push(e);
+        }
+        0
+    })
+    .map_err(|e| anyhow!("gap ring buffer: {e}"))?;
+    b.build().map_err(|e| anyhow!("gap ring buffer: {e}"))
+}
+
 fn event_thread(
     cfg: &MonitorConfig,
     board: &VcpuBoard,
@@ -292,27 +328,14 @@ fn event_thread(
         .map_or(0, |c| c as u32 + 1);
     // One backing object per attempt: a failed attempt's skeleton still borrows its own.
     let (mut btf_storage, mut raw_storage) = (MaybeUninit::uninit(), MaybeUninit::uninit());
-    let mut errors = Vec::new();
-    let loaded = match open_attach(&mut btf_storage, TimerAttach::TpBtf, threshold_ns, nr_cpus) {
-        Ok(x) => Some((x, TimerAttach::TpBtf)),
-        Err(e) => {
-            errors.push(format!("tp_btf: {e:#}"));
-            match open_attach(&mut raw_storage, TimerAttach::RawTp, threshold_ns, nr_cpus) {
-                Ok(x) => Some((x, TimerAttach::RawTp)),
-                Err(e) => {
-                    errors.push(format!("raw_tp: {e:#}"));
-                    None
-                }
+    let ((mut skel, _links), attach) =
+        match load(&mut btf_storage, &mut raw_storage, threshold_ns, nr_cpus) {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = started.send(Err(e));
+                return;
             }
-        }
-    };
-    let Some(((mut skel, _links), attach)) = loaded else {
-        let _ = started.send(Err(anyhow!(
-            "no timer program loaded ({})",
-            errors.join("; ")
-        )));
-        return;
-    };
+        };
     // Raw pointers into the mmapped .bss, derived from the one mutable view of it: the
     // kernel writes `vcpus` concurrently, so no Rust reference may be held across reads.
     let Some(bss) = skel.maps.bss_data.as_deref_mut() else {
@@ -323,21 +346,11 @@ fn event_thread(
     let emit: *mut u32 = std::ptr::addr_of_mut!(bss.emit_events).cast();
     let task_cpus: *mut u64 = std::ptr::addr_of_mut!(bss.task_cpus).cast();
     let events: Rc<RefCell<Vec<GapEvent>>> = Rc::default();
-    let rb = {
-        let sink = events.clone();
-        let mut b = RingBufferBuilder::new();
-        let added = b.add(&skel.maps.gaps, move |data: &[u8]| {
-            if let Some(e) = parse_event(data) {
-                sink.borrow_mut().push(e);
-            }
-            0
-        });
-        match added.map(|_| ()).and_then(|()| b.build()) {
-            Ok(rb) => rb,
-            Err(e) => {
-                let _ = started.send(Err(anyhow!("gap ring buffer: {e}")));
-                return;
-            }
+    let rb = match gap_ring(&skel, events.clone()) {
+        Ok(rb) => rb,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
         }
     };
     prepare_thread(cfg.rt_priority);

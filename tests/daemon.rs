@@ -72,8 +72,12 @@ impl Drop for Reader {
     }
 }
 
-const SLEEPERS: &str = "[monitor]\nsource = \"sleepers\"\n";
-const MECHANISM: &str = "[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard = false\n";
+// The steal emulator is a task of this kernel: a CPU it "steals" still takes the disk's
+// interrupts, so these tests measure the chasing planner, not completion-aware placement.
+const SLEEPERS: &str =
+    "[monitor]\nsource = \"sleepers\"\n\n[migration]\nfollow_completions = false\n";
+const MECHANISM: &str =
+    "[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard = false\nfollow_completions = false\n";
 
 struct Daemon {
     child: Option<Child>,
@@ -1039,4 +1043,68 @@ fn host_hold_anchors(held_cpu: usize) {
     );
     drop(reader);
     drop(host);
+}
+
+/// Hypervisor-like deschedules (irq-steal: a descheduled CPU holds the disk's interrupt
+/// too), the default configuration with the kernel source: the reader is kept on the vCPU
+/// the kernel's queue map names as its completion vCPU, status says so, and SIGTERM gives
+/// its mask back.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn under_hard_irq_deschedules_the_reader_is_kept_with_its_completion_vcpu() {
+    assert_root();
+    assert_cpus(2);
+    let map = task_detector::queues::QueueMap::read(&os_layer::Root::real()).expect("queue map");
+    let home = migrater::completion::prior(&map.completion_cpus(), &[0, 1]);
+    let migrater::completion::Home::Fixed(completion_cpu) = home else {
+        panic!("this test needs a disk with one completion vCPU; the queue map says {map:?}");
+    };
+    let file = data_file();
+    let reader = Reader::start(&file);
+    let _hogs: Vec<_> = (0..2)
+        .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect();
+    let original = cpus_of(reader.tid());
+    let plan = "anti:20000:10000"
+        .parse::<irq_steal::Schedule>()
+        .expect("schedule")
+        .plan(&[0, 1], Duration::from_secs(20))
+        .expect("plan");
+    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
+    // Every request tracked, so the reader is found in the first windows.
+    let mut daemon = Daemon::start_with_config(
+        tempfile::tempdir().expect("tempdir"),
+        "[detector]\nsample_every_ms = 0\n",
+        &["--no-metrics"],
+    );
+    let tid = reader.tid() as u64;
+    let s = daemon.wait_for(
+        Duration::from_secs(15),
+        "the reader kept with its completions",
+        |s| {
+            s["kept_with_completions"]
+                .as_array()
+                .is_some_and(|k| k.iter().any(|k| k["tid"].as_u64() == Some(tid)))
+        },
+    );
+    let kept = s["kept_with_completions"].as_array().unwrap().clone();
+    assert!(
+        kept.iter()
+            .any(|k| k["tid"].as_u64() == Some(tid)
+                && k["cpu"].as_u64() == Some(completion_cpu as u64)),
+        "kept {kept:?}, the queue map's completion vCPU is {completion_cpu}"
+    );
+    assert_eq!(
+        cpus_of(reader.tid()),
+        vec![completion_cpu],
+        "the reader's mask"
+    );
+    let log = daemon.terminate();
+    drop(steal);
+    assert_eq!(
+        cpus_of(reader.tid()),
+        original,
+        "mask not restored; log:\n{log}"
+    );
+    assert!(log.contains("kept there"), "{log}");
 }

@@ -55,6 +55,9 @@ pub struct EngineConfig {
     pub guard: Option<GuardConfig>,
     /// Where tasks' completions land before their own say (`completion::prior`).
     pub completion_prior: Home,
+    /// Whether tasks whose completions land on one fixed vCPU are kept there (else every
+    /// managed task is the planner's).
+    pub follow_completions: bool,
 }
 
 /// What the host agent says, as the channel last heard it.

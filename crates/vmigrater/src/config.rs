@@ -239,6 +239,12 @@ pub struct MigrationSection {
     pub guard: bool,
     /// Length of one guard epoch.
     pub guard_epoch_ms: u64,
+    /// Keep an I/O-bound task on the vCPU that takes its requests' completion interrupts
+    /// where that vCPU is fixed (a descheduled vCPU holds its interrupts, so elsewhere each
+    /// request needs two vCPUs to run). false: always move I/O-bound tasks towards running
+    /// vCPUs, for a hypervisor that delivers a descheduled vCPU's interrupts elsewhere or
+    /// a steal emulator that does not hold them.
+    pub follow_completions: bool,
 }
 
 impl Default for MigrationSection {
@@ -249,6 +255,7 @@ impl Default for MigrationSection {
             exclude_comm: Vec::new(),
             guard: true,
             guard_epoch_ms: 1_000,
+            follow_completions: true,
         }
     }
 }

@@ -75,7 +75,13 @@ fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> Eng
             epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
             ..GuardConfig::default()
         }),
-        completion_prior: completion_prior(cpus),
+        completion_prior: if cfg.migration.follow_completions {
+            completion_prior(cpus)
+        } else {
+            info!("migration.follow_completions = false: I/O-bound tasks follow the running vCPUs wherever their requests complete");
+            Home::Unknown
+        },
+        follow_completions: cfg.migration.follow_completions,
     }
 }
 

@@ -46,7 +46,8 @@ impl Engine {
         self.snap.found = eligible.iter().map(|i| found_task(i)).collect();
         let host_holds = self.note_host_hold(held);
         // Moves that only keep tasks with their completions need not win, only not lose.
-        let all_homed = !eligible.is_empty()
+        let all_homed = self.cfg.follow_completions
+            && !eligible.is_empty()
             && eligible
                 .iter()
                 .all(|i| matches!(self.homes.home(i.task.tid), Home::Fixed(_)));
@@ -117,6 +118,9 @@ impl Engine {
         next: &[TaskEntry],
         act: &mut impl TaskPlacement,
     ) -> Vec<Anchored> {
+        if !self.cfg.follow_completions {
+            return Vec::new();
+        }
         // Each poll's window once: between samples the last one stands.
         if self.fresh {
             for i in found {

@@ -166,6 +166,7 @@ fn config() -> EngineConfig {
         gate_on_contention: false,
         guard: None,
         completion_prior: crate::completion::Home::Unknown,
+        follow_completions: true,
     }
 }
 

@@ -10,9 +10,10 @@
 //! - **Follows the submitter**: a queue per vCPU; a completion lands where its request was
 //!   submitted, so the task is best on a running vCPU, the classic vMigrater move.
 //!
-//! Learned per task from its own completions (`CompletionSite`, measured by the block
-//! programs), sticky: a task anchored on its completion vCPU submits only from there and
-//! its completions look local, which says nothing new. Pure: no clock, no I/O.
+//! Known before any I/O from the kernel's queue map (`prior`), then learned per task from
+//! its own completions (`CompletionSite`, measured by the block programs), sticky: a task
+//! anchored on its completion vCPU submits only from there and its completions look local,
+//! which says nothing new. Pure: no clock, no I/O.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use task_detector::CompletionSite;

@@ -31,6 +31,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 use steal_emulator::{monotonic_ns, Emulator, Pattern, StealRecord};
 use vmigrater_testbed::daemon::BenchDaemon;
+use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{require_root, workload, workspace_bin};
 
 const MODES: [&str; 3] = ["no_sharing", "vanilla", "vmigrater"];
@@ -68,49 +69,6 @@ fn env_num(name: &str, default: f64) -> f64 {
 fn clk_tck() -> f64 {
     // SAFETY: sysconf has no preconditions.
     (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64
-}
-
-/// System-wide CPU time from /proc/stat, in seconds summed over all CPUs.
-#[derive(Clone, Copy, Default)]
-struct SystemCpu {
-    total: f64,
-    busy: f64,
-    irq: f64,
-    /// Time the hypervisor under this VM ran something else (the `steal` column).
-    host_steal: f64,
-}
-
-impl SystemCpu {
-    fn read() -> SystemCpu {
-        let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-        // user nice system idle iowait irq softirq steal (guest time is inside user).
-        let f: Vec<f64> = text
-            .lines()
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .skip(1)
-            .take(8)
-            .filter_map(|x| x.parse().ok())
-            .collect();
-        let at = |i: usize| f.get(i).copied().unwrap_or(0.0) / clk_tck();
-        let total: f64 = (0..8).map(at).sum();
-        SystemCpu {
-            total,
-            busy: total - at(3) - at(4) - at(7),
-            irq: at(5) + at(6),
-            host_steal: at(7),
-        }
-    }
-
-    fn since(self, earlier: SystemCpu) -> SystemCpu {
-        SystemCpu {
-            total: self.total - earlier.total,
-            busy: self.busy - earlier.busy,
-            irq: self.irq - earlier.irq,
-            host_steal: self.host_steal - earlier.host_steal,
-        }
-    }
 }
 
 /// user+system seconds of this process (all threads, dead ones included) or of its

@@ -41,6 +41,7 @@ use std::time::{Duration, Instant};
 use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::stats::{self, Estimate};
+use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{placement, require_root, workload, workspace_bin};
 
 const MODES: [&str; 5] = [
@@ -267,23 +268,7 @@ fn proc_cpu_s(pid: u32) -> f64 {
 /// Busy CPU seconds of the whole machine (all CPUs) from /proc/stat: user through softirq,
 /// without idle, iowait and the hypervisor's steal column.
 fn busy_cpu_s() -> f64 {
-    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let f: Vec<f64> = text
-        .lines()
-        .next()
-        .unwrap_or("")
-        .split_whitespace()
-        .skip(1)
-        .take(8)
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    // SAFETY: sysconf has no preconditions.
-    let hz = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64;
-    [0, 1, 2, 5, 6]
-        .iter()
-        .filter_map(|&i| f.get(i))
-        .sum::<f64>()
-        / hz
+    SystemCpu::read().busy
 }
 
 /// user+system seconds of this process, or of its waited-for children.

@@ -154,3 +154,48 @@ impl Drop for Tmpfs {
             .status();
     }
 }
+
+/// System-wide CPU time from /proc/stat, in seconds summed over all CPUs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SystemCpu {
+    pub total: f64,
+    pub busy: f64,
+    pub irq: f64,
+    /// Time the hypervisor under this VM ran something else (the `steal` column).
+    pub host_steal: f64,
+}
+
+impl SystemCpu {
+    pub fn read() -> SystemCpu {
+        let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+        // SAFETY: sysconf has no preconditions.
+        let ticks_per_s = (unsafe { libc::sysconf(libc::_SC_CLK_TCK) }) as f64;
+        // user nice system idle iowait irq softirq steal (guest time is inside user).
+        let f: Vec<f64> = text
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .skip(1)
+            .take(8)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        let at = |i: usize| f.get(i).copied().unwrap_or(0.0) / ticks_per_s;
+        let total: f64 = (0..8).map(at).sum();
+        SystemCpu {
+            total,
+            busy: total - at(3) - at(4) - at(7),
+            irq: at(5) + at(6),
+            host_steal: at(7),
+        }
+    }
+
+    pub fn since(self, earlier: SystemCpu) -> SystemCpu {
+        SystemCpu {
+            total: self.total - earlier.total,
+            busy: self.busy - earlier.busy,
+            irq: self.irq - earlier.irq,
+            host_steal: self.host_steal - earlier.host_steal,
+        }
+    }
+}

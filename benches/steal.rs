@@ -297,6 +297,7 @@ fn decisions(log: &str) -> Value {
                 "kept there",
                 "move guard",
                 "restored",
+                "no longer I/O-bound",
                 "WARN",
                 "ERROR",
             ]

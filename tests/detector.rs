@@ -664,3 +664,95 @@ fn the_queue_map_names_the_vcpu_whose_interrupts_grow() {
         );
     }
 }
+
+/// Polls a fresh detector every window for `within`; returns the I/O-bound record of
+/// `tid` when it is found, with the time it took.
+fn found_within(
+    cfg: ClassifierConfig,
+    tid: u32,
+    within: Duration,
+) -> Option<(Duration, task_detector::IoTask)> {
+    let mut storage = TrackerStorage::new();
+    let tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
+    let window = Duration::from_nanos(cfg.window_ns);
+    let mut det = Detector::new(tracker, cfg);
+    let t0 = Instant::now();
+    while t0.elapsed() < within {
+        let out = det.poll().expect("poll");
+        if let Some(t) = out.tasks.iter().find(|t| t.task.tid == tid) {
+            return Some((t0.elapsed(), t.task.clone()));
+        }
+        std::thread::sleep(window);
+    }
+    None
+}
+
+/// A request/response task (one read, then ~200 µs of CPU work) that submits on one vCPU
+/// while its reads complete on another, both taken away half of the time by hard-IRQ
+/// deschedules in anti-phase: each read waits for the other vCPU's window, so the task
+/// waits on I/O most of the time, yet its requests come milliseconds apart, seldom two in
+/// one 5 ms window. It is found I/O-bound on windows stretched until they hold enough
+/// requests; with windows that never stretch (the classifier before this rule) it is not.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_request_task_waiting_for_a_descheduled_completion_vcpu_is_found() {
+    assert_root();
+    vmigrater_testbed::assert_cpus(2);
+    let _serial = serial();
+    let file = data_file();
+    let completing = vmigrater_testbed::completion::CompletionMap::for_file(&file)
+        .expect("completion map")
+        .cpus();
+    let submit = (0..2)
+        .find(|c| !completing.contains(c))
+        .unwrap_or_else(|| {
+            panic!("this test needs a disk whose completions land on one vCPU; they land on {completing:?}")
+        });
+    let plan = "anti:20000:10000"
+        .parse::<irq_steal::Schedule>()
+        .expect("schedule")
+        .plan(&[0, 1], Duration::from_secs(12))
+        .expect("plan");
+    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
+    let hogs: Vec<_> = (0..2)
+        .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect();
+    let spec = workload::IoSpec {
+        pin: Some(submit),
+        request_work: workload::work_units_for(Duration::from_micros(200)),
+        ..workload::IoSpec::new(workload::ReadPattern::Request)
+    };
+    let task = workload::spawn_io(&file, spec).expect("request task");
+    std::thread::sleep(Duration::from_millis(300));
+    let fixed = ClassifierConfig {
+        max_window_ns: ClassifierConfig::default().window_ns,
+        ..ClassifierConfig::default()
+    };
+    let unstretched = found_within(fixed, task.tid, Duration::from_secs(4));
+    let stretched = found_within(
+        ClassifierConfig::default(),
+        task.tid,
+        Duration::from_secs(4),
+    );
+    let done = task.stop().expect("request task");
+    for h in hogs {
+        h.stop().expect("hog");
+    }
+    let report = steal.stop().expect("stop irq-steal");
+    eprintln!(
+        "requests done: {done}; unstretched: {unstretched:?}; stretched: {stretched:?}\n{report}"
+    );
+    let (after, t) = stretched.expect("the request task was never found I/O-bound");
+    // Only meaningful where requests were too sparse for a 5 ms window.
+    assert!(
+        t.iops < 400.0,
+        "{:.0} requests/s: two per 5 ms window, this test did not exercise sparse requests",
+        t.iops
+    );
+    assert!(after <= Duration::from_secs(2), "found after {after:?}");
+    assert!(t.io_fraction >= 0.25, "{t:?}");
+    assert!(
+        unstretched.is_none(),
+        "found on unstretched windows too: {unstretched:?}"
+    );
+}

@@ -1,7 +1,7 @@
 //! The daemon under test in the benchmarks: the release `vmigrater run` with a given
-//! configuration, in a private state directory (never /run/vmigrater), its info log kept
-//! there, no metrics endpoint. Stopped with SIGTERM so it restores every mask, also when a
-//! benchmark fails half-way (drop).
+//! configuration, in a private state directory (never /run/vmigrater), its info log (and
+//! the classifier's reasons, at debug) kept there, no metrics endpoint. Stopped with
+//! SIGTERM so it restores every mask, also when a benchmark fails half-way (drop).
 
 use anyhow::{Context, Result};
 use serde_json::Value;
@@ -27,7 +27,15 @@ impl BenchDaemon {
         let child = Command::new(workspace_bin("vmigrater"))
             .arg("--config")
             .arg(&config_path)
-            .args(["--log", "info", "run", "--no-metrics", "--state-dir"])
+            // The classifier says at debug why a task stopped being I/O-bound: one line
+            // per such decision, kept with the others.
+            .args([
+                "--log",
+                "info,task_detector::classifier=debug",
+                "run",
+                "--no-metrics",
+                "--state-dir",
+            ])
             .arg(state_dir.path())
             .args(extra)
             .stdout(Stdio::null())

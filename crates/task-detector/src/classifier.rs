@@ -5,6 +5,11 @@
 //! not "I/O-bound"); it leaves only after `exit_windows` consecutive windows below
 //! `exit_fraction` — the hysteresis that keeps a bursty reader from flapping. A window
 //! with more than `max_cpu_fraction` on a CPU is CPU-bound and counts as below.
+//! A window with some I/O but fewer requests than the minimum stretches up to
+//! `max_window_ns`: a task that issues a request every few milliseconds (one that computes
+//! between requests, or whose completions wait for a descheduled vCPU) is judged on enough
+//! requests, while a window with none still closes on time, so a task that stopped
+//! leaves as fast as before.
 //! No clocks, no /proc: the caller provides time and counters.
 
 use std::collections::HashMap;
@@ -13,6 +18,9 @@ use std::collections::HashMap;
 pub struct ClassifierConfig {
     /// Nominal window; shorter observed windows are merged until this much time passed.
     pub window_ns: u64,
+    /// Longest window: one with I/O (a request, or time in flight) but fewer than
+    /// `min_ios_per_window` requests is merged with the next ones up to this long.
+    pub max_window_ns: u64,
     pub enter_fraction: f64,
     pub exit_fraction: f64,
     pub enter_windows: u32,
@@ -34,6 +42,7 @@ impl Default for ClassifierConfig {
     fn default() -> Self {
         ClassifierConfig {
             window_ns: 5_000_000,
+            max_window_ns: 50_000_000,
             enter_fraction: 0.25,
             exit_fraction: 0.10,
             enter_windows: 2,
@@ -115,6 +124,8 @@ struct ThreadState {
     base_done: Completions,
     above: u32,
     below: u32,
+    /// Of the `below` windows, those below only for being on a CPU (for the log).
+    below_on_cpu: u32,
     io_bound: bool,
     load: f64,
     last: IoTaskFields,
@@ -186,6 +197,7 @@ impl IoClassifier {
                 base_done: t.completions,
                 above: 0,
                 below: 0,
+                below_on_cpu: 0,
                 io_bound: false,
                 load: 0.0,
                 last: IoTaskFields::default(),
@@ -204,12 +216,15 @@ impl IoClassifier {
                 continue;
             }
             let dt = now_ns.saturating_sub(st.base_ts);
-            if dt < cfg.window_ns {
+            let ios = t.ios - st.base_ios;
+            let some_io = ios > 0 || t.busy_ns > st.base_busy;
+            if dt < cfg.window_ns
+                || (some_io && ios < cfg.min_ios_per_window && dt < cfg.max_window_ns)
+            {
                 continue;
             }
             let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
             let cpu_fraction = (t.cpu_ns.saturating_sub(st.base_cpu) as f64 / dt as f64).min(1.0);
-            let ios = t.ios - st.base_ios;
             let done = t.completions.total.saturating_sub(st.base_done.total);
             let remote = t.completions.remote.saturating_sub(st.base_done.remote);
             st.last = IoTaskFields {
@@ -246,15 +261,26 @@ impl IoClassifier {
             }
             if io_fraction < cfg.exit_fraction || !cpu_ok {
                 st.below += 1;
+                st.below_on_cpu += u32::from(io_fraction >= cfg.exit_fraction);
             } else {
                 st.below = 0;
+                st.below_on_cpu = 0;
             }
             if !st.io_bound && st.above >= cfg.enter_windows {
                 st.io_bound = true;
                 st.below = 0;
+                st.below_on_cpu = 0;
             } else if st.io_bound && st.below >= cfg.exit_windows {
                 st.io_bound = false;
                 st.above = 0;
+                tracing::debug!(
+                    tid = t.tid,
+                    windows = st.below,
+                    on_cpu = st.below_on_cpu,
+                    io_fraction = format!("{io_fraction:.2}"),
+                    cpu_fraction = format!("{cpu_fraction:.2}"),
+                    "no longer I/O-bound: windows below the exit fraction, or on a CPU"
+                );
             }
         }
         // Forget idle threads; an I/O-bound one leaves through the exit windows first,
@@ -392,12 +418,45 @@ mod tests {
     }
 
     #[test]
-    fn near_threshold_without_enough_requests_does_not_enter() {
+    fn one_slow_request_does_not_enter() {
         let mut c = IoClassifier::new(ClassifierConfig::default());
         let mut flush = Synth::new(9);
-        // One 5 ms fsync per window: 100% in flight but one request.
-        let out = run(&mut c, 20, |_| vec![flush.step(1.0, 1, 0.0)]);
-        assert!(out.iter().all(|o| o.is_empty()));
+        // One 30 ms flush, then quiet: 100% in flight for six windows, but one request.
+        let out = run(&mut c, 40, |w| match w {
+            1 => vec![flush.step(1.0, 1, 0.0)],
+            2..=6 => vec![flush.step(1.0, 0, 0.0)],
+            _ => vec![flush.step(0.0, 0, 0.0)],
+        });
+        assert!(out.iter().all(|o| o.is_empty()), "{out:?}");
+    }
+
+    #[test]
+    fn a_task_with_a_request_every_few_windows_is_judged_on_longer_windows() {
+        // A request/response server whose reads wait ~12 ms for a descheduled vCPU's
+        // completion, then computes 0.5 ms: one request per 2.5 windows, never two in one.
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut server = Synth::new(12);
+        let out = run(&mut c, 40, |w| {
+            let ios = u64::from(w % 5 == 0 || w % 5 == 3);
+            vec![server.step(0.95, ios, 0.05)]
+        });
+        let entered = out
+            .iter()
+            .position(|o| !o.is_empty())
+            .expect("never entered");
+        // Each window needs two requests (≤ 3 nominal windows), and two such windows.
+        assert!(entered <= 12, "entered at window {entered}");
+        assert!(out[entered..].iter().all(|o| o.len() == 1), "flapped");
+        let t = &out[39][0];
+        assert!(t.iops > 60.0 && t.iops < 100.0, "iops {}", t.iops);
+        // Once it stops, windows with no I/O close on time: it leaves after the last
+        // stretched window (≤ 10 nominal ones) and the usual 20 below, not after 20
+        // stretched ones.
+        let out: Vec<Vec<IoTask>> = (40..100u64)
+            .map(|w| c.observe((w + 1) * 5 * MS, &[server.step(0.0, 0, 0.0)]))
+            .collect();
+        let left = out.iter().position(|o| o.is_empty()).expect("never left");
+        assert!(left <= 31, "left after {left} windows");
     }
 
     #[test]

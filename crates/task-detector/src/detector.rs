@@ -71,7 +71,10 @@ pub struct Detector<'obj> {
     classifier: IoClassifier,
     proc: ProcReader,
     identities: HashMap<u32, Identity>,
-    last_ios: HashMap<u32, u64>,
+    /// Per untracked thread: its request count and the time it was taken, kept until
+    /// the thread has enough new requests to be classified or the classifier's longest
+    /// window passed, so a thread with a request every few ms is seen too.
+    last_ios: HashMap<u32, (u64, u64)>,
     last_completions: u64,
     /// Sampled tracking: the classifier lives on the clock of tracked time only, so the
     /// pauses in between are neither "no I/O" nor "on CPU". Time and each thread's CPU
@@ -191,12 +194,17 @@ impl<'obj> Detector<'obj> {
         let mut obs = Vec::new();
         let mut gone = Vec::new();
         for s in &samples {
-            let prev = self.last_ios.insert(s.tid, s.ios);
-            // A thread starts being classified only with enough requests in one poll to
-            // possibly qualify; a lone background write costs no /proc read.
-            let new_ios = s.ios.saturating_sub(prev.unwrap_or(s.ios));
-            let min_ios = self.classifier.config().min_ios_per_window;
+            // A thread starts being classified only with enough requests within the
+            // classifier's longest window to possibly qualify; a lone background write
+            // costs no /proc read.
+            let cfg = self.classifier.config();
+            let (min_ios, longest) = (cfg.min_ios_per_window, cfg.max_window_ns);
+            let prev = self.last_ios.get(&s.tid).copied();
+            let new_ios = s.ios.saturating_sub(prev.map_or(s.ios, |(ios, _)| ios));
             let fresh = new_ios >= min_ios || (prev.is_none() && s.in_flight > 0);
+            if fresh || prev.is_none_or(|(_, at)| real_now.saturating_sub(at) >= longest) {
+                self.last_ios.insert(s.tid, (s.ios, real_now));
+            }
             if !fresh && !self.classifier.tracks(s.tid) {
                 // Idle for long and not tracked: drop it from the kernel map too.
                 if real_now.saturating_sub(s.last_ts) > 10_000_000_000 {

@@ -50,6 +50,7 @@ pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
 fn classifier_config(cfg: &Config) -> ClassifierConfig {
     ClassifierConfig {
         window_ns: cfg.detector.window_ms * 1_000_000,
+        max_window_ns: cfg.detector.window_ms * 10_000_000,
         ..ClassifierConfig::default()
     }
 }

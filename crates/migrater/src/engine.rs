@@ -14,7 +14,7 @@
 mod tasks;
 mod tracking;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
 use task_detector::{CpuIoSample, DetectorOutput, IoTaskInfo};
@@ -32,6 +32,14 @@ pub const CONTENTION_WINDOW: Duration = Duration::from_secs(2);
 /// How long before a hold ends block tracking resumes: two contention checks (the loop
 /// looks every window while paused) and a sample, so the probe finds the I/O-bound tasks.
 pub const HOLD_LEAD: Duration = Duration::from_secs(5);
+
+/// How long a task kept with its completions stays kept after the classifier last found
+/// it I/O-bound: a sampling period and some. Pinned to a vCPU that is taken away, a task
+/// shows neither I/O nor CPU of its own for a while (or, where the kernel charges the lost
+/// time to whatever ran, CPU it never used), and one such sample must not send it back to
+/// a vCPU whose requests complete elsewhere. A task that really stopped is handed back
+/// this much later; one whose mask someone else changed, at once.
+pub const KEEP_GRACE: Duration = Duration::from_secs(3);
 
 /// The settings of the loop, fixed for a run.
 #[derive(Clone, Debug)]
@@ -209,6 +217,8 @@ pub struct Engine {
     anchored: Vec<Anchored>,
     /// Where each I/O-bound task's completions land.
     homes: CompletionHomes,
+    /// Tasks kept with their completions: when the classifier last found each.
+    kept_found_ns: HashMap<u32, u64>,
     snap: EngineSnapshot,
 }
 
@@ -234,6 +244,7 @@ impl Engine {
             current: Arc::new(Vec::new()),
             anchored: Vec::new(),
             homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
+            kept_found_ns: HashMap::new(),
             snap: EngineSnapshot::default(),
             cfg,
         }

@@ -9,7 +9,7 @@ use task_detector::IoTaskInfo;
 use tracing::{debug, info};
 use vcpu_monitor::Demand;
 
-use super::{Actuator, Anchored, Engine, TaskPlacement};
+use super::{Actuator, Anchored, Engine, TaskPlacement, KEEP_GRACE};
 use crate::admission::{self, Admission};
 use crate::completion::Home;
 use crate::guard::Burden;
@@ -61,11 +61,13 @@ impl Engine {
         let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
         self.snap.moves_allowed = moves_allowed;
         let next = if moves_allowed {
-            self.admit(&found, act)
+            let mut next = self.admit(&found, act);
+            self.carry_kept(now, &mut next, act);
+            next
         } else {
             Vec::new()
         };
-        let homed = self.keep_with_completions(&found, &next, act);
+        let homed = self.keep_with_completions(now, &found, &next, act);
         let mut anchored_now: Vec<Anchored> = if host_holds {
             let on_held = act.anchor(&self.snap.found, held, Reason::Held);
             eligible
@@ -114,6 +116,7 @@ impl Engine {
     /// planner's to move.
     fn keep_with_completions(
         &mut self,
+        now: u64,
         found: &[IoTaskInfo],
         next: &[TaskEntry],
         act: &mut impl TaskPlacement,
@@ -121,13 +124,15 @@ impl Engine {
         if !self.cfg.follow_completions {
             return Vec::new();
         }
-        // Each poll's window once: between samples the last one stands.
+        // Each poll's window once: between samples the last one stands. A task carried
+        // through its grace keeps what was learnt of it.
         if self.fresh {
             for i in found {
                 self.homes.observe(i.task.tid, &i.task.completion);
             }
-            self.homes
-                .retain(|tid| found.iter().any(|i| i.task.tid == tid));
+            self.homes.retain(|tid| {
+                found.iter().any(|i| i.task.tid == tid) || next.iter().any(|e| e.tid == tid)
+            });
         }
         let mut homed = Vec::new();
         self.snap.kept_with_completions.clear();
@@ -158,6 +163,9 @@ impl Engine {
                     "its requests complete on vCPU {cpu} wherever it submits: kept there"
                 );
             }
+            if found.iter().any(|i| i.task.tid == e.tid) {
+                self.kept_found_ns.insert(e.tid, now);
+            }
             self.snap
                 .kept_with_completions
                 .push(super::KeptTask { tid: e.tid, cpu });
@@ -166,7 +174,44 @@ impl Engine {
                 comm: e.comm.clone(),
             });
         }
+        self.kept_found_ns
+            .retain(|tid, _| homed.iter().any(|h| h.tid == *tid));
         homed
+    }
+
+    /// Keeps managing the tasks kept with their completions that this window did not
+    /// find, for `KEEP_GRACE` after it last did (unless someone else changed their mask).
+    fn carry_kept(&mut self, now: u64, next: &mut Vec<TaskEntry>, act: &impl TaskPlacement) {
+        if !self.cfg.follow_completions {
+            return;
+        }
+        let grace = KEEP_GRACE.as_nanos() as u64;
+        let mut carried: Vec<TaskEntry> = self
+            .current
+            .iter()
+            .filter(|e| !next.iter().any(|n| n.tid == e.tid))
+            .filter(|e| {
+                self.kept_found_ns
+                    .get(&e.tid)
+                    .is_some_and(|&at| now.saturating_sub(at) < grace)
+            })
+            .cloned()
+            .collect();
+        if carried.is_empty() {
+            return;
+        }
+        let hands_off = act.hands_off();
+        carried.retain(|e| !hands_off.contains(&(e.tid, e.start_time)));
+        for e in &carried {
+            if self.fresh {
+                debug!(
+                    tid = e.tid,
+                    comm = %e.comm,
+                    "not found I/O-bound in this window: kept with its completions a while"
+                );
+            }
+        }
+        next.extend(carried);
     }
 
     /// The host agent favours vCPUs for our I/O: chasing running vCPUs would undo its

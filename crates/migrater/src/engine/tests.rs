@@ -530,10 +530,43 @@ fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_t
     assert_eq!(f.published_tids(), [11]);
     assert!(f.released.is_empty(), "kept, not handed back");
     assert!(f.anchors.len() >= managed_before);
-    // No longer I/O-bound: handed back like any managed task.
+    // No longer I/O-bound: handed back like any managed task, after the grace.
     f.window = vec![io_task(11)];
-    vm.run(&mut e, &mut f, 1, |_| 0);
+    vm.run(&mut e, &mut f, KEEP_GRACE.as_secs() + 1, |_| 0);
     assert_eq!(f.released, [10]);
+}
+
+#[test]
+fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+    // Its vCPU taken away through a whole sample: the classifier lets it go for a while.
+    f.window = Vec::new();
+    vm.run(&mut e, &mut f, KEEP_GRACE.as_secs() - 1, |_| 0);
+    assert!(f.released.is_empty(), "handed back at the first miss");
+    assert_eq!(f.managed.get(&10), Some(&Some(1)), "still pinned");
+    assert_eq!(
+        e.snapshot().kept_with_completions,
+        [KeptTask { tid: 10, cpu: 1 }]
+    );
+    assert!(
+        f.published_tids().is_empty(),
+        "never the planner's meanwhile"
+    );
+    // Found again within the grace: the grace starts over.
+    f.window = vec![io_task_completing_on(10, 1, 0.0)];
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    f.window = Vec::new();
+    vm.run(&mut e, &mut f, KEEP_GRACE.as_secs() - 1, |_| 0);
+    assert!(f.released.is_empty());
+    // Gone for longer than the grace: handed back.
+    vm.run(&mut e, &mut f, 2, |_| 0);
+    assert_eq!(f.released, [10]);
+    assert!(e.snapshot().kept_with_completions.is_empty());
 }
 
 #[test]

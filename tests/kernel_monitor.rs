@@ -277,10 +277,12 @@ fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
             seen as f64 / 1e6,
             host_stole as f64 / 1e6
         );
-        // Nearly every window seen as one gap (measured: 139–151 of 150; the host's own
-        // steal may add a few).
+        // Nearly every window seen as one gap (measured: 139–151 of 150). This machine's
+        // own host adds some: each of its deschedules over the 1 ms threshold is a gap
+        // too (1–6 ms each, dozens a second, seen under CI load), at most one per ms.
+        let host_gaps = host_stole / MS;
         assert!(
-            gaps >= c.windows_hit * 8 / 10 && gaps <= c.windows_hit + 20,
+            gaps >= c.windows_hit * 8 / 10 && gaps <= c.windows_hit + 20 + host_gaps,
             "cpu {}: {gaps} gaps for {} windows",
             s.cpu,
             c.windows_hit

@@ -87,6 +87,9 @@ pub struct Observation {
     /// The kernel's count of completed block requests; only needed where
     /// `Engine::reads_disk` says so (`None` elsewhere, or where it cannot be read).
     pub disk_completed: Option<u64>,
+    /// Each vCPU's steal time as the host reports it, `(cpu, ns)` cumulative; empty where
+    /// it is not read. It may lag the board by a read period.
+    pub steal_ns: Vec<(usize, u64)>,
     pub host: HostHints,
 }
 
@@ -263,7 +266,7 @@ impl Engine {
     /// One round of the loop; returns how long to nap before the next.
     pub fn step(&mut self, obs: Observation, act: &mut impl Actuator) -> Duration {
         let now = obs.now_ns;
-        self.judge_contention(now, &obs.vcpus);
+        self.judge_contention(now, &obs.vcpus, &obs.steal_ns);
         let (wants_tracking, mut nap_limit) = self.steer_tracking(now, obs.host.agent_answers, act);
         if !wants_tracking {
             // Paused for want of contention: look again a window later.

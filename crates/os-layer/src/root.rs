@@ -68,7 +68,7 @@ impl Root {
     }
 }
 
-fn located(path: &Path, e: io::Error) -> io::Error {
+pub(crate) fn located(path: &Path, e: io::Error) -> io::Error {
     io::Error::new(e.kind(), format!("{}: {e}", path.display()))
 }
 

@@ -222,6 +222,7 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
     };
     let mut engine = Engine::new(s.engine.clone(), monotonic_ns());
     let mut diskstats = task_detector::diskstats::DiskStats::default();
+    let mut steal = StealReader::default();
     while !s.stop.is_set() {
         let now = monotonic_ns();
         let obs = Observation {
@@ -232,6 +233,7 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
             } else {
                 None
             },
+            steal_ns: steal.read(now),
             host: HostHints {
                 held: s.channel.held_vcpus(now),
                 agent_answers: s.channel.replies.load(Ordering::Relaxed) > 0,
@@ -240,5 +242,38 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
         let nap = engine.step(obs, &mut live);
         s.snapshot.store(Arc::new(engine.snapshot().clone()));
         s.stop.nap(nap);
+    }
+}
+
+/// The host's steal time per vCPU, read from /proc/stat at most every `EVERY_NS`: the
+/// contention gate judges 2 s windows, and a read per detector window would cost more
+/// than it tells. A failed read is said once and leaves the gate to the monitor.
+#[derive(Default)]
+struct StealReader {
+    last: Option<(u64, Vec<(usize, u64)>)>,
+    failed: bool,
+}
+
+impl StealReader {
+    const EVERY_NS: u64 = 250_000_000;
+
+    fn read(&mut self, now: u64) -> Vec<(usize, u64)> {
+        if self.failed {
+            return Vec::new();
+        }
+        match &self.last {
+            Some((at, steal)) if now.saturating_sub(*at) < Self::EVERY_NS => steal.clone(),
+            _ => match os_layer::Root::real().steal_ns() {
+                Ok(steal) => {
+                    self.last = Some((now, steal.clone()));
+                    steal
+                }
+                Err(e) => {
+                    self.failed = true;
+                    warn!("the host's steal time is not readable ({e}): vCPU deschedules are judged by the monitor alone");
+                    Vec::new()
+                }
+            },
+        }
     }
 }

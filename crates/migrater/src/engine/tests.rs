@@ -207,6 +207,7 @@ impl Vm {
             now_ns: self.now,
             vcpus: vec![vcpu(0, self.inactive, self.covered), vcpu(1, 0, 0)],
             disk_completed: Some(self.disk),
+            steal_ns: Vec::new(),
             host: HostHints {
                 held: self.held.clone(),
                 agent_answers: self.agent_answers,

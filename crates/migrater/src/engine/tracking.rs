@@ -16,7 +16,12 @@ fn ns(d: Duration) -> u64 {
 
 impl Engine {
     /// Feeds the vCPUs' out times to the gate; says so when its judgement changes.
-    pub(super) fn judge_contention(&mut self, now: u64, vcpus: &[VcpuSnapshot]) {
+    pub(super) fn judge_contention(
+        &mut self,
+        now: u64,
+        vcpus: &[VcpuSnapshot],
+        steal: &[(usize, u64)],
+    ) {
         let was_contended = self.contended;
         let gate = self.cfg.gate_on_contention;
         self.contended = !gate || {
@@ -25,6 +30,7 @@ impl Engine {
                 .map(|v| VcpuOut {
                     inactive_ns: v.inactive_total_ns,
                     covered_ns: v.covered_total_ns,
+                    steal_ns: steal.iter().find(|s| s.0 == v.cpu).map_or(0, |s| s.1),
                 })
                 .collect();
             self.contention.observe(now, &out)

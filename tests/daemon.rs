@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use steal_emulator::{Emulator, Pattern};
+use vmigrater_testbed::signals::run_within;
 use vmigrater_testbed::{assert_cpus, assert_root, workload, workspace_bin};
 
 fn cpus_of(tid: u32) -> Vec<usize> {
@@ -1107,4 +1108,111 @@ fn under_hard_irq_deschedules_the_reader_is_kept_with_its_completion_vcpu() {
         "mask not restored; log:\n{log}"
     );
     assert!(log.contains("kept there"), "{log}");
+}
+
+/// Issue 27: a configuration must be a regular file of at most 1 MiB, checked before it
+/// is read. `/dev/zero` once made both programs grow by 1.4 GB a second, a FIFO hung them.
+#[test]
+fn a_config_that_is_not_a_small_regular_file_is_refused_before_reading() {
+    let dir = tempfile::tempdir().unwrap();
+    let fifo = dir.path().join("fifo.toml");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    let big = dir.path().join("big.toml");
+    std::fs::write(&big, "# padding\n".repeat(200_000)).unwrap();
+    let cases = [
+        (
+            PathBuf::from("/dev/zero"),
+            "is a character device, not a regular file",
+        ),
+        (fifo, "is a FIFO, not a regular file"),
+        (
+            dir.path().to_path_buf(),
+            "is a directory, not a regular file",
+        ),
+        (big, "holds 2000000 bytes, over the 1048576"),
+    ];
+    for bin in ["vmigrater", "vmigrater-hv-agent"] {
+        for sub in ["check", "run"] {
+            for (path, says) in &cases {
+                let t0 = Instant::now();
+                let (st, text) = run_within(
+                    Command::new(workspace_bin(bin))
+                        .arg("--config")
+                        .arg(path)
+                        .arg(sub),
+                    Duration::from_secs(5),
+                );
+                assert!(!st.success(), "{bin} {sub} {}: {text}", path.display());
+                assert!(
+                    text.contains(&format!("{} {says}", path.display())),
+                    "{bin} {sub}: {text}"
+                );
+                assert!(
+                    t0.elapsed() < Duration::from_secs(2),
+                    "{bin} {sub} {} took {:?}",
+                    path.display(),
+                    t0.elapsed()
+                );
+            }
+        }
+    }
+}
+
+/// Issue 27: a socket path over the 107 bytes of `sun_path` can never be bound or
+/// connected to; `check` and every start refuse it, naming the key.
+#[test]
+fn a_socket_path_longer_than_sun_path_is_refused_naming_the_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = format!("/tmp/{}", "d".repeat(100));
+    let cases = [
+        ("vmigrater", format!("state_dir = {long:?}\n"), "state_dir"),
+        (
+            "vmigrater-hv-agent",
+            format!("state_dir = {long:?}\n"),
+            "state_dir",
+        ),
+        (
+            "vmigrater-hv-agent",
+            format!("[[vm]]\nname = \"a\"\nhint_socket = \"{long}/h.sock\"\nvcpu_threads = [1]\n"),
+            "vm.hint_socket",
+        ),
+        (
+            "vmigrater-hv-agent",
+            format!("[[vm]]\nname = \"a\"\nqmp_socket = \"{long}/q.sock\"\n"),
+            "vm.qmp_socket",
+        ),
+    ];
+    for (bin, body, key) in cases {
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, body).unwrap();
+        for sub in ["check", "run"] {
+            let (st, text) = run_within(
+                Command::new(workspace_bin(bin))
+                    .arg("--config")
+                    .arg(&path)
+                    .arg(sub),
+                Duration::from_secs(10),
+            );
+            assert!(!st.success(), "{bin} {sub} accepted {key}:\n{text}");
+            assert!(
+                text.contains(&format!("{key}: the socket path"))
+                    && text.contains("over the 107 a unix socket address holds"),
+                "{bin} {sub}: {text}"
+            );
+        }
+    }
+    // The flag is held to the same limit.
+    let empty = dir.path().join("empty.toml");
+    std::fs::write(&empty, "").unwrap();
+    let (st, text) = run_within(
+        Command::new(workspace_bin("vmigrater"))
+            .arg("--config")
+            .arg(&empty)
+            .args(["run", "--state-dir", &long]),
+        Duration::from_secs(10),
+    );
+    assert!(
+        !st.success() && text.contains("state_dir: the socket path"),
+        "{text}"
+    );
 }

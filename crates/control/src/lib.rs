@@ -132,18 +132,112 @@ pub fn parse_checked<T: DeserializeOwned>(
     Ok(cfg)
 }
 
+/// The most a configuration file may hold: far more than any real one, and a bound on
+/// what a mistaken `--config /dev/zero` or a runaway file can make the daemon read.
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
 /// Reads `path` and parses it with `parse(text, origin)`. A missing file at the default
-/// location means all defaults; a missing file that the user named is an error.
+/// location means all defaults; a missing file that the user named is an error. Only a
+/// regular file of at most `MAX_CONFIG_BYTES` is read.
 pub fn load_config<T: Default>(
     path: &Path,
     explicit: bool,
     parse: impl FnOnce(&str, &str) -> Result<T>,
 ) -> Result<T> {
-    match std::fs::read_to_string(path) {
+    match read_bounded(path, "configuration", MAX_CONFIG_BYTES) {
         Ok(text) => parse(&text, &path.display().to_string()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(T::default()),
-        Err(e) => Err(e).with_context(|| format!("reading config {}", path.display())),
+        Err(e)
+            if !explicit
+                && e.downcast_ref::<std::io::Error>()
+                    .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
+        {
+            Ok(T::default())
+        }
+        Err(e) => Err(e),
     }
+}
+
+/// Reads a file an operator names (`what` says which kind, for the error): refuses
+/// anything but a regular file, and anything over `limit` bytes, before reading it, and
+/// reads at most `limit` bytes of a file that grows meanwhile. A FIFO is opened without
+/// blocking, so a file swapped for one after the check cannot hang the caller.
+pub fn read_bounded(path: &Path, what: &str, limit: u64) -> Result<String> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let kind = |t: std::fs::FileType| {
+        if t.is_dir() {
+            "a directory"
+        } else if t.is_char_device() {
+            "a character device"
+        } else if t.is_block_device() {
+            "a block device"
+        } else if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        }
+    };
+    let check = |meta: &std::fs::Metadata| -> Result<()> {
+        if !meta.is_file() {
+            anyhow::bail!(
+                "{} is {}, not a regular file: a {what} file must be a regular file",
+                path.display(),
+                kind(meta.file_type())
+            );
+        }
+        if meta.len() > limit {
+            anyhow::bail!(
+                "{} holds {} bytes, over the {limit} a {what} file may hold",
+                path.display(),
+                meta.len()
+            );
+        }
+        Ok(())
+    };
+    // The NotFound error stays an io::Error at the root, so callers can tell it apart.
+    let meta = std::fs::metadata(path)
+        .map_err(anyhow::Error::from)
+        .map_err(|e| e.context(format!("reading {what} {}", path.display())))?;
+    check(&meta)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .with_context(|| format!("reading {what} {}", path.display()))?;
+    check(&file.metadata()?)?;
+    let mut bytes = Vec::new();
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading {what} {}", path.display()))?;
+    if bytes.len() as u64 > limit {
+        anyhow::bail!(
+            "{} grew past the {limit} bytes a {what} file may hold while it was read",
+            path.display()
+        );
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", path.display()))
+}
+
+/// The longest path a unix socket address holds (`sun_path` is 108 bytes, NUL included).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Checks that the socket at `path`, set by the configuration's `key`, can ever be bound
+/// or connected to.
+pub fn socket_path_fits(key: &str, path: &Path) -> std::result::Result<(), Invalid> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(Invalid::new(
+            key,
+            format!(
+                "{key}: the socket path {} is {len} bytes, over the {MAX_SOCKET_PATH} a unix \
+                 socket address holds; choose a shorter path",
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The stop signal of a daemon's threads. Every sleep of a long-lived thread is a `nap`

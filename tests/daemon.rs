@@ -1216,3 +1216,40 @@ fn a_socket_path_longer_than_sun_path_is_refused_naming_the_key() {
         "{text}"
     );
 }
+
+/// Issue 27: a journal that cannot be parsed is named as such, with where it was kept
+/// aside; it used to be reported as "the state directory … must be writable".
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_corrupt_journal_is_named_and_kept_aside() {
+    assert_root();
+    let state = tempfile::tempdir().unwrap();
+    let journal = state.path().join("journal.json");
+    std::fs::write(&journal, "{\"version\": 1, \"entries\": [{\"tid\": ").unwrap();
+    let config = state.path().join("vmigrater.toml");
+    std::fs::write(&config, MECHANISM).unwrap();
+    let (st, text) = run_within(
+        Command::new(workspace_bin("vmigrater"))
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--no-metrics", "--state-dir"])
+            .arg(state.path()),
+        Duration::from_secs(20),
+    );
+    assert!(!st.success(), "started on a corrupt journal:\n{text}");
+    let aside = state.path().join("journal.json.corrupt");
+    assert!(
+        text.contains(&format!("{} is corrupt (", journal.display()))
+            && text.contains(&format!("moved aside to {}", aside.display())),
+        "{text}"
+    );
+    assert!(!text.contains("must be writable"), "{text}");
+    assert!(
+        text.contains("next start begins with an empty journal"),
+        "{text}"
+    );
+    assert!(aside.exists() && !journal.exists());
+    // As said: the next start begins afresh.
+    let daemon = Daemon::start_at(state.path(), MECHANISM, &["--no-metrics"]);
+    daemon.terminate();
+}

@@ -5,7 +5,7 @@
 
 use nix::sys::signal::Signal;
 use std::os::unix::process::CommandExt;
-use std::process::{Command, ExitStatus, Stdio};
+use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 /// Every signal a user, systemd, logrotate or a shell may send a daemon.
@@ -68,12 +68,14 @@ pub fn run_within(cmd: &mut Command, limit: Duration) -> (ExitStatus, String) {
     (status, text)
 }
 
-/// Waits until process `pid` has blocked SIGTERM (its `main` has run its first lines):
-/// from then on, the programs promise that no signal ends them without their restore.
-/// Before that the process is only the loader and the runtime's start, which touch nothing.
+/// Waits (up to 2 s) until process `pid` has blocked SIGTERM (its `main` has run its
+/// first lines): from then on, the programs promise that no signal ends them without
+/// their restore. Before that the process is only the loader and the runtime's start,
+/// which touch nothing. Returns whether it did (a build that never blocks them is then
+/// signalled all the same, and its test fails on what the signal does to it).
 pub fn wait_signals_blocked(pid: u32) -> bool {
     let t0 = Instant::now();
-    while t0.elapsed() < Duration::from_secs(10) {
+    while t0.elapsed() < Duration::from_secs(2) {
         let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
             return false;
         };
@@ -117,4 +119,31 @@ pub fn journal_of_a_pinned_task(
         serde_json::to_vec(&serde_json::json!({"version": 1, "entries": [entry]})).unwrap(),
     )
     .expect("write journal");
+}
+
+/// A child that a failing test does not leave behind: dropped while it runs, it gets
+/// SIGTERM (a daemon restores what it changed), then SIGKILL after 5 s.
+pub struct Guarded(pub Child);
+
+impl Guarded {
+    pub fn id(&self) -> u32 {
+        self.0.id()
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.0.id() as i32),
+                Signal::SIGTERM,
+            );
+            let t0 = Instant::now();
+            while matches!(self.0.try_wait(), Ok(None)) && t0.elapsed() < Duration::from_secs(5) {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let _ = self.0.kill();
+        }
+        let _ = self.0.wait();
+    }
 }

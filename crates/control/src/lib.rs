@@ -7,6 +7,7 @@
 pub mod dist;
 pub mod exposition;
 pub mod logging;
+pub mod signals;
 
 use anyhow::{Context, Result};
 use serde::de::DeserializeOwned;
@@ -240,6 +241,52 @@ pub fn socket_path_fits(key: &str, path: &Path) -> std::result::Result<(), Inval
     Ok(())
 }
 
+/// The keys (`section.key`, arrays and tables of arrays as a whole) whose values differ
+/// between two configurations, split into those `live` says can change in a running
+/// daemon and those that need a restart.
+pub fn changed_keys<T: serde::Serialize>(
+    old: &T,
+    new: &T,
+    live: impl Fn(&str) -> bool,
+) -> (Vec<String>, Vec<String>) {
+    fn flatten(
+        prefix: &str,
+        v: &toml::Value,
+        out: &mut std::collections::BTreeMap<String, String>,
+    ) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    flatten(&key, v, out);
+                }
+            }
+            other => {
+                out.insert(prefix.to_string(), other.to_string());
+            }
+        }
+    }
+    let table = |c: &T| {
+        let mut out = std::collections::BTreeMap::new();
+        if let Ok(v) = toml::Value::try_from(c) {
+            flatten("", &v, &mut out);
+        }
+        out
+    };
+    let (a, b) = (table(old), table(new));
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .cloned()
+        .partition(|k| live(k))
+}
+
 /// The stop signal of a daemon's threads. Every sleep of a long-lived thread is a `nap`
 /// on it, so that shutdown takes the same time whatever the configured periods and
 /// back-offs are: `set` wakes every napper at once.
@@ -338,16 +385,20 @@ pub fn key_line(text: &str, key: &str) -> Option<usize> {
     None
 }
 
-/// Resolves at SIGINT or SIGTERM, with the signal's name.
-pub async fn terminated() -> &'static str {
-    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    else {
-        let _ = tokio::signal::ctrl_c().await;
-        return "SIGINT";
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
+/// Serves the daemon's signals until one asks it to stop (returns its name): SIGHUP
+/// calls `reload`, SIGUSR1 and SIGUSR2 are said in the log and ignored.
+pub async fn until_stopped(
+    signals: &mut signals::Signals,
+    mut reload: impl FnMut(),
+) -> &'static str {
+    loop {
+        match signals.next().await {
+            signals::Event::Stop(name) => return name,
+            signals::Event::Reload => reload(),
+            signals::Event::Ignored(name) => info!(
+                "{name} ignored: SIGHUP reloads the configuration, SIGTERM, SIGINT and SIGQUIT stop"
+            ),
+        }
     }
 }
 
@@ -478,6 +529,58 @@ mod tests {
         assert!(!sock.exists(), "the status socket is removed at shutdown");
         let e = query::<serde_json::Value>(&sock, "test").unwrap_err();
         assert!(format!("{e:#}").contains("is `test run` running"), "{e:#}");
+    }
+
+    #[test]
+    fn a_socket_path_fits_sun_path_up_to_107_bytes() {
+        let path = |n: usize| PathBuf::from(format!("/{}", "s".repeat(n - 1)));
+        assert!(socket_path_fits("state_dir", &path(107)).is_ok());
+        let e = socket_path_fits("state_dir", &path(108)).unwrap_err();
+        assert_eq!(e.key, "state_dir");
+        assert!(
+            e.message.starts_with("state_dir: the socket path /s"),
+            "{}",
+            e.message
+        );
+        // What the kernel says of the same two lengths.
+        let dir = tempfile::tempdir().unwrap();
+        let at = |n: usize| {
+            let prefix = dir.path().as_os_str().len() + 1;
+            dir.path().join("s".repeat(n - prefix))
+        };
+        assert!(std::os::unix::net::UnixListener::bind(at(107)).is_ok());
+        assert!(std::os::unix::net::UnixListener::bind(at(108)).is_err());
+    }
+
+    #[test]
+    fn a_reload_tells_live_keys_from_restart_keys() {
+        #[derive(serde::Serialize, Clone)]
+        struct S {
+            a: u32,
+            list: Vec<String>,
+            t: T,
+        }
+        #[derive(serde::Serialize, Clone)]
+        struct T {
+            b: bool,
+            c: String,
+        }
+        let old = S {
+            a: 1,
+            list: vec!["x".into()],
+            t: T {
+                b: true,
+                c: "p".into(),
+            },
+        };
+        let mut new = old.clone();
+        assert_eq!(changed_keys(&old, &new, |_| true), (vec![], vec![]));
+        new.list.push("y".into());
+        new.t.c = "q".into();
+        new.a = 2;
+        let (live, restart) = changed_keys(&old, &new, |k| k == "list");
+        assert_eq!(live, ["list"]);
+        assert_eq!(restart, ["a", "t.c"]);
     }
 
     #[test]

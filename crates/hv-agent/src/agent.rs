@@ -24,6 +24,29 @@ use crate::placement::{self, Placed};
 use crate::status::{AgentStatus, Source, VcpuStatus, VmStatus};
 use crate::weights::{self, Setting, VcpuFigures};
 
+/// The keys a running agent takes up at SIGHUP (at its next period): the ones each
+/// period's plan and observation read. The others shape the backend, the journal, the
+/// guests' channels and rate limits, the credit period, the sockets or the VM list at
+/// start, and need a restart.
+pub const LIVE_KEYS: [&str; 5] = [
+    "share",
+    "max_nice_delta",
+    "io_boost_nice",
+    "observe_schedstat",
+    "observe_kicks",
+];
+
+/// `running` with the live keys of `new`: what a reload puts into effect.
+pub fn with_live_keys(running: &Config, new: &Config) -> Config {
+    let mut next = running.clone();
+    next.share = new.share;
+    next.max_nice_delta = new.max_nice_delta;
+    next.io_boost_nice = new.io_boost_nice;
+    next.observe_schedstat = new.observe_schedstat;
+    next.observe_kicks = new.observe_kicks;
+    next
+}
+
 /// How often VMs without known threads are resolved again, and libvirt rescanned.
 const RESCAN: Duration = Duration::from_secs(2);
 /// Periods a vCPU thread stays where Algorithm 2 put it before it may move again: moves
@@ -576,8 +599,10 @@ impl Agent {
         *self.status.lock().unwrap_or_else(PoisonError::into_inner) = snapshot;
     }
 
-    /// Runs periods until `stop`, then restores every change.
-    pub fn run(mut self, stop: &control::Stop) {
+    /// Runs periods until `stop`, then restores every change. A configuration put in
+    /// `reloaded` (live keys only changed, see `with_live_keys`) is taken up between
+    /// periods.
+    pub fn run(mut self, stop: &control::Stop, reloaded: &Mutex<Option<Config>>) {
         info!(
             backend = self.backend.name(),
             weight = %self.cfg.weight,
@@ -597,6 +622,13 @@ impl Agent {
             next += period;
             if next < now {
                 next = now + period;
+            }
+            if let Some(cfg) = reloaded
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+            {
+                self.cfg = cfg;
             }
             self.period();
         }

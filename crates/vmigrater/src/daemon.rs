@@ -1,8 +1,11 @@
 //! `vmigrater run`: wires monitor → detector → engine together, serves metrics and status,
-//! and on SIGTERM/SIGINT hands every task back with its original mask. Owns start-up order
-//! (the instance lock, then crash recovery, before anything can be moved) and shutdown
-//! order (stop moving, then restore). It must never leave a task pinned on any exit path it
-//! controls; for the ones it does not (kill -9), the journal is recovered at the next start.
+//! and on SIGTERM/SIGINT/SIGQUIT hands every task back with its original mask; SIGHUP
+//! reloads the configuration (`reload`). Owns start-up order (the instance lock, then crash
+//! recovery, before anything can be moved) and shutdown order (stop moving, then restore).
+//! The signals were blocked in `main` before this runs, so one sent at any moment of
+//! start-up waits for the control plane and takes the same shutdown path. It must never
+//! leave a task pinned on any exit path it controls; for the ones it does not (kill -9),
+//! the journal is recovered at the next start.
 
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
@@ -111,7 +114,51 @@ fn completion_prior(cpus: &[usize]) -> Home {
     home
 }
 
-pub fn run(cfg: Config) -> Result<()> {
+/// The configuration keys a running daemon takes up at SIGHUP: the ones the detector's
+/// loop reads at every step. Everything else is built into threads, BPF programs,
+/// sockets or the monitor's hook at start-up, and needs a restart.
+pub const LIVE_KEYS: [&str; 2] = ["migration.exclude_comm", "priority"];
+
+fn is_live(key: &str) -> bool {
+    LIVE_KEYS.contains(&key)
+}
+
+/// SIGHUP: `load` reads and validates the configuration again (file, then flags). A bad
+/// one leaves the running configuration as it is; a good one has its live keys applied,
+/// and the changed keys that need a restart are named.
+pub fn reload(current: &ArcSwap<Config>, load: &dyn Fn() -> Result<Config>) {
+    let new = match load() {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("SIGHUP: the new configuration is invalid, the running one stays: {e:#}");
+            return;
+        }
+    };
+    let running = current.load_full();
+    let (live, restart) = control::changed_keys(&*running, &new, is_live);
+    if !restart.is_empty() {
+        warn!(
+            keys = %restart.join(", "),
+            "SIGHUP: changed keys that take effect only after a restart (systemctl restart vmigrater)"
+        );
+    }
+    if live.is_empty() {
+        info!("SIGHUP: configuration reloaded, no live key changed");
+        return;
+    }
+    let mut next = (*running).clone();
+    next.migration.exclude_comm = new.migration.exclude_comm;
+    next.priorities = new.priorities;
+    current.store(Arc::new(next));
+    info!(keys = %live.join(", "), "SIGHUP: configuration reloaded, applied");
+}
+
+/// Runs the daemon until a stop signal; `load` reads the configuration again at SIGHUP.
+pub fn run(
+    cfg: Config,
+    mut signals: control::signals::Signals,
+    load: Box<dyn Fn() -> Result<Config>>,
+) -> Result<()> {
     let _instance = instance::lock()?;
     let state_dir = cfg.state_dir.clone();
     std::fs::create_dir_all(&state_dir)
@@ -160,6 +207,7 @@ pub fn run(cfg: Config) -> Result<()> {
     // Every sleep of the detector and channel threads is a nap on this: shutdown wakes
     // them at once, whatever the configured periods.
     let stop = Arc::new(control::Stop::default());
+    let live_cfg = Arc::new(ArcSwap::from_pointee(cfg.clone()));
     let engine = Arc::new(ArcSwap::from_pointee(EngineSnapshot::default()));
     let channel_stats = Arc::new(ChannelStats::default());
     let detect_thread = detector.map(|d| {
@@ -172,7 +220,7 @@ pub fn run(cfg: Config) -> Result<()> {
             snapshot: engine.clone(),
             stop: stop.clone(),
             channel: channel_stats.clone(),
-            cfg: cfg.clone(),
+            cfg: live_cfg.clone(),
         })
     });
 
@@ -188,7 +236,10 @@ pub fn run(cfg: Config) -> Result<()> {
         channel: channel_stats,
     });
     let channel_thread = spawn_channel(&cfg, &running, &stop)?;
-    let served = control_plane(&cfg, running);
+    let served = control_plane(&cfg, running, async {
+        let signal = control::until_stopped(&mut signals, || reload(&live_cfg, &*load)).await;
+        info!("{signal}: shutting down");
+    });
 
     // Shutdown: stop deciding first, then hand every task back.
     stop.set();
@@ -202,7 +253,7 @@ pub fn run(cfg: Config) -> Result<()> {
     engine::release_everything(&mut LivePlacement {
         shared: &shared,
         board: &board,
-        cfg: &cfg,
+        cfg: live_cfg.load_full(),
         all_cpus: cpus,
     });
     let _ = std::fs::remove_file(status::socket_path(&state_dir));
@@ -259,7 +310,11 @@ fn spawn_channel(
 }
 
 /// Tokio runs only the control plane: metrics HTTP, the status socket and signals.
-fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
+fn control_plane(
+    cfg: &Config,
+    running: Arc<Running>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<()> {
     let endpoints = control::Endpoints {
         status_socket: status::socket_path(&cfg.state_dir),
         metrics: cfg.metrics.enabled.then_some(cfg.metrics.listen),
@@ -270,11 +325,6 @@ fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
         &endpoints,
         move || serde_json::to_vec(&running.report()).unwrap_or_default(),
         move || for_metrics.encode_metrics(),
-        // The signal is awaited outside the log macro: a macro whose level is off does not
-        // evaluate its arguments, and the daemon would "shut down" at once (exit 0).
-        async {
-            let signal = control::terminated().await;
-            info!("{signal}: shutting down");
-        },
+        shutdown,
     )
 }

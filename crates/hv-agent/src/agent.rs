@@ -662,6 +662,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_reload_puts_into_effect_exactly_the_live_keys() {
+        let running = Config::default();
+        let new = Config::parse(
+            "share = \"isacs\"\nmax_nice_delta = 5\nio_boost_nice = 1\n\
+             observe_schedstat = false\nobserve_kicks = false\nperiod_ms = 50\n\
+             balance_io = false\n",
+            "t.toml",
+        )
+        .unwrap();
+        let (live, restart) = control::changed_keys(&running, &new, |k| LIVE_KEYS.contains(&k));
+        let mut sorted = LIVE_KEYS.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(live, sorted, "every live key changed in this file");
+        assert_eq!(restart, ["balance_io", "period_ms"]);
+        let next = with_live_keys(&running, &new);
+        let (applied, left) = control::changed_keys(&running, &next, |_| true);
+        assert_eq!(applied, sorted, "with_live_keys and LIVE_KEYS disagree");
+        assert!(left.is_empty());
+    }
+
+    #[test]
     fn a_vm_has_the_vcpus_the_host_knows_of() {
         // Threads known: the guest's hello cannot add series.
         assert_eq!(vcpu_count(2, 1024, 0), 2);

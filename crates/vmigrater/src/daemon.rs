@@ -328,3 +328,37 @@ fn control_plane(
         shutdown,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reload_applies_live_keys_only_and_a_bad_file_changes_nothing() {
+        let current = ArcSwap::from_pointee(Config::default());
+        let before = current.load_full();
+        reload(&current, &|| {
+            Config::parse("[monitor]\nperiod_us = 1\n", "bad.toml")
+        });
+        assert!(
+            Arc::ptr_eq(&before, &current.load_full()),
+            "a bad file changed it"
+        );
+
+        let text = "[monitor]\nperiod_us = 500\n\n[migration]\nexclude_comm = [\"fio\"]\n\n\
+                    [[priority]]\ncomm = \"db\"\npriority = 5\n";
+        reload(&current, &|| Config::parse(text, "good.toml"));
+        let now = current.load_full();
+        assert_eq!(now.migration.exclude_comm, ["fio"]);
+        assert_eq!(now.priority_of("db", 1, ""), 5);
+        assert_eq!(
+            now.monitor.period_us,
+            Config::default().monitor.period_us,
+            "a key that needs a restart must not look applied"
+        );
+
+        // Nothing live changed: the configuration in effect is left as it is.
+        reload(&current, &|| Config::parse(text, "good.toml"));
+        assert!(Arc::ptr_eq(&now, &current.load_full()));
+    }
+}

@@ -1155,3 +1155,85 @@ fn a_full_or_read_only_state_dir_changes_nothing_unjournaled() {
     assert_eq!(warned, 1, "warned {warned} times:\n{log}");
     assert!(log.contains("applying works again"), "{log}");
 }
+
+/// Issue 27: SIGHUP reloads the agent's configuration — a bad file keeps the running one
+/// (said with `file:line`), a good one applies its live keys from the next period (here
+/// `max_nice_delta = 0`: the weights go back to neutral while it runs) and names the keys
+/// that need a restart; SIGUSR1, SIGUSR2 and SIGPIPE leave it running; SIGQUIT stops it
+/// like SIGTERM, every nice restored. SIGHUP used to end it with 129, nice left changed.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn agent_sighup_reloads_and_no_operator_signal_leaves_a_thread_changed() {
+    assert_root();
+    let (hogs, _dir, listener, mut agent) = io_and_cpu_vms("io", "cpu");
+    let (a, b) = (hogs.tids[0], hogs.tids[1]);
+    // The hogs inherit the test's nice (a suite run under `nice` starts them above 0).
+    let original = (nice_of(a), nice_of(b));
+    let mut g = guest(&listener, 1);
+    let mut seq = 0;
+    let mut report_for = |d: Duration, until: &dyn Fn() -> bool| {
+        let t0 = Instant::now();
+        while t0.elapsed() < d && !until() {
+            seq += 1;
+            // An agent that died of a signal shows below, not as a broken pipe here.
+            let _ = g.write_all(report(seq, &[(0, "200", "500")]).as_bytes());
+            std::thread::sleep(Duration::from_millis(25));
+        }
+    };
+    let changed = || (nice_of(a), nice_of(b)) != original;
+    report_for(Duration::from_secs(5), &changed);
+    assert!(changed(), "the agent changed no nice");
+    let pid = Pid::from_raw(agent.child.as_ref().unwrap().id() as i32);
+    let text = std::fs::read_to_string(&agent.config).unwrap();
+
+    std::fs::write(&agent.config, format!("no_such_key = 1\n{text}")).unwrap();
+    kill(pid, Signal::SIGHUP).unwrap();
+    for sig in [Signal::SIGUSR1, Signal::SIGUSR2, Signal::SIGPIPE] {
+        kill(pid, sig).unwrap();
+    }
+    report_for(Duration::from_millis(500), &|| false);
+    let running = agent.child.as_mut().unwrap().try_wait().unwrap();
+    assert!(running.is_none(), "the agent ended: {running:?}");
+    assert!(changed(), "the running configuration did not stay");
+
+    std::fs::write(
+        &agent.config,
+        text.replace("period_ms = 50", "period_ms = 60\nmax_nice_delta = 0"),
+    )
+    .unwrap();
+    kill(pid, Signal::SIGHUP).unwrap();
+    let neutral = || (nice_of(a), nice_of(b)) == original;
+    report_for(Duration::from_secs(3), &neutral);
+    assert!(
+        neutral(),
+        "max_nice_delta = 0 not applied live: nice {} {}\n{}",
+        nice_of(a),
+        nice_of(b),
+        std::fs::read_to_string(&agent.log).unwrap()
+    );
+
+    kill(pid, Signal::SIGQUIT).unwrap();
+    let mut child = agent.child.take().unwrap();
+    let st = child.wait().unwrap();
+    let log = std::fs::read_to_string(&agent.log).unwrap();
+    assert!(st.success(), "agent exited with {st}:\n{log}");
+    assert_eq!((nice_of(a), nice_of(b)), original, "nice not restored");
+    assert!(
+        log.contains(&format!(
+            "the new configuration is invalid, the running one stays: {}:1: unknown field `no_such_key`",
+            agent.config.display()
+        )),
+        "{log}"
+    );
+    assert!(log.contains("keys=period_ms"), "{log}");
+    assert!(
+        log.contains("applied from the next period keys=max_nice_delta"),
+        "{log}"
+    );
+    assert!(
+        log.contains("SIGUSR1 ignored") && log.contains("SIGUSR2 ignored"),
+        "{log}"
+    );
+    assert!(log.contains("SIGQUIT: shutting down"), "{log}");
+    assert!(log.contains("restored every scheduling change"), "{log}");
+}

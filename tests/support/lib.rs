@@ -7,6 +7,7 @@ pub mod completion;
 pub mod daemon;
 pub mod host;
 pub mod placement;
+pub mod signals;
 pub mod stats;
 pub mod workload;
 
@@ -55,11 +56,17 @@ pub fn assert_cpus(n: usize) {
 
 /// Path of a workspace binary built into the same target profile directory as the running
 /// test or bench executable (`target/<profile>/deps/..` → `target/<profile>/NAME`).
+///
+/// `VMIGRATER_TEST_BIN_DIR` points the tests at binaries elsewhere: an older build, to see
+/// that a new test fails on the code it was written against.
 pub fn workspace_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
     let mut dir = exe.parent().expect("exe dir").to_path_buf();
     if dir.ends_with("deps") {
         dir.pop();
+    }
+    if let Some(d) = std::env::var_os("VMIGRATER_TEST_BIN_DIR") {
+        dir = PathBuf::from(d);
     }
     let path = dir.join(name);
     assert!(

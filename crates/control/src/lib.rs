@@ -7,6 +7,7 @@
 pub mod dist;
 pub mod exposition;
 pub mod logging;
+pub mod signals;
 
 use anyhow::{Context, Result};
 use serde::de::DeserializeOwned;
@@ -132,18 +133,158 @@ pub fn parse_checked<T: DeserializeOwned>(
     Ok(cfg)
 }
 
+/// The most a configuration file may hold: far more than any real one, and a bound on
+/// what a mistaken `--config /dev/zero` or a runaway file can make the daemon read.
+pub const MAX_CONFIG_BYTES: u64 = 1 << 20;
+
 /// Reads `path` and parses it with `parse(text, origin)`. A missing file at the default
-/// location means all defaults; a missing file that the user named is an error.
+/// location means all defaults; a missing file that the user named is an error. Only a
+/// regular file of at most `MAX_CONFIG_BYTES` is read.
 pub fn load_config<T: Default>(
     path: &Path,
     explicit: bool,
     parse: impl FnOnce(&str, &str) -> Result<T>,
 ) -> Result<T> {
-    match std::fs::read_to_string(path) {
+    match read_bounded(path, "configuration", MAX_CONFIG_BYTES) {
         Ok(text) => parse(&text, &path.display().to_string()),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => Ok(T::default()),
-        Err(e) => Err(e).with_context(|| format!("reading config {}", path.display())),
+        Err(e)
+            if !explicit
+                && e.downcast_ref::<std::io::Error>()
+                    .is_some_and(|e| e.kind() == std::io::ErrorKind::NotFound) =>
+        {
+            Ok(T::default())
+        }
+        Err(e) => Err(e),
     }
+}
+
+/// Reads a file an operator names (`what` says which kind, for the error): refuses
+/// anything but a regular file, and anything over `limit` bytes, before reading it, and
+/// reads at most `limit` bytes of a file that grows meanwhile. A FIFO is opened without
+/// blocking, so a file swapped for one after the check cannot hang the caller.
+pub fn read_bounded(path: &Path, what: &str, limit: u64) -> Result<String> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+    let kind = |t: std::fs::FileType| {
+        if t.is_dir() {
+            "a directory"
+        } else if t.is_char_device() {
+            "a character device"
+        } else if t.is_block_device() {
+            "a block device"
+        } else if t.is_fifo() {
+            "a FIFO"
+        } else if t.is_socket() {
+            "a socket"
+        } else {
+            "not a regular file"
+        }
+    };
+    let check = |meta: &std::fs::Metadata| -> Result<()> {
+        if !meta.is_file() {
+            anyhow::bail!(
+                "{} is {}, not a regular file: a {what} file must be a regular file",
+                path.display(),
+                kind(meta.file_type())
+            );
+        }
+        if meta.len() > limit {
+            anyhow::bail!(
+                "{} holds {} bytes, over the {limit} a {what} file may hold",
+                path.display(),
+                meta.len()
+            );
+        }
+        Ok(())
+    };
+    // The NotFound error stays an io::Error at the root, so callers can tell it apart.
+    let meta = std::fs::metadata(path)
+        .map_err(anyhow::Error::from)
+        .map_err(|e| e.context(format!("reading {what} {}", path.display())))?;
+    check(&meta)?;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .with_context(|| format!("reading {what} {}", path.display()))?;
+    check(&file.metadata()?)?;
+    let mut bytes = Vec::new();
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .with_context(|| format!("reading {what} {}", path.display()))?;
+    if bytes.len() as u64 > limit {
+        anyhow::bail!(
+            "{} grew past the {limit} bytes a {what} file may hold while it was read",
+            path.display()
+        );
+    }
+    String::from_utf8(bytes)
+        .map_err(|e| anyhow::anyhow!("{}: not UTF-8 text ({e})", path.display()))
+}
+
+/// The longest path a unix socket address holds (`sun_path` is 108 bytes, NUL included).
+pub const MAX_SOCKET_PATH: usize = 107;
+
+/// Checks that the socket at `path`, set by the configuration's `key`, can ever be bound
+/// or connected to.
+pub fn socket_path_fits(key: &str, path: &Path) -> std::result::Result<(), Invalid> {
+    let len = path.as_os_str().len();
+    if len > MAX_SOCKET_PATH {
+        return Err(Invalid::new(
+            key,
+            format!(
+                "{key}: the socket path {} is {len} bytes, over the {MAX_SOCKET_PATH} a unix \
+                 socket address holds; choose a shorter path",
+                path.display()
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The keys (`section.key`, arrays and tables of arrays as a whole) whose values differ
+/// between two configurations, split into those `live` says can change in a running
+/// daemon and those that need a restart.
+pub fn changed_keys<T: serde::Serialize>(
+    old: &T,
+    new: &T,
+    live: impl Fn(&str) -> bool,
+) -> (Vec<String>, Vec<String>) {
+    fn flatten(
+        prefix: &str,
+        v: &toml::Value,
+        out: &mut std::collections::BTreeMap<String, String>,
+    ) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    flatten(&key, v, out);
+                }
+            }
+            other => {
+                out.insert(prefix.to_string(), other.to_string());
+            }
+        }
+    }
+    let table = |c: &T| {
+        let mut out = std::collections::BTreeMap::new();
+        if let Ok(v) = toml::Value::try_from(c) {
+            flatten("", &v, &mut out);
+        }
+        out
+    };
+    let (a, b) = (table(old), table(new));
+    let mut keys: Vec<&String> = a.keys().chain(b.keys()).collect();
+    keys.sort();
+    keys.dedup();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .cloned()
+        .partition(|k| live(k))
 }
 
 /// The stop signal of a daemon's threads. Every sleep of a long-lived thread is a `nap`
@@ -244,16 +385,20 @@ pub fn key_line(text: &str, key: &str) -> Option<usize> {
     None
 }
 
-/// Resolves at SIGINT or SIGTERM, with the signal's name.
-pub async fn terminated() -> &'static str {
-    let Ok(mut term) = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-    else {
-        let _ = tokio::signal::ctrl_c().await;
-        return "SIGINT";
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => "SIGINT",
-        _ = term.recv() => "SIGTERM",
+/// Serves the daemon's signals until one asks it to stop (returns its name): SIGHUP
+/// calls `reload`, SIGUSR1 and SIGUSR2 are said in the log and ignored.
+pub async fn until_stopped(
+    signals: &mut signals::Signals,
+    mut reload: impl FnMut(),
+) -> &'static str {
+    loop {
+        match signals.next().await {
+            signals::Event::Stop(name) => return name,
+            signals::Event::Reload => reload(),
+            signals::Event::Ignored(name) => info!(
+                "{name} ignored: SIGHUP reloads the configuration, SIGTERM, SIGINT and SIGQUIT stop"
+            ),
+        }
     }
 }
 
@@ -384,6 +529,58 @@ mod tests {
         assert!(!sock.exists(), "the status socket is removed at shutdown");
         let e = query::<serde_json::Value>(&sock, "test").unwrap_err();
         assert!(format!("{e:#}").contains("is `test run` running"), "{e:#}");
+    }
+
+    #[test]
+    fn a_socket_path_fits_sun_path_up_to_107_bytes() {
+        let path = |n: usize| PathBuf::from(format!("/{}", "s".repeat(n - 1)));
+        assert!(socket_path_fits("state_dir", &path(107)).is_ok());
+        let e = socket_path_fits("state_dir", &path(108)).unwrap_err();
+        assert_eq!(e.key, "state_dir");
+        assert!(
+            e.message.starts_with("state_dir: the socket path /s"),
+            "{}",
+            e.message
+        );
+        // What the kernel says of the same two lengths.
+        let dir = tempfile::tempdir().unwrap();
+        let at = |n: usize| {
+            let prefix = dir.path().as_os_str().len() + 1;
+            dir.path().join("s".repeat(n - prefix))
+        };
+        assert!(std::os::unix::net::UnixListener::bind(at(107)).is_ok());
+        assert!(std::os::unix::net::UnixListener::bind(at(108)).is_err());
+    }
+
+    #[test]
+    fn a_reload_tells_live_keys_from_restart_keys() {
+        #[derive(serde::Serialize, Clone)]
+        struct S {
+            a: u32,
+            list: Vec<String>,
+            t: T,
+        }
+        #[derive(serde::Serialize, Clone)]
+        struct T {
+            b: bool,
+            c: String,
+        }
+        let old = S {
+            a: 1,
+            list: vec!["x".into()],
+            t: T {
+                b: true,
+                c: "p".into(),
+            },
+        };
+        let mut new = old.clone();
+        assert_eq!(changed_keys(&old, &new, |_| true), (vec![], vec![]));
+        new.list.push("y".into());
+        new.t.c = "q".into();
+        new.a = 2;
+        let (live, restart) = changed_keys(&old, &new, |k| k == "list");
+        assert_eq!(live, ["list"]);
+        assert_eq!(restart, ["a", "t.c"]);
     }
 
     #[test]

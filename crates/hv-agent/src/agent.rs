@@ -24,6 +24,29 @@ use crate::placement::{self, Placed};
 use crate::status::{AgentStatus, Source, VcpuStatus, VmStatus};
 use crate::weights::{self, Setting, VcpuFigures};
 
+/// The keys a running agent takes up at SIGHUP (at its next period): the ones each
+/// period's plan and observation read. The others shape the backend, the journal, the
+/// guests' channels and rate limits, the credit period, the sockets or the VM list at
+/// start, and need a restart.
+pub const LIVE_KEYS: [&str; 5] = [
+    "share",
+    "max_nice_delta",
+    "io_boost_nice",
+    "observe_schedstat",
+    "observe_kicks",
+];
+
+/// `running` with the live keys of `new`: what a reload puts into effect.
+pub fn with_live_keys(running: &Config, new: &Config) -> Config {
+    let mut next = running.clone();
+    next.share = new.share;
+    next.max_nice_delta = new.max_nice_delta;
+    next.io_boost_nice = new.io_boost_nice;
+    next.observe_schedstat = new.observe_schedstat;
+    next.observe_kicks = new.observe_kicks;
+    next
+}
+
 /// How often VMs without known threads are resolved again, and libvirt rescanned.
 const RESCAN: Duration = Duration::from_secs(2);
 /// Periods a vCPU thread stays where Algorithm 2 put it before it may move again: moves
@@ -576,8 +599,10 @@ impl Agent {
         *self.status.lock().unwrap_or_else(PoisonError::into_inner) = snapshot;
     }
 
-    /// Runs periods until `stop`, then restores every change.
-    pub fn run(mut self, stop: &control::Stop) {
+    /// Runs periods until `stop`, then restores every change. A configuration put in
+    /// `reloaded` (live keys only changed, see `with_live_keys`) is taken up between
+    /// periods.
+    pub fn run(mut self, stop: &control::Stop, reloaded: &Mutex<Option<Config>>) {
         info!(
             backend = self.backend.name(),
             weight = %self.cfg.weight,
@@ -597,6 +622,13 @@ impl Agent {
             next += period;
             if next < now {
                 next = now + period;
+            }
+            if let Some(cfg) = reloaded
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+            {
+                self.cfg = cfg;
             }
             self.period();
         }
@@ -628,6 +660,27 @@ pub fn describe_threads(vm: &VmConfig) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_reload_puts_into_effect_exactly_the_live_keys() {
+        let running = Config::default();
+        let new = Config::parse(
+            "share = \"isacs\"\nmax_nice_delta = 5\nio_boost_nice = 1\n\
+             observe_schedstat = false\nobserve_kicks = false\nperiod_ms = 50\n\
+             balance_io = false\n",
+            "t.toml",
+        )
+        .unwrap();
+        let (live, restart) = control::changed_keys(&running, &new, |k| LIVE_KEYS.contains(&k));
+        let mut sorted = LIVE_KEYS.to_vec();
+        sorted.sort_unstable();
+        assert_eq!(live, sorted, "every live key changed in this file");
+        assert_eq!(restart, ["balance_io", "period_ms"]);
+        let next = with_live_keys(&running, &new);
+        let (applied, left) = control::changed_keys(&running, &next, |_| true);
+        assert_eq!(applied, sorted, "with_live_keys and LIVE_KEYS disagree");
+        assert!(left.is_empty());
+    }
 
     #[test]
     fn a_vm_has_the_vcpus_the_host_knows_of() {

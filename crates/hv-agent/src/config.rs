@@ -204,6 +204,7 @@ impl Config {
         )?;
         in_range("max_nice_delta", self.max_nice_delta, 0, 19)?;
         in_range("io_boost_nice", self.io_boost_nice, 0, 19)?;
+        control::socket_path_fits("state_dir", &crate::status::socket_path(&self.state_dir))?;
         let mut names = std::collections::HashSet::new();
         for vm in &self.vms {
             if !names.insert(&vm.name) {
@@ -224,6 +225,16 @@ impl Config {
                         vm.name
                     ),
                 ));
+            }
+            for (key, path) in [
+                ("vm.hint_socket", &vm.hint_socket),
+                ("vm.qmp_socket", &vm.qmp_socket),
+            ] {
+                if let Some(p) = path {
+                    control::socket_path_fits(key, p).map_err(|e| {
+                        Invalid::new(key, format!("vm {:?}: {}", vm.name, e.message))
+                    })?;
+                }
             }
             // SAFETY: sysconf has no memory arguments.
             let max = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) }.max(1) as usize;

@@ -45,8 +45,9 @@ pub fn threads_by_comm(pid: u32) -> Result<Vec<u32>> {
 }
 
 pub fn read_pid_file(path: &Path) -> Result<u32> {
-    let text =
-        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    // A pid file holds a number: a bound keeps a wrong path (a device, a log) from being
+    // read whole.
+    let text = control::read_bounded(path, "pid", 4096)?;
     text.trim()
         .parse()
         .with_context(|| format!("{}: not a pid: {:?}", path.display(), text.trim()))

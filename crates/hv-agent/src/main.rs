@@ -48,22 +48,40 @@ enum Command {
 
 fn main() {
     let cli = Cli::parse();
+    // Blocked before the first thread and before the journal's recovery, so that a signal
+    // at any moment of start-up takes the one shutdown path (control::signals).
+    let signals = match cli.command {
+        None | Some(Command::Run { .. }) => match control::signals::block() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("vmigrater-hv-agent: error: {e:#}");
+                std::process::exit(1);
+            }
+        },
+        _ => None,
+    };
     control::logging::init(&cli.log);
-    if let Err(e) = real_main(cli) {
+    if let Err(e) = real_main(cli, signals) {
         eprintln!("vmigrater-hv-agent: error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn real_main(cli: Cli) -> Result<()> {
+fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()> {
     let explicit = cli.config.as_os_str() != DEFAULT_CONFIG_PATH;
     match cli.command.unwrap_or(Command::Run { dry_run: false }) {
         Command::Run { dry_run } => {
-            let mut cfg = Config::load(&cli.config, explicit)?;
-            if dry_run {
-                cfg.backend = hv_agent::config::BackendKind::DryRun;
-            }
-            run(cfg)
+            let path = cli.config.clone();
+            let load = move || {
+                let mut cfg = Config::load(&path, explicit)?;
+                if dry_run {
+                    cfg.backend = hv_agent::config::BackendKind::DryRun;
+                }
+                Ok(cfg)
+            };
+            let cfg = load()?;
+            let signals = signals.context("the agent's signals were not blocked")?;
+            run(cfg, signals, &load)
         }
         Command::Status { json } => {
             let cfg = Config::load(&cli.config, explicit)?;
@@ -137,20 +155,58 @@ fn real_main(cli: Cli) -> Result<()> {
     }
 }
 
+/// SIGHUP: the configuration read and validated again; a bad one changes nothing, a good
+/// one has its live keys handed to the period loop and the others named.
+fn reload(
+    running: &mut Config,
+    load: &dyn Fn() -> Result<Config>,
+    to_loop: &Mutex<Option<Config>>,
+) {
+    let new = match load() {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("SIGHUP: the new configuration is invalid, the running one stays: {e:#}");
+            return;
+        }
+    };
+    let (live, restart) =
+        control::changed_keys(&*running, &new, |k| hv_agent::agent::LIVE_KEYS.contains(&k));
+    if !restart.is_empty() {
+        warn!(
+            keys = %restart.join(", "),
+            "SIGHUP: changed keys that take effect only after a restart (systemctl restart vmigrater-hv-agent)"
+        );
+    }
+    if live.is_empty() {
+        info!("SIGHUP: configuration reloaded, no live key changed");
+        return;
+    }
+    *running = hv_agent::agent::with_live_keys(running, &new);
+    *to_loop.lock().unwrap_or_else(PoisonError::into_inner) = Some(running.clone());
+    info!(keys = %live.join(", "), "SIGHUP: configuration reloaded, applied from the next period");
+}
+
 /// The period loop on its own thread; the main thread serves the status socket and
-/// /metrics until SIGINT/SIGTERM (or the loop ends), then the loop restores everything.
-fn run(cfg: Config) -> Result<()> {
+/// /metrics until SIGINT/SIGTERM/SIGQUIT (or the loop ends), then the loop restores
+/// everything. SIGHUP reloads the configuration.
+fn run(
+    cfg: Config,
+    mut signals: control::signals::Signals,
+    load: &dyn Fn() -> Result<Config>,
+) -> Result<()> {
     std::fs::create_dir_all(&cfg.state_dir)
         .with_context(|| format!("creating state_dir {}", cfg.state_dir.display()))?;
     let status = Arc::new(Mutex::new(AgentStatus::default()));
     let agent = Agent::new(cfg.clone(), status.clone())?;
     let stop = Arc::new(control::Stop::default());
+    let reloaded = Arc::new(Mutex::new(None));
     let worker = {
-        let stop = stop.clone();
+        let (stop, reloaded) = (stop.clone(), reloaded.clone());
         std::thread::Builder::new()
             .name("period".into())
-            .spawn(move || agent.run(&stop))?
+            .spawn(move || agent.run(&stop, &reloaded))?
     };
+    let mut running = cfg.clone();
     let endpoints = control::Endpoints {
         status_socket: hv_agent::status::socket_path(&cfg.state_dir),
         metrics: cfg.metrics.enabled.then_some(cfg.metrics.listen),
@@ -168,7 +224,9 @@ fn run(cfg: Config) -> Result<()> {
         },
         async {
             tokio::select! {
-                sig = control::terminated() => info!("{sig}: shutting down"),
+                sig = control::until_stopped(&mut signals, || reload(&mut running, load, &reloaded)) => {
+                    info!("{sig}: shutting down")
+                }
                 _ = async {
                     while !worker.is_finished() {
                         tokio::time::sleep(std::time::Duration::from_millis(100)).await;

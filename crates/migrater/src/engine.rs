@@ -253,6 +253,12 @@ impl Engine {
         }
     }
 
+    /// Commands never migrated, changed in a running daemon (a configuration reload): a
+    /// managed task whose command is newly excluded is released by the next step.
+    pub fn set_exclude_comm(&mut self, comm: Vec<String>) {
+        self.cfg.exclude_comm = comm;
+    }
+
     /// Whether the step needs `Observation::disk_completed`: the guard judges progress
     /// by it, and sampled tracking estimates per-vCPU completions from it.
     pub fn reads_disk(&self) -> bool {

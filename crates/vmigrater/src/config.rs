@@ -340,6 +340,8 @@ impl Config {
 
     /// Every key's range, documented in the README's configuration table.
     fn validate(&self) -> std::result::Result<(), Invalid> {
+        // The status socket lives in the state directory.
+        control::socket_path_fits("state_dir", &crate::status::socket_path(&self.state_dir))?;
         let m = &self.monitor;
         in_range("monitor.period_us", m.period_us, 50, 100_000)?;
         in_range(

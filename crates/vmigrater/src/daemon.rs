@@ -1,8 +1,11 @@
 //! `vmigrater run`: wires monitor → detector → engine together, serves metrics and status,
-//! and on SIGTERM/SIGINT hands every task back with its original mask. Owns start-up order
-//! (the instance lock, then crash recovery, before anything can be moved) and shutdown
-//! order (stop moving, then restore). It must never leave a task pinned on any exit path it
-//! controls; for the ones it does not (kill -9), the journal is recovered at the next start.
+//! and on SIGTERM/SIGINT/SIGQUIT hands every task back with its original mask; SIGHUP
+//! reloads the configuration (`reload`). Owns start-up order (the instance lock, then crash
+//! recovery, before anything can be moved) and shutdown order (stop moving, then restore).
+//! The signals were blocked in `main` before this runs, so one sent at any moment of
+//! start-up waits for the control plane and takes the same shutdown path. It must never
+//! leave a task pinned on any exit path it controls; for the ones it does not (kill -9),
+//! the journal is recovered at the next start.
 
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
@@ -112,7 +115,51 @@ fn completion_prior(cpus: &[usize]) -> Home {
     home
 }
 
-pub fn run(cfg: Config) -> Result<()> {
+/// The configuration keys a running daemon takes up at SIGHUP: the ones the detector's
+/// loop reads at every step. Everything else is built into threads, BPF programs,
+/// sockets or the monitor's hook at start-up, and needs a restart.
+pub const LIVE_KEYS: [&str; 2] = ["migration.exclude_comm", "priority"];
+
+fn is_live(key: &str) -> bool {
+    LIVE_KEYS.contains(&key)
+}
+
+/// SIGHUP: `load` reads and validates the configuration again (file, then flags). A bad
+/// one leaves the running configuration as it is; a good one has its live keys applied,
+/// and the changed keys that need a restart are named.
+pub fn reload(current: &ArcSwap<Config>, load: &dyn Fn() -> Result<Config>) {
+    let new = match load() {
+        Ok(c) => c,
+        Err(e) => {
+            warn!("SIGHUP: the new configuration is invalid, the running one stays: {e:#}");
+            return;
+        }
+    };
+    let running = current.load_full();
+    let (live, restart) = control::changed_keys(&*running, &new, is_live);
+    if !restart.is_empty() {
+        warn!(
+            keys = %restart.join(", "),
+            "SIGHUP: changed keys that take effect only after a restart (systemctl restart vmigrater)"
+        );
+    }
+    if live.is_empty() {
+        info!("SIGHUP: configuration reloaded, no live key changed");
+        return;
+    }
+    let mut next = (*running).clone();
+    next.migration.exclude_comm = new.migration.exclude_comm;
+    next.priorities = new.priorities;
+    current.store(Arc::new(next));
+    info!(keys = %live.join(", "), "SIGHUP: configuration reloaded, applied");
+}
+
+/// Runs the daemon until a stop signal; `load` reads the configuration again at SIGHUP.
+pub fn run(
+    cfg: Config,
+    mut signals: control::signals::Signals,
+    load: Box<dyn Fn() -> Result<Config>>,
+) -> Result<()> {
     let _instance = instance::lock()?;
     let state_dir = cfg.state_dir.clone();
     std::fs::create_dir_all(&state_dir)
@@ -161,6 +208,7 @@ pub fn run(cfg: Config) -> Result<()> {
     // Every sleep of the detector and channel threads is a nap on this: shutdown wakes
     // them at once, whatever the configured periods.
     let stop = Arc::new(control::Stop::default());
+    let live_cfg = Arc::new(ArcSwap::from_pointee(cfg.clone()));
     let engine = Arc::new(ArcSwap::from_pointee(EngineSnapshot::default()));
     let channel_stats = Arc::new(ChannelStats::default());
     let detect_thread = detector.map(|d| {
@@ -173,7 +221,7 @@ pub fn run(cfg: Config) -> Result<()> {
             snapshot: engine.clone(),
             stop: stop.clone(),
             channel: channel_stats.clone(),
-            cfg: cfg.clone(),
+            cfg: live_cfg.clone(),
         })
     });
 
@@ -189,7 +237,10 @@ pub fn run(cfg: Config) -> Result<()> {
         channel: channel_stats,
     });
     let channel_thread = spawn_channel(&cfg, &running, &stop)?;
-    let served = control_plane(&cfg, running);
+    let served = control_plane(&cfg, running, async {
+        let signal = control::until_stopped(&mut signals, || reload(&live_cfg, &*load)).await;
+        info!("{signal}: shutting down");
+    });
 
     // Shutdown: stop deciding first, then hand every task back.
     stop.set();
@@ -203,7 +254,7 @@ pub fn run(cfg: Config) -> Result<()> {
     engine::release_everything(&mut LivePlacement {
         shared: &shared,
         board: &board,
-        cfg: &cfg,
+        cfg: live_cfg.load_full(),
         all_cpus: cpus,
     });
     let _ = std::fs::remove_file(status::socket_path(&state_dir));
@@ -260,7 +311,11 @@ fn spawn_channel(
 }
 
 /// Tokio runs only the control plane: metrics HTTP, the status socket and signals.
-fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
+fn control_plane(
+    cfg: &Config,
+    running: Arc<Running>,
+    shutdown: impl std::future::Future<Output = ()>,
+) -> Result<()> {
     let endpoints = control::Endpoints {
         status_socket: status::socket_path(&cfg.state_dir),
         metrics: cfg.metrics.enabled.then_some(cfg.metrics.listen),
@@ -271,11 +326,40 @@ fn control_plane(cfg: &Config, running: Arc<Running>) -> Result<()> {
         &endpoints,
         move || serde_json::to_vec(&running.report()).unwrap_or_default(),
         move || for_metrics.encode_metrics(),
-        // The signal is awaited outside the log macro: a macro whose level is off does not
-        // evaluate its arguments, and the daemon would "shut down" at once (exit 0).
-        async {
-            let signal = control::terminated().await;
-            info!("{signal}: shutting down");
-        },
+        shutdown,
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_reload_applies_live_keys_only_and_a_bad_file_changes_nothing() {
+        let current = ArcSwap::from_pointee(Config::default());
+        let before = current.load_full();
+        reload(&current, &|| {
+            Config::parse("[monitor]\nperiod_us = 1\n", "bad.toml")
+        });
+        assert!(
+            Arc::ptr_eq(&before, &current.load_full()),
+            "a bad file changed it"
+        );
+
+        let text = "[monitor]\nperiod_us = 500\n\n[migration]\nexclude_comm = [\"fio\"]\n\n\
+                    [[priority]]\ncomm = \"db\"\npriority = 5\n";
+        reload(&current, &|| Config::parse(text, "good.toml"));
+        let now = current.load_full();
+        assert_eq!(now.migration.exclude_comm, ["fio"]);
+        assert_eq!(now.priority_of("db", 1, ""), 5);
+        assert_eq!(
+            now.monitor.period_us,
+            Config::default().monitor.period_us,
+            "a key that needs a restart must not look applied"
+        );
+
+        // Nothing live changed: the configuration in effect is left as it is.
+        reload(&current, &|| Config::parse(text, "good.toml"));
+        assert!(Arc::ptr_eq(&now, &current.load_full()));
+    }
 }

@@ -36,7 +36,8 @@ use migrater::planner::Reason;
 pub struct LivePlacement<'a> {
     pub shared: &'a Shared,
     pub board: &'a VcpuBoard,
-    pub cfg: &'a Config,
+    /// The configuration in effect: a reload swaps it between steps.
+    pub cfg: Arc<Config>,
     /// Every monitored CPU: what a task may run on in dry run.
     pub all_cpus: Vec<usize>,
 }
@@ -148,7 +149,9 @@ pub struct DetectStart {
     pub stop: Arc<control::Stop>,
     /// The host's hints.
     pub channel: Arc<ChannelStats>,
-    pub cfg: Config,
+    /// The configuration in effect; SIGHUP stores a new one (its live keys, see
+    /// `reload`), which the loop takes up at its next step.
+    pub cfg: Arc<ArcSwap<Config>>,
 }
 
 impl DetectorThread {
@@ -216,7 +219,7 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
         placement: LivePlacement {
             shared: &s.shared,
             board,
-            cfg: &s.cfg,
+            cfg: s.cfg.load_full(),
             all_cpus,
         },
     };
@@ -224,6 +227,11 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
     let mut diskstats = task_detector::diskstats::DiskStats::default();
     let mut steal = StealReader::default();
     while !s.stop.is_set() {
+        let cfg = s.cfg.load_full();
+        if !Arc::ptr_eq(&cfg, &live.placement.cfg) {
+            engine.set_exclude_comm(cfg.migration.exclude_comm.clone());
+            live.placement.cfg = cfg;
+        }
         let now = monotonic_ns();
         let obs = Observation {
             now_ns: now,

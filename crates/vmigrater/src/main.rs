@@ -43,7 +43,7 @@ enum Command {
     GenDist { dir: PathBuf },
 }
 
-#[derive(clap::Args, Debug, Default)]
+#[derive(clap::Args, Debug, Default, Clone)]
 struct RunArgs {
     /// Plan and log migrations, but never change any task's CPU mask.
     #[arg(long)]
@@ -86,44 +86,70 @@ fn load_config(cli: &Cli) -> Result<Config> {
 
 fn main() {
     let cli = Cli::parse();
+    // The daemon's signals are blocked before its first thread and before crash
+    // recovery (see control::signals); the other subcommands keep the defaults, so that
+    // Ctrl-C ends a `status` or `check` at once.
+    let signals = match cli.command {
+        None | Some(Command::Run(_)) => match control::signals::block() {
+            Ok(s) => Some(s),
+            Err(e) => {
+                eprintln!("vmigrater: error: {e:#}");
+                std::process::exit(1);
+            }
+        },
+        _ => None,
+    };
     control::logging::init(&cli.log);
     task_detector::libbpf_log::route_to_tracing();
-    if let Err(e) = real_main(cli) {
+    if let Err(e) = real_main(cli, signals) {
         eprintln!("vmigrater: error: {e:#}");
         std::process::exit(1);
     }
 }
 
-fn real_main(cli: Cli) -> Result<()> {
+/// The configuration `run` uses: the file, then the flags over it, held to the same
+/// ranges. Read again at SIGHUP.
+fn run_config(config: &std::path::Path, explicit: bool, args: &RunArgs) -> Result<Config> {
+    let mut cfg = Config::load(config, explicit)?;
+    cfg.dry_run |= args.dry_run;
+    if let Some(a) = args.metrics_addr {
+        cfg.metrics.listen = a;
+    }
+    if args.no_metrics {
+        cfg.metrics.enabled = false;
+    }
+    if let Some(d) = &args.state_dir {
+        cfg.state_dir = d.clone();
+    }
+    if let Some(p) = args.period_us {
+        cfg.monitor.period_us = p;
+    }
+    if let Some(src) = args.monitor_source {
+        cfg.monitor.source = src;
+    }
+    if let Some(m) = args.attach_mode {
+        cfg.detector.attach_mode = m;
+    }
+    // Flags are held to the file's ranges, so `--period-us 1` gets the same message.
+    cfg.revalidate("command line and config")
+}
+
+fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()> {
     match cli
         .command
         .as_ref()
         .unwrap_or(&Command::Run(RunArgs::default()))
     {
         Command::Run(args) => {
-            let mut cfg = load_config(&cli)?;
-            cfg.dry_run |= args.dry_run;
-            if let Some(a) = args.metrics_addr {
-                cfg.metrics.listen = a;
-            }
-            if args.no_metrics {
-                cfg.metrics.enabled = false;
-            }
-            if let Some(d) = &args.state_dir {
-                cfg.state_dir = d.clone();
-            }
-            if let Some(p) = args.period_us {
-                cfg.monitor.period_us = p;
-            }
-            if let Some(src) = args.monitor_source {
-                cfg.monitor.source = src;
-            }
-            if let Some(m) = args.attach_mode {
-                cfg.detector.attach_mode = m;
-            }
-            // Flags are held to the file's ranges, so `--period-us 1` gets the same message.
-            let cfg = cfg.revalidate("command line and config")?;
-            daemon::run(cfg)
+            let explicit = cli.config.as_os_str() != DEFAULT_CONFIG_PATH;
+            let cfg = run_config(&cli.config, explicit, args)?;
+            let signals = signals.context("the daemon's signals were not blocked")?;
+            let (path, args) = (cli.config.clone(), args.clone());
+            daemon::run(
+                cfg,
+                signals,
+                Box::new(move || run_config(&path, explicit, &args)),
+            )
         }
         Command::Check => {
             let cfg = load_config(&cli);

@@ -3,7 +3,7 @@
 //! run before anything can be moved, and never start a daemon that cannot journal.
 
 use anyhow::{Context, Result};
-use migrater::journal::AffinityJournal;
+use migrater::journal::{AffinityJournal, JournalError};
 use std::path::{Path, PathBuf};
 use tracing::info;
 
@@ -17,9 +17,22 @@ pub fn recover_journal(state_dir: &Path) -> Result<()> {
     if !path.exists() {
         return Ok(());
     }
-    let report = AffinityJournal::recover(&path)
-        .with_context(|| format!("recovering {}", path.display()))
-        .with_context(|| unwritable(state_dir))?;
+    let report = match AffinityJournal::recover(&path) {
+        Ok(r) => r,
+        // Not a writing problem: the file is unreadable, and was kept aside. The next start
+        // begins with an empty journal; this one stops so that somebody looks.
+        Err(e @ JournalError::Corrupt { .. }) => {
+            anyhow::bail!(
+                "{e}. No task was restored from it (put back by hand the masks it lists if a \
+                 task is still pinned); the next start begins with an empty journal"
+            )
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e)
+                .context(format!("recovering {}", path.display()))
+                .context(unwritable(state_dir)))
+        }
+    };
     info!(?report, "recovered the journal of a previous run");
     Ok(())
 }

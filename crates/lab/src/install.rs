@@ -1,7 +1,8 @@
 //! The package install test (`make lab-install-test`): the `.deb` built by
 //! `make package` installed with apt in a Debian 12 guest that boots systemd
 //! (scripts/lab-debian.sh), started with `systemctl`, its metrics checked by `promtool` on
-//! the host, and every CPU mask checked back to normal after `systemctl stop`.
+//! the host, reloaded with `systemctl reload` (a live key, then a broken file), and every
+//! CPU mask checked back to normal after `systemctl stop`.
 
 use crate::image::{self, Contents, Kernel};
 use crate::vm::{Vm, VmSpec};
@@ -40,6 +41,49 @@ fn run(cmd: &mut Command) -> Result<String> {
 
 fn step(t0: Instant, what: &str) {
     eprintln!("install-test: {:6.1} s  {what}", t0.elapsed().as_secs_f64());
+}
+
+/// The unit's `ExecReload` (SIGHUP): a live key changed in the installed configuration is
+/// applied, a broken file is refused with its line and the running configuration kept; the
+/// daemon stays active through both.
+fn reload(vm: &mut Vm) -> Result<()> {
+    const CONF: &str = "/etc/vmigrater/vmigrater.toml";
+    let journal = |vm: &mut Vm| vm.sh("journalctl -u vmigrater --no-pager -o cat", MIN);
+    let settle = |vm: &mut Vm, what: &str| -> Result<String> {
+        std::thread::sleep(Duration::from_secs(2));
+        let (_, state) = vm.sh_rc("systemctl is-active vmigrater", MIN)?;
+        ensure!(state.trim() == "active", "after {what}: {}", state.trim());
+        journal(vm)
+    };
+    vm.sh(
+        &format!(
+            "grep -q '^exclude_comm = \\[\\]$' {CONF} && \
+             sed -i 's/^exclude_comm = .*/exclude_comm = [\"dd\"]/' {CONF} && \
+             systemctl reload vmigrater"
+        ),
+        MIN,
+    )
+    .context("changing migration.exclude_comm and systemctl reload")?;
+    let log = settle(vm, "a reload with a live key changed")?;
+    ensure!(
+        log.lines()
+            .any(|l| l.contains("SIGHUP: configuration reloaded, applied")
+                && l.contains("migration.exclude_comm")),
+        "no applied reload in the journal:\n{log}"
+    );
+    vm.sh(
+        &format!(
+            "printf '[migration]\\nno_such_key = 1\\n' >> {CONF} && systemctl reload vmigrater"
+        ),
+        MIN,
+    )?;
+    let log = settle(vm, "a reload of a broken file")?;
+    ensure!(
+        log.lines()
+            .any(|l| l.contains("SIGHUP: the new configuration is invalid") && l.contains(CONF)),
+        "no refused reload naming {CONF} in the journal:\n{log}"
+    );
+    Ok(())
 }
 
 /// Runs the whole test; `packages` is target/package.
@@ -162,6 +206,12 @@ pub fn install_test(packages: &Path) -> Result<()> {
                 format!(" ({})", lint.trim())
             }
         ),
+    );
+
+    reload(&mut vm)?;
+    step(
+        t0,
+        "systemctl reload: a live key applied, a bad file refused naming its line, still active",
     );
 
     vm.sh("systemctl stop vmigrater", 3 * MIN)?;

@@ -402,12 +402,27 @@ fn a_guest_that_stops_reading_stalls_nothing() {
     assert_eq!((nice_of(a), nice_of(b)), (0, 0), "nice not restored");
 }
 
+/// The agent's /metrics, rendered from its status as the endpoint renders it.
+fn scrape(agent: &Agent) -> String {
+    hv_agent::metrics::encode(&serde_json::from_value(agent.status().unwrap()).unwrap())
+}
+
+/// Series of `family` for `vm` in a scrape.
+fn series_of(scrape: &str, family: &str, vm: &str) -> usize {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with(family) && l.contains(&format!("vm=\"{vm}\"")))
+        .count()
+}
+
 /// A guest cannot grow the agent's state and metric series: a VM has the vCPUs the host
-/// knows of, and where the host knows none, the ones the connected guest announced.
+/// knows of, and where the host knows none, the ones the connected guest announced, never
+/// more than the host has CPUs; they leave with the guest.
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn guest_vcpus_are_bounded_by_what_the_host_knows() {
     assert_root();
+    let host_cpus = os_layer::Root::real().online_cpus().unwrap().len();
     let hogs = Hogs::start(&[0, 0]);
     let dir = tempfile::tempdir().unwrap();
     let (known, unknown) = (
@@ -456,27 +471,69 @@ fn guest_vcpus_are_bounded_by_what_the_host_knows() {
         std::thread::sleep(Duration::from_millis(60));
     }
     assert_eq!(vcpus(0), 2, "the host knows 2 vCPU threads");
-    assert_eq!(vcpus(1), 1024, "threads unknown: the guest's hello says");
-    // The guest reconnects with 2 vCPUs: its 1,022 others go.
+    assert_eq!(
+        vcpus(1),
+        host_cpus.min(1024),
+        "threads unknown: the guest's hello says, up to the host's {host_cpus} CPUs"
+    );
+    // Every per-vCPU family, as /metrics serves it: as many series as vCPUs, not 1,024.
+    let text = scrape(&agent);
+    let families = [
+        "vmigrater_hv_vcpu_iv_credit_seconds",
+        "vmigrater_hv_vcpu_cv_credit_seconds",
+        "vmigrater_hv_vcpu_weight",
+        "vmigrater_hv_vcpu_nice",
+        "vmigrater_hv_vcpu_boost",
+        "vmigrater_hv_vcpu_held",
+        "vmigrater_hv_vcpu_io_events",
+        "vmigrater_hv_vcpu_run_seconds",
+        "vmigrater_hv_vcpu_wait_seconds",
+        "vmigrater_hv_vcpu_source",
+        "vmigrater_hv_vcpu_moves",
+    ];
+    for family in families {
+        assert_eq!(series_of(&text, family, "known"), 2, "{family}:\n{text}");
+        assert_eq!(
+            series_of(&text, family, "unknown"),
+            host_cpus,
+            "{family}:\n{text}"
+        );
+    }
+    // The guest reconnects with 1 vCPU: its others go.
     // (Shut down, not dropped: the drain thread holds a clone of the socket.)
     gu.shutdown(std::net::Shutdown::Both).unwrap();
-    let mut gu = guest(&lu, 2);
+    let mut gu = guest(&lu, 1);
     drain(&gu);
     for seq in 1..=6 {
-        flood(&mut gu, seq, &many[..2]);
+        flood(&mut gu, seq, &many[..1]);
         std::thread::sleep(Duration::from_millis(60));
     }
-    assert_eq!(vcpus(1), 2, "stale vCPUs of the old session stayed");
-    let scrape =
-        hv_agent::metrics::encode(&serde_json::from_value(agent.status().unwrap()).unwrap());
-    let series = scrape
-        .lines()
-        .filter(|l| l.starts_with("vmigrater_hv_vcpu_iv_credit"))
-        .count();
-    assert_eq!(series, 4, "one IVCredit series per vCPU:\n{scrape}");
-    for g in [gk, gu] {
-        g.shutdown(std::net::Shutdown::Both).unwrap();
+    assert_eq!(vcpus(1), 1, "stale vCPUs of the old session stayed");
+    let text = scrape(&agent);
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("vmigrater_hv_vcpu_iv_credit"))
+            .count(),
+        3,
+        "one IVCredit series per vCPU:\n{text}"
+    );
+    // The guest of the unmapped VM leaves (and its socket with it, or the agent would
+    // connect again): its vCPUs and their series go with it (after one period of neutral
+    // settings); the known VM's stay, observed from the host.
+    drop(lu);
+    gu.shutdown(std::net::Shutdown::Both).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(vcpus(1), 0, "the departed guest's vCPUs stayed");
+    let text = scrape(&agent);
+    for family in families {
+        assert_eq!(series_of(&text, family, "unknown"), 0, "{family}:\n{text}");
+        assert_eq!(series_of(&text, family, "known"), 2, "{family}:\n{text}");
     }
+    assert!(
+        text.contains("vmigrater_hv_guest_connected{vm=\"unknown\"} 0"),
+        "{text}"
+    );
+    gk.shutdown(std::net::Shutdown::Both).unwrap();
     agent.terminate();
 }
 

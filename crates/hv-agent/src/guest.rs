@@ -116,6 +116,12 @@ pub fn run(
         serve(&vm, stream, min_interval, epoch, &state, &stop);
         state.connected.store(false, Ordering::Relaxed);
         state.vcpus.store(0, Ordering::Relaxed);
+        // The guest left: its reports no longer stand for its vCPUs.
+        state
+            .latest
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
         *state.writer.lock().unwrap_or_else(PoisonError::into_inner) = None;
     }
 }

@@ -537,6 +537,99 @@ fn guest_vcpus_are_bounded_by_what_the_host_knows() {
     agent.terminate();
 }
 
+/// A hostile guest that connects, sends lines the agent rejects and closes, as fast as
+/// the agent lets it: the agent backs off (it made ~67 connections a second) and logs at
+/// most one line per kind and 10 s for it, then how many it suppressed.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_flapping_guest_is_backed_off_and_cannot_flood_the_log() {
+    assert_root();
+    let hogs = Hogs::start(&[0]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("flap.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[[vm]]\nname = \"flap\"\nhint_socket = {:?}\nvcpu_threads = [{}]\n",
+            sock.display().to_string(),
+            hogs.tids[0]
+        ),
+    );
+    listener.set_nonblocking(true).unwrap();
+    let junk = "not json\n".repeat(50);
+    let t0 = Instant::now();
+    let mut sessions = 0;
+    while t0.elapsed() < Duration::from_secs(4) {
+        let Ok((mut g, _)) = listener.accept() else {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        };
+        sessions += 1;
+        g.set_nonblocking(false).unwrap();
+        let _ = g.write_all(junk.as_bytes());
+        // Close our end and read the agent's answers until it closes its own, so that
+        // its replies find a reader.
+        let _ = g.shutdown(std::net::Shutdown::Write);
+        let _ = g.set_read_timeout(Some(Duration::from_secs(2)));
+        let _ = std::io::copy(&mut g, &mut std::io::sink());
+    }
+    drop(listener);
+    // Back-off from 100 ms, doubling: connections at about 0, 0.1, 0.3, 0.7, 1.5, 3.1 s.
+    assert!(
+        (2..=8).contains(&sessions),
+        "{sessions} connections in 4 s: the agent does not back off"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let s = agent.status().expect("agent status");
+    let vm = &s["vms"][0];
+    assert_eq!(vm["connections"].as_u64(), Some(sessions), "{s:#}");
+    assert_eq!(vm["rejected"].as_u64(), Some(50 * sessions), "{s:#}");
+    let suppressed = vm["log_suppressed"].as_u64().unwrap();
+    let log = agent.terminate();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("hv_agent::guest"))
+        .collect();
+    // Six kinds, each one line and at most one count of what it held back.
+    assert!(
+        lines.len() <= 12,
+        "{} log lines about the guest:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+    // Every suppressed line is accounted for: at the end of its interval or at exit.
+    let counted: u64 = lines
+        .iter()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once(": ")?;
+            let (n, what) = rest.split_once(" more ")?;
+            what.contains("lines suppressed")
+                .then(|| n.trim().parse::<u64>().ok())?
+        })
+        .sum();
+    assert!(
+        suppressed >= 50 * sessions - 1,
+        "{suppressed} suppressed of {} rejected lines and {sessions} sessions",
+        50 * sessions
+    );
+    assert_eq!(counted, suppressed, "{}", lines.join("\n"));
+    assert!(
+        lines.iter().any(
+            |l| l.contains("rejected a guest line (line 1 of this connection): not valid JSON")
+        ),
+        "the rejected line is not named with its place and problem:\n{}",
+        lines.join("\n")
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("waiting before reconnecting")),
+        "{}",
+        lines.join("\n")
+    );
+}
+
 /// A log level that turns `info` off must not change what the agent does (the guest
 /// daemon once exited 0 at start under `--log warn`: a side effect inside a log macro).
 #[test]

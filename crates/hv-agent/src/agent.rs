@@ -590,6 +590,8 @@ impl Agent {
                     reports: vm.guest.reports.load(Ordering::Relaxed),
                     rejected: vm.guest.rejected.load(Ordering::Relaxed),
                     disconnects: vm.guest.disconnects.load(Ordering::Relaxed),
+                    connections: vm.guest.connections.load(Ordering::Relaxed),
+                    log_suppressed: vm.guest.log_suppressed.load(Ordering::Relaxed),
                     vcpus: vm.tracks.iter().map(|t| t.status.clone()).collect(),
                 })
                 .collect(),

@@ -19,8 +19,11 @@ build: setup
 run: build
 	./target/release/vmigrater run
 
+# The Prometheus alert rules with their promtool unit tests and the scrape config
+# (scripts/alerts-check.sh installs promtool when missing) belong to lint as well.
 lint: setup
 	$(CARGO) fmt --all -- --check
+	scripts/alerts-check.sh
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p vcpu-monitor -p vmigrater --features vmigrater/lab-oracle --all-targets -- -D warnings
 

@@ -14,3 +14,12 @@ need_debs() {
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}"
 }
+
+# `need_promtool WHO`: promtool, from Debian's prometheus package, which also brings a
+# Prometheus server: only promtool is wanted, never a server listening on this machine.
+need_promtool() {
+    if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed"; then
+        need_debs "$1" prometheus
+        $SUDO systemctl disable --now prometheus 2>/dev/null || true
+    fi
+}

@@ -12,11 +12,7 @@ cd "$(dirname "$0")/.."
 lab=${VMIGRATER_LAB_DIR:-target/lab}
 out=$lab/debian
 . scripts/debs.sh
-if ! dpkg-query -W -f='${Status}' prometheus 2>/dev/null | grep -q "install ok installed"; then
-    need_debs lab-debian prometheus
-    # Only promtool is wanted from prometheus: never a server listening on this machine.
-    $SUDO systemctl disable --now prometheus 2>/dev/null || true
-fi
+need_promtool lab-debian
 need_debs lab-debian debootstrap e2fsprogs
 
 stamp=$(sha256sum "$0" crates/lab/guest/agent.sh | sha256sum | cut -c1-16)

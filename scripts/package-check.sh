@@ -2,8 +2,8 @@
 # `make package-check`: builds the packages (scripts/package.sh; `--no-build` checks the ones
 # already in target/package/) and checks what they contain: the exact file lists with modes
 # and owners, conffiles / %config(noreplace), dependencies, maintainer scripts and RPM
-# scriptlets, the shipped config against the binary's `default-config`, the shipped unit and
-# udev rule against the repository's, lintian (no error, no warning that is not overridden
+# scriptlets, the shipped config against the binary's `default-config`, the shipped unit,
+# udev rule and Prometheus alert rules against the repository's, lintian (no error, no warning that is not overridden
 # with its reason in packaging/debian/*.lintian-overrides) and `systemd-analyze verify` of
 # both units. Reports every problem it finds, then exits 1 if there was any.
 set -euo pipefail
@@ -88,6 +88,7 @@ for p in vmigrater vmigrater-hv-agent; do
             echo "-rw-r--r-- 0/0 ./usr/share/doc/$p/copyright"
             echo "-rw-r--r-- 0/0 ./usr/share/doc/$p/changelog.Debian.gz"
             echo "-rw-r--r-- 0/0 ./usr/share/lintian/overrides/$p"
+            echo "-rw-r--r-- 0/0 ./usr/share/$p/prometheus/$p-alerts.yml"
             for m in "${man_pages[@]}"; do echo "-rw-r--r-- 0/0 ./usr/share/man/man8/$m.8.gz"; done
             if [ "$p" = vmigrater ]; then
                 echo "-rw-r--r-- 0/0 ./usr/lib/udev/rules.d/99-vmigrater.rules"
@@ -142,6 +143,8 @@ for p in vmigrater vmigrater-hv-agent; do
             check "$deb: the udev rule is not systemd/99-vmigrater.rules" \
                 cmp -s systemd/99-vmigrater.rules "$root/usr/lib/udev/rules.d/99-vmigrater.rules"
         fi
+        check "$deb: the alert rules are not packaging/prometheus/$p-alerts.yml" \
+            cmp -s "packaging/prometheus/$p-alerts.yml" "$root/usr/share/$p/prometheus/$p-alerts.yml"
         check "$deb: copyright does not name Apache-2.0" \
             grep -q "^License: Apache-2.0" "$root/usr/share/doc/$p/copyright"
 
@@ -185,6 +188,7 @@ $(cat "$work/$p.verify")"
             echo "/usr/share/fish/vendor_completions.d/$p.fish|-rw-r--r--|root|"
             echo "/usr/share/doc/$p/README.md|-rw-r--r--|root|d"
             echo "/usr/share/licenses/$p/LICENSE|-rw-r--r--|root|d"
+            echo "/usr/share/$p/prometheus/$p-alerts.yml|-rw-r--r--|root|"
             for m in "${man_pages[@]}"; do echo "/usr/share/man/man8/$m.8.gz|-rw-r--r--|root|d"; done
             if [ "$p" = vmigrater ]; then
                 echo "/usr/lib/udev/rules.d/99-vmigrater.rules|-rw-r--r--|root|"

@@ -1,6 +1,7 @@
-//! The Grafana dashboard (packaging/grafana/vmigrater.json) and the example scrape config
-//! must not drift from what the programs export: every metric a panel or variable queries
-//! is a family the real encoders of `vmigrater` and `vmigrater-hv-agent` produce.
+//! The Grafana dashboard (packaging/grafana/vmigrater.json), the alert rules
+//! (packaging/prometheus/*-alerts.yml) and the example scrape config must not drift from
+//! what the programs export: every metric a panel, variable or rule queries is a family the
+//! real encoders of `vmigrater` and `vmigrater-hv-agent` produce.
 
 use std::collections::BTreeSet;
 
@@ -50,13 +51,8 @@ fn queried(dashboard: &str) -> BTreeSet<String> {
     names
 }
 
-#[test]
-fn every_dashboard_metric_is_exported() {
-    let root = env!("CARGO_MANIFEST_DIR");
-    let dashboard = std::fs::read_to_string(format!("{root}/packaging/grafana/vmigrater.json"))
-        .expect("dashboard");
-    serde_json::from_str::<serde_json::Value>(&dashboard).expect("dashboard is valid JSON");
-
+/// Every family both programs export, with each kind's sample names.
+fn exported_by_both() -> BTreeSet<String> {
     // The guest daemon's registry as it encodes it, with one migration and one vCPU so
     // every labelled family has a series (an empty family prints nothing at all).
     let guest = vmigrater::metrics::Metrics::new(Some(task_detector::AttachMode::TpBtf), false);
@@ -83,7 +79,16 @@ fn every_dashboard_metric_is_exported() {
     };
     let mut have = exported(&guest.encode());
     have.extend(exported(&hv_agent::metrics::encode(&host)));
+    have
+}
 
+#[test]
+fn every_dashboard_metric_is_exported() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let dashboard = std::fs::read_to_string(format!("{root}/packaging/grafana/vmigrater.json"))
+        .expect("dashboard");
+    serde_json::from_str::<serde_json::Value>(&dashboard).expect("dashboard is valid JSON");
+    let have = exported_by_both();
     let want = queried(&dashboard);
     assert!(want.len() >= 20, "the dashboard queries only {want:?}");
     let missing: Vec<_> = want.difference(&have).collect();
@@ -91,6 +96,28 @@ fn every_dashboard_metric_is_exported() {
         missing.is_empty(),
         "the dashboard queries metrics nobody exports: {missing:?}\nexported: {have:?}"
     );
+}
+
+/// The rules' own behaviour is tested by promtool (`make lint`); here, that they query
+/// what the programs export, so a renamed metric fails the build, not a silent alert.
+#[test]
+fn every_alert_rule_metric_is_exported() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let have = exported_by_both();
+    for (file, at_least) in [
+        ("vmigrater-alerts.yml", 4),
+        ("vmigrater-hv-agent-alerts.yml", 5),
+    ] {
+        let rules = std::fs::read_to_string(format!("{root}/packaging/prometheus/{file}"))
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+        let want = queried(&rules);
+        assert!(want.len() >= at_least, "{file} queries only {want:?}");
+        let missing: Vec<_> = want.difference(&have).collect();
+        assert!(
+            missing.is_empty(),
+            "{file} queries metrics nobody exports: {missing:?}\nexported: {have:?}"
+        );
+    }
 }
 
 #[test]

@@ -402,12 +402,27 @@ fn a_guest_that_stops_reading_stalls_nothing() {
     assert_eq!((nice_of(a), nice_of(b)), (0, 0), "nice not restored");
 }
 
+/// The agent's /metrics, rendered from its status as the endpoint renders it.
+fn scrape(agent: &Agent) -> String {
+    hv_agent::metrics::encode(&serde_json::from_value(agent.status().unwrap()).unwrap())
+}
+
+/// Series of `family` for `vm` in a scrape.
+fn series_of(scrape: &str, family: &str, vm: &str) -> usize {
+    scrape
+        .lines()
+        .filter(|l| l.starts_with(family) && l.contains(&format!("vm=\"{vm}\"")))
+        .count()
+}
+
 /// A guest cannot grow the agent's state and metric series: a VM has the vCPUs the host
-/// knows of, and where the host knows none, the ones the connected guest announced.
+/// knows of, and where the host knows none, the ones the connected guest announced, never
+/// more than the host has CPUs; they leave with the guest.
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn guest_vcpus_are_bounded_by_what_the_host_knows() {
     assert_root();
+    let host_cpus = os_layer::Root::real().online_cpus().unwrap().len();
     let hogs = Hogs::start(&[0, 0]);
     let dir = tempfile::tempdir().unwrap();
     let (known, unknown) = (
@@ -456,28 +471,163 @@ fn guest_vcpus_are_bounded_by_what_the_host_knows() {
         std::thread::sleep(Duration::from_millis(60));
     }
     assert_eq!(vcpus(0), 2, "the host knows 2 vCPU threads");
-    assert_eq!(vcpus(1), 1024, "threads unknown: the guest's hello says");
-    // The guest reconnects with 2 vCPUs: its 1,022 others go.
+    assert_eq!(
+        vcpus(1),
+        host_cpus.min(1024),
+        "threads unknown: the guest's hello says, up to the host's {host_cpus} CPUs"
+    );
+    // Every per-vCPU family, as /metrics serves it: as many series as vCPUs, not 1,024.
+    let text = scrape(&agent);
+    let families = [
+        "vmigrater_hv_vcpu_iv_credit_seconds",
+        "vmigrater_hv_vcpu_cv_credit_seconds",
+        "vmigrater_hv_vcpu_weight",
+        "vmigrater_hv_vcpu_nice",
+        "vmigrater_hv_vcpu_boost",
+        "vmigrater_hv_vcpu_held",
+        "vmigrater_hv_vcpu_io_events",
+        "vmigrater_hv_vcpu_run_seconds",
+        "vmigrater_hv_vcpu_wait_seconds",
+        "vmigrater_hv_vcpu_source",
+        "vmigrater_hv_vcpu_moves",
+    ];
+    for family in families {
+        assert_eq!(series_of(&text, family, "known"), 2, "{family}:\n{text}");
+        assert_eq!(
+            series_of(&text, family, "unknown"),
+            host_cpus,
+            "{family}:\n{text}"
+        );
+    }
+    // The guest reconnects with 1 vCPU: its others go.
     // (Shut down, not dropped: the drain thread holds a clone of the socket.)
     gu.shutdown(std::net::Shutdown::Both).unwrap();
-    let mut gu = guest(&lu, 2);
+    let mut gu = guest(&lu, 1);
     drain(&gu);
     for seq in 1..=6 {
-        flood(&mut gu, seq, &many[..2]);
+        flood(&mut gu, seq, &many[..1]);
         std::thread::sleep(Duration::from_millis(60));
     }
-    assert_eq!(vcpus(1), 2, "stale vCPUs of the old session stayed");
-    let scrape =
-        hv_agent::metrics::encode(&serde_json::from_value(agent.status().unwrap()).unwrap());
-    let series = scrape
-        .lines()
-        .filter(|l| l.starts_with("vmigrater_hv_vcpu_iv_credit"))
-        .count();
-    assert_eq!(series, 4, "one IVCredit series per vCPU:\n{scrape}");
-    for g in [gk, gu] {
-        g.shutdown(std::net::Shutdown::Both).unwrap();
+    assert_eq!(vcpus(1), 1, "stale vCPUs of the old session stayed");
+    let text = scrape(&agent);
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("vmigrater_hv_vcpu_iv_credit"))
+            .count(),
+        3,
+        "one IVCredit series per vCPU:\n{text}"
+    );
+    // The guest of the unmapped VM leaves (and its socket with it, or the agent would
+    // connect again): its vCPUs and their series go with it (after one period of neutral
+    // settings); the known VM's stay, observed from the host.
+    drop(lu);
+    gu.shutdown(std::net::Shutdown::Both).unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    assert_eq!(vcpus(1), 0, "the departed guest's vCPUs stayed");
+    let text = scrape(&agent);
+    for family in families {
+        assert_eq!(series_of(&text, family, "unknown"), 0, "{family}:\n{text}");
+        assert_eq!(series_of(&text, family, "known"), 2, "{family}:\n{text}");
     }
+    assert!(
+        text.contains("vmigrater_hv_guest_connected{vm=\"unknown\"} 0"),
+        "{text}"
+    );
+    gk.shutdown(std::net::Shutdown::Both).unwrap();
     agent.terminate();
+}
+
+/// A hostile guest that connects, sends lines the agent rejects and closes, as fast as
+/// the agent lets it: the agent backs off (it made ~67 connections a second) and logs at
+/// most one line per kind and 10 s for it, then how many it suppressed.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_flapping_guest_is_backed_off_and_cannot_flood_the_log() {
+    assert_root();
+    let hogs = Hogs::start(&[0]);
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("flap.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = Agent::start(
+        dir.path(),
+        &format!(
+            "[[vm]]\nname = \"flap\"\nhint_socket = {:?}\nvcpu_threads = [{}]\n",
+            sock.display().to_string(),
+            hogs.tids[0]
+        ),
+    );
+    listener.set_nonblocking(true).unwrap();
+    let junk = "not json\n".repeat(50);
+    let t0 = Instant::now();
+    let mut sessions = 0;
+    while t0.elapsed() < Duration::from_secs(4) {
+        let Ok((mut g, _)) = listener.accept() else {
+            std::thread::sleep(Duration::from_millis(1));
+            continue;
+        };
+        sessions += 1;
+        g.set_nonblocking(false).unwrap();
+        let _ = g.write_all(junk.as_bytes());
+        // Close our end and read the agent's answers until it closes its own, so that
+        // its replies find a reader.
+        let _ = g.shutdown(std::net::Shutdown::Write);
+        let _ = g.set_read_timeout(Some(Duration::from_secs(2)));
+        let _ = std::io::copy(&mut g, &mut std::io::sink());
+    }
+    drop(listener);
+    // Back-off from 100 ms, doubling: connections at about 0, 0.1, 0.3, 0.7, 1.5, 3.1 s.
+    assert!(
+        (2..=8).contains(&sessions),
+        "{sessions} connections in 4 s: the agent does not back off"
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let s = agent.status().expect("agent status");
+    let vm = &s["vms"][0];
+    assert_eq!(vm["connections"].as_u64(), Some(sessions), "{s:#}");
+    assert_eq!(vm["rejected"].as_u64(), Some(50 * sessions), "{s:#}");
+    let suppressed = vm["log_suppressed"].as_u64().unwrap();
+    let log = agent.terminate();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("hv_agent::guest"))
+        .collect();
+    // Six kinds, each one line and at most one count of what it held back.
+    assert!(
+        lines.len() <= 12,
+        "{} log lines about the guest:\n{}",
+        lines.len(),
+        lines.join("\n")
+    );
+    // Every suppressed line is accounted for: at the end of its interval or at exit.
+    let counted: u64 = lines
+        .iter()
+        .filter_map(|l| {
+            let (_, rest) = l.split_once(": ")?;
+            let (n, what) = rest.split_once(" more ")?;
+            what.contains("lines suppressed")
+                .then(|| n.trim().parse::<u64>().ok())?
+        })
+        .sum();
+    assert!(
+        suppressed >= 50 * sessions - 1,
+        "{suppressed} suppressed of {} rejected lines and {sessions} sessions",
+        50 * sessions
+    );
+    assert_eq!(counted, suppressed, "{}", lines.join("\n"));
+    assert!(
+        lines.iter().any(
+            |l| l.contains("rejected a guest line (line 1 of this connection): not valid JSON")
+        ),
+        "the rejected line is not named with its place and problem:\n{}",
+        lines.join("\n")
+    );
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.contains("waiting before reconnecting")),
+        "{}",
+        lines.join("\n")
+    );
 }
 
 /// A log level that turns `info` off must not change what the agent does (the guest

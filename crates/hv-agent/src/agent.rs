@@ -77,6 +77,9 @@ struct Vm {
     stop: Arc<control::Stop>,
     thread: Option<JoinHandle<()>>,
     tracks: Vec<Track>,
+    /// The guest-announced vCPUs were credited once without their guest: their neutral
+    /// settings reached the backend before they went.
+    neutralised: bool,
 }
 
 impl Vm {
@@ -103,6 +106,7 @@ impl Vm {
             stop,
             thread,
             tracks: Vec::new(),
+            neutralised: false,
         })
     }
 
@@ -144,13 +148,14 @@ fn resolve_threads(vm: &VmConfig) -> Result<Vec<u32>> {
     Ok(Vec::new())
 }
 
-/// How many vCPUs a VM has: its vCPU threads, which the host knows; only where they are
-/// unknown (a Xen domain, a VM not resolved yet) the connected guest's hello; with neither,
-/// as many as before (a guest that leaves keeps its vCPUs, neutral without reports).
-fn vcpu_count(threads: usize, hello: u32, before: usize) -> usize {
+/// How many vCPUs a VM has: its vCPU threads, which the host knows. Only where they are
+/// unknown (a Xen domain, a VM not resolved yet) does the connected guest's hello say, and
+/// then never more than `cap` (the host's CPUs): a hello is guest input, and each vCPU
+/// brings state, work every period and a dozen metric series. Without threads and without
+/// a guest, none: what only the guest said leaves with it.
+fn vcpu_count(threads: usize, hello: u32, cap: usize) -> usize {
     match (threads, hello) {
-        (0, 0) => before,
-        (0, hello) => hello as usize,
+        (0, hello) => (hello as usize).min(cap),
         (threads, _) => threads,
     }
 }
@@ -190,6 +195,14 @@ fn favour_dominant(carries: &mut [bool], events: &[u64]) -> bool {
     true
 }
 
+/// The host's online CPUs (at least one).
+fn host_cpus() -> usize {
+    os_layer::Root::real()
+        .online_cpus()
+        .map_or(1, |c| c.len())
+        .max(1)
+}
+
 fn alive(tid: u32) -> bool {
     std::path::Path::new(&format!("/proc/{tid}")).exists()
 }
@@ -212,6 +225,8 @@ pub struct Agent {
     /// Applying failed in the last period that applied anything (said once).
     applying_fails: bool,
     last_scan: Option<Instant>,
+    /// The most vCPUs a VM whose vCPU threads are unknown may have: the host's CPUs.
+    unmapped_cap: usize,
 }
 
 impl Agent {
@@ -249,6 +264,7 @@ impl Agent {
             apply_errors: 0,
             applying_fails: false,
             last_scan: None,
+            unmapped_cap: host_cpus(),
         })
     }
 
@@ -339,17 +355,22 @@ impl Agent {
         for (i, vm) in self.vms.iter_mut().enumerate() {
             let reports = vm.guest.fresh(period * 3);
             // A VM has the vCPUs the host knows of: its vCPU threads (a guest cannot invent
-            // more, nor the series and state that would come with them). Only where the
-            // threads are unknown (a Xen domain, a VM not resolved yet) does the connected
-            // guest's hello say (at most proto::MAX_VCPUS, reports beyond it are rejected),
-            // so a guest that reconnects with fewer leaves no vCPU behind. A guest that
-            // leaves keeps its vCPUs, now without reports: the credit core turns them
-            // neutral, so no weight it earned stays applied (Xen weighs whole domains).
-            let n = vcpu_count(
+            // more, nor the series and state that would come with them); see `vcpu_count`.
+            let mut n = vcpu_count(
                 vm.tids.len(),
                 vm.guest.vcpus.load(Ordering::Relaxed),
-                vm.tracks.len(),
+                self.unmapped_cap,
             );
+            // When a guest that alone said how many vCPUs its VM has leaves, they stay for
+            // one period without reports, so the credit core turns them neutral and that
+            // reaches the backend (Xen weighs the whole domain, and a domain left with no
+            // vCPU would keep the weight its guest earned); then they go, series and all.
+            if n == 0 && !vm.tracks.is_empty() && !vm.neutralised {
+                vm.neutralised = true;
+                n = vm.tracks.len();
+            } else if n > 0 {
+                vm.neutralised = false;
+            }
             vm.tracks.truncate(n);
             vm.tracks.resize_with(n, Track::default);
             let first_figure = figures.len();
@@ -592,6 +613,8 @@ impl Agent {
                     reports: vm.guest.reports.load(Ordering::Relaxed),
                     rejected: vm.guest.rejected.load(Ordering::Relaxed),
                     disconnects: vm.guest.disconnects.load(Ordering::Relaxed),
+                    connections: vm.guest.connections.load(Ordering::Relaxed),
+                    log_suppressed: vm.guest.log_suppressed.load(Ordering::Relaxed),
                     vcpus: vm.tracks.iter().map(|t| t.status.clone()).collect(),
                 })
                 .collect(),
@@ -685,12 +708,14 @@ mod tests {
     #[test]
     fn a_vm_has_the_vcpus_the_host_knows_of() {
         // Threads known: the guest's hello cannot add series.
-        assert_eq!(vcpu_count(2, 1024, 0), 2);
-        // Threads unknown: the hello says, also when it shrinks after a reconnect.
-        assert_eq!(vcpu_count(0, 1024, 0), 1024);
-        assert_eq!(vcpu_count(0, 2, 1024), 2);
-        // Neither: the vCPUs stay (neutral without reports).
-        assert_eq!(vcpu_count(0, 0, 4), 4);
+        assert_eq!(vcpu_count(2, 1024, 8), 2);
+        assert_eq!(vcpu_count(2, 0, 8), 2);
+        // Threads unknown: the hello says, up to the host's CPUs, also when it shrinks
+        // after a reconnect.
+        assert_eq!(vcpu_count(0, 1024, 8), 8);
+        assert_eq!(vcpu_count(0, 2, 8), 2);
+        // Neither threads nor a guest: no vCPUs.
+        assert_eq!(vcpu_count(0, 0, 8), 0);
     }
 
     #[test]

@@ -55,6 +55,7 @@ pub fn encode(s: &AgentStatus) -> String {
     let reports = Family::<VmLabel, Gauge>::default();
     let rejected = Family::<VmLabel, Gauge>::default();
     let connected = Family::<VmLabel, Gauge>::default();
+    let connections = Family::<VmLabel, Gauge>::default();
     let iv = Family::<VcpuLabel, FloatGauge>::default();
     let cv = Family::<VcpuLabel, FloatGauge>::default();
     let weight = Family::<VcpuLabel, FloatGauge>::default();
@@ -73,6 +74,7 @@ pub fn encode(s: &AgentStatus) -> String {
         reports.get_or_create(&l).set(vm.reports as i64);
         rejected.get_or_create(&l).set(vm.rejected as i64);
         connected.get_or_create(&l).set(vm.connected as i64);
+        connections.get_or_create(&l).set(vm.connections as i64);
         for v in &vm.vcpus {
             let l = VcpuLabel {
                 vm: vm.name.clone(),
@@ -113,6 +115,11 @@ pub fn encode(s: &AgentStatus) -> String {
         "guest_connected",
         "1 while the guest channel is connected",
         connected,
+    );
+    reg.register(
+        "guest_connections",
+        "Connections made to the guest channel since its VM was found (a flapping guest makes many; reconnects back off)",
+        connections,
     );
     reg.register_with_unit(
         "vcpu_iv_credit",
@@ -188,6 +195,7 @@ mod tests {
                 connected: true,
                 reports: 3,
                 rejected: 1,
+                connections: 2,
                 vcpus: vec![VcpuStatus {
                     vcpu: 0,
                     source: Source::Guest,
@@ -205,6 +213,7 @@ mod tests {
             "vmigrater_hv_guest_reports{vm=\"db\"} 3",
             "vmigrater_hv_guest_rejected_frames{vm=\"db\"} 1",
             "vmigrater_hv_guest_connected{vm=\"db\"} 1",
+            "vmigrater_hv_guest_connections{vm=\"db\"} 2",
             "vmigrater_hv_vcpu_iv_credit_seconds{vm=\"db\",vcpu=\"0\"} 0.002",
             "vmigrater_hv_vcpu_nice{vm=\"db\",vcpu=\"0\"} -2",
             "vmigrater_hv_vcpu_source{vm=\"db\",vcpu=\"0\",source=\"guest\"} 1",

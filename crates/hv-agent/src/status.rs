@@ -71,6 +71,12 @@ pub struct VmStatus {
     /// Connections dropped because the guest stopped reading its replies.
     #[serde(default)]
     pub disconnects: u64,
+    /// Connections made to the guest's channel since the VM was found.
+    #[serde(default)]
+    pub connections: u64,
+    /// Log lines about the guest suppressed by the per-guest rate limit.
+    #[serde(default)]
+    pub log_suppressed: u64,
     pub vcpus: Vec<VcpuStatus>,
 }
 
@@ -101,12 +107,14 @@ pub fn render(s: &AgentStatus) -> String {
     for vm in &s.vms {
         let _ = writeln!(
             out,
-            "\nvm {} ({}): channel {}, {} reports, {} rejected frames",
+            "\nvm {} ({}): channel {}, {} reports, {} rejected frames, {} connections, {} log lines suppressed",
             vm.name,
             vm.origin,
             if vm.connected { "connected" } else { "down" },
             vm.reports,
-            vm.rejected
+            vm.rejected,
+            vm.connections,
+            vm.log_suppressed
         );
         let _ = writeln!(
             out,

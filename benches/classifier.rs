@@ -16,6 +16,7 @@ fn window(w: u64, n: u32) -> Vec<ThreadObservation> {
                 ios: w * if tid % 4 == 0 { 150 } else { 1 },
                 bytes: w * 4096,
                 cpu_ns: w * 1_000_000,
+                cpu_out_ns: 0,
                 is_kernel: false,
                 last_cpu: tid % 2,
                 completions: Completions::default(),

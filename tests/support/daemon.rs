@@ -20,6 +20,7 @@ impl BenchDaemon {
     /// Starts the daemon with `config` (TOML text) and `extra` arguments after `run`, and
     /// returns once it answers on its status socket.
     pub fn start(config: &str, extra: &[&str]) -> Result<BenchDaemon> {
+        ensure_fresh(&workspace_bin("vmigrater"))?;
         let state_dir = tempfile::tempdir()?;
         let config_path = state_dir.path().join("vmigrater.toml");
         std::fs::write(&config_path, config)?;
@@ -108,4 +109,50 @@ impl Drop for BenchDaemon {
         );
         let _ = self.child.wait();
     }
+}
+
+/// Refuses a daemon binary older than the newest source of the workspace's crates: `cargo
+/// bench` builds the benchmark, not the binaries it starts, so a forgotten `make build`
+/// would measure an old daemon under the new one's name.
+fn ensure_fresh(bin: &std::path::Path) -> Result<()> {
+    fn newest(
+        dir: &std::path::Path,
+        best: &mut Option<(std::time::SystemTime, std::path::PathBuf)>,
+    ) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let path = e.path();
+            if path.is_dir() {
+                newest(&path, best);
+            } else if path
+                .extension()
+                .is_some_and(|x| x == "rs" || x == "c" || x == "h")
+            {
+                if let Ok(t) = e.metadata().and_then(|m| m.modified()) {
+                    if best.as_ref().is_none_or(|(b, _)| t > *b) {
+                        *best = Some((t, path));
+                    }
+                }
+            }
+        }
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut best = None;
+    newest(&root.join("crates"), &mut best);
+    newest(&root.join("bpf"), &mut best);
+    let built = std::fs::metadata(bin)
+        .and_then(|m| m.modified())
+        .with_context(|| format!("{}", bin.display()))?;
+    if let Some((t, path)) = best {
+        anyhow::ensure!(
+            built >= t,
+            "{} is older than {}: build the workspace binaries first (`make build`, or \
+             `cargo build --release --workspace --bins`)",
+            bin.display(),
+            path.display()
+        );
+    }
+    Ok(())
 }

@@ -104,6 +104,8 @@ pub trait BlockTracking {
     fn detach(&mut self) -> anyhow::Result<()>;
     /// The I/O-bound tasks and per-vCPU completions of the window that just ended.
     fn poll(&mut self) -> anyhow::Result<DetectorOutput>;
+    /// Whether a thread is half-way to being found I/O-bound (a sample may run on).
+    fn entering(&self) -> bool;
 }
 
 /// The placement: the affinity executor (journaled) and the set the monitor threads move.

@@ -4,7 +4,8 @@
 //! spent with block I/O in flight (and a minimum number of requests, so one slow flush is
 //! not "I/O-bound"); it leaves only after `exit_windows` consecutive windows below
 //! `exit_fraction` — the hysteresis that keeps a bursty reader from flapping. A window
-//! with more than `max_cpu_fraction` on a CPU is CPU-bound and counts as below.
+//! with more than `max_cpu_fraction` on a CPU (less the time its vCPU was seen taken away,
+//! which a kernel may charge to it) is CPU-bound and counts as below.
 //! A window with some I/O but fewer requests than the minimum stretches up to
 //! `max_window_ns`: a task that issues a request every few milliseconds (one that computes
 //! between requests, or whose completions wait for a descheduled vCPU) is judged on enough
@@ -66,6 +67,11 @@ pub struct ThreadObservation {
     pub bytes: u64,
     /// Cumulative on-CPU time (/proc/<tid>/schedstat field 1).
     pub cpu_ns: u64,
+    /// Cumulative time the thread's last vCPU was seen taken away (0 where unknown). A
+    /// kernel without steal accounting for the way it is taken away (an interrupt that
+    /// spins, a host that reports no steal) charges that time to whatever was running
+    /// there: a thread that waits on I/O would read as CPU-bound.
+    pub cpu_out_ns: u64,
     pub is_kernel: bool,
     pub last_cpu: u32,
     pub completions: Completions,
@@ -104,7 +110,7 @@ pub struct IoTask {
     pub tgid: u32,
     /// Fraction of the last window with I/O in flight.
     pub io_fraction: f64,
-    /// Fraction of the last window on a CPU.
+    /// Fraction of the last window on a CPU, less the time its vCPU was seen out.
     pub cpu_fraction: f64,
     pub iops: f64,
     /// Smoothed I/O-in-flight fraction in [0.05, 1]: the planner's weight.
@@ -121,6 +127,8 @@ struct ThreadState {
     base_busy: u64,
     base_ios: u64,
     base_cpu: u64,
+    /// `cpu_out_ns` at the window's start, and of which vCPU.
+    base_out: (u32, u64),
     base_done: Completions,
     above: u32,
     below: u32,
@@ -175,6 +183,12 @@ impl IoClassifier {
         self.threads.get(&tid).map(|st| st.tgid)
     }
 
+    /// Whether a thread is half-way in: its last window qualified, not yet enough of them.
+    /// A sample of the block programs that ends now would leave it undecided.
+    pub fn entering(&self) -> bool {
+        self.threads.values().any(|st| !st.io_bound && st.above > 0)
+    }
+
     /// Whether `tid` is being tracked (so the caller keeps feeding it even when idle).
     pub fn tracks(&self, tid: u32) -> bool {
         self.threads.contains_key(&tid)
@@ -194,6 +208,7 @@ impl IoClassifier {
                 base_busy: t.busy_ns,
                 base_ios: t.ios,
                 base_cpu: t.cpu_ns,
+                base_out: (t.last_cpu, t.cpu_out_ns),
                 base_done: t.completions,
                 above: 0,
                 below: 0,
@@ -224,7 +239,15 @@ impl IoClassifier {
                 continue;
             }
             let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
-            let cpu_fraction = (t.cpu_ns.saturating_sub(st.base_cpu) as f64 / dt as f64).min(1.0);
+            // On-CPU time less the time its vCPU was out (it may have been charged for
+            // it): a window where it ran on two vCPUs is taken as it is.
+            let on_cpu = t.cpu_ns.saturating_sub(st.base_cpu);
+            let out = if st.base_out.0 == t.last_cpu {
+                t.cpu_out_ns.saturating_sub(st.base_out.1).min(dt)
+            } else {
+                0
+            };
+            let cpu_fraction = (on_cpu.saturating_sub(out) as f64 / dt as f64).min(1.0);
             let done = t.completions.total.saturating_sub(st.base_done.total);
             let remote = t.completions.remote.saturating_sub(st.base_done.remote);
             st.last = IoTaskFields {
@@ -248,12 +271,22 @@ impl IoClassifier {
             st.base_busy = t.busy_ns;
             st.base_ios = t.ios;
             st.base_cpu = t.cpu_ns;
+            st.base_out = (t.last_cpu, t.cpu_out_ns);
             st.load = if st.load == 0.0 {
                 io_fraction
             } else {
                 cfg.load_alpha * io_fraction + (1.0 - cfg.load_alpha) * st.load
             };
             let cpu_ok = cpu_fraction <= cfg.max_cpu_fraction;
+            tracing::trace!(
+                tid = t.tid,
+                dt_us = dt / 1000,
+                ios,
+                io_fraction = format!("{io_fraction:.2}"),
+                cpu_fraction = format!("{cpu_fraction:.2}"),
+                out_us = out / 1000,
+                "window"
+            );
             if io_fraction >= cfg.enter_fraction && ios >= cfg.min_ios_per_window && cpu_ok {
                 st.above += 1;
             } else {
@@ -351,6 +384,7 @@ mod tests {
                 ios: self.ios,
                 bytes: self.ios * 4096,
                 cpu_ns: self.cpu,
+                cpu_out_ns: 0,
                 is_kernel: self.kernel,
                 last_cpu: 1,
                 completions: Completions {
@@ -415,6 +449,36 @@ mod tests {
         });
         assert_eq!(out[28].len(), 1);
         assert!(out[29].is_empty(), "{:?}", out[29]);
+    }
+
+    #[test]
+    fn time_its_vcpu_was_out_is_not_counted_as_on_cpu() {
+        // A reader whose vCPU is taken away half of each window by a spinning interrupt,
+        // on a kernel that charges that half to it: 90% "on CPU" as schedstat says.
+        let obs = |w: u64, out_per_window: u64| ThreadObservation {
+            tid: 5,
+            tgid: 5,
+            busy_ns: w * 9 * MS / 2,
+            ios: w * 4,
+            bytes: w * 4 * 4096,
+            cpu_ns: w * 9 * MS / 2,
+            cpu_out_ns: w * out_per_window,
+            is_kernel: false,
+            last_cpu: 0,
+            completions: Completions::default(),
+        };
+        let mut told = IoClassifier::new(ClassifierConfig::default());
+        let out = run(&mut told, 10, |w| vec![obs(w as u64, 5 * MS / 2)]);
+        assert_eq!(out[2].len(), 1, "{out:?}");
+        assert!(
+            (out[9][0].cpu_fraction - 0.4).abs() < 1e-9,
+            "{:?}",
+            out[9][0]
+        );
+        // Not told where its vCPU was: CPU-bound, never I/O-bound.
+        let mut blind = IoClassifier::new(ClassifierConfig::default());
+        let out = run(&mut blind, 10, |w| vec![obs(w as u64, 0)]);
+        assert!(out.iter().all(|o| o.is_empty()));
     }
 
     #[test]

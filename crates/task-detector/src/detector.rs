@@ -102,6 +102,11 @@ impl<'obj> Detector<'obj> {
         }
     }
 
+    /// Whether a thread is half-way to being classified I/O-bound.
+    pub fn entering(&self) -> bool {
+        self.classifier.entering()
+    }
+
     /// Whether the BPF programs run on block requests now.
     pub fn tracking(&self) -> bool {
         self.paused_at.is_none()
@@ -173,6 +178,12 @@ impl<'obj> Detector<'obj> {
 
     /// One window: read the maps, add /proc facts for threads with fresh I/O, classify.
     pub fn poll(&mut self) -> Result<DetectorOutput> {
+        self.poll_seeing(&[])
+    }
+
+    /// `poll`, told each vCPU's cumulative time seen taken away (`(cpu, ns)`, the vCPU
+    /// monitor's): a thread is not judged CPU-bound on time its vCPU was out.
+    pub fn poll_seeing(&mut self, cpu_out_ns: &[(usize, u64)]) -> Result<DetectorOutput> {
         anyhow::ensure!(self.paused_at.is_none(), "polling a paused detector");
         // Tracked time: the classifier's clock (the same as CLOCK_MONOTONIC until the
         // first pause). The maps are read on the real clock.
@@ -229,6 +240,10 @@ impl<'obj> Detector<'obj> {
                     ios: s.ios,
                     bytes: s.bytes,
                     cpu_ns,
+                    cpu_out_ns: cpu_out_ns
+                        .iter()
+                        .find(|c| c.0 == s.last_cpu as usize)
+                        .map_or(0, |c| c.1),
                     is_kernel: id.is_kernel,
                     last_cpu: s.last_cpu,
                     completions: s.completions,

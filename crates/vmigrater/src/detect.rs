@@ -102,7 +102,17 @@ impl BlockTracking for Live<'_, '_> {
         self.detector.detach()
     }
     fn poll(&mut self) -> Result<DetectorOutput> {
-        self.detector.poll()
+        let out: Vec<(usize, u64)> = self
+            .placement
+            .board
+            .snapshot(monotonic_ns())
+            .iter()
+            .map(|v| (v.cpu, v.inactive_total_ns))
+            .collect();
+        self.detector.poll_seeing(&out)
+    }
+    fn entering(&self) -> bool {
+        self.detector.entering()
     }
 }
 

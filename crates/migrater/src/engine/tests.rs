@@ -29,6 +29,8 @@ struct Fake {
     dry_run: bool,
     /// Every anchor asked for: (tid, vCPU, why).
     anchors: Vec<(u32, usize, Reason)>,
+    /// What `entering` says.
+    entering: bool,
 }
 
 impl Fake {
@@ -67,6 +69,9 @@ impl BlockTracking for Fake {
         self.tracking = false;
         self.attached = false;
         Ok(())
+    }
+    fn entering(&self) -> bool {
+        self.entering
     }
     fn poll(&mut self) -> anyhow::Result<DetectorOutput> {
         self.polls += 1;
@@ -475,6 +480,34 @@ fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
     vm.step(&mut e, &mut f, 1_200 * MS, 0);
     assert_eq!(f.resumes, 1);
     assert!(f.tracking);
+}
+
+#[test]
+fn a_sample_runs_on_while_a_task_is_half_way_in_up_to_twice_its_length() {
+    let sampled = || EngineConfig {
+        schedule: Some(Schedule {
+            length: Duration::from_millis(250),
+            every: Duration::from_millis(2_500),
+        }),
+        ..config()
+    };
+    let mut e = Engine::new(sampled(), 1_000 * S);
+    let mut f = Fake::new();
+    f.entering = true;
+    let mut vm = Vm::new();
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    vm.step(&mut e, &mut f, 200 * MS, 0);
+    assert_eq!(f.pauses, 0, "still tracking 300 ms into the sample");
+    vm.step(&mut e, &mut f, 150 * MS, 0);
+    assert_eq!(f.pauses, 0);
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.pauses, 1, "paused at twice the sample's length");
+    // Decided: the next sample ends on time.
+    f.entering = false;
+    vm.step(&mut e, &mut f, 2_000 * MS, 0);
+    assert_eq!(f.resumes, 1);
+    vm.step(&mut e, &mut f, 260 * MS, 0);
+    assert_eq!(f.pauses, 2);
 }
 
 #[test]

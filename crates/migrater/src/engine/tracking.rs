@@ -158,6 +158,10 @@ impl Engine {
         let into = Duration::from_nanos(now.saturating_sub(self.sample_start_ns));
         match s.step(act.tracking(), into) {
             sampling::Step::Track(left) => left,
+            // A task half-way through the classifier's enter windows (one issuing a
+            // request every few ms needs most of a sample): the sample runs on, up to
+            // twice its length, rather than leave it undecided for a whole period.
+            sampling::Step::Pause if act.entering() && into < s.length * 2 => s.length * 2 - into,
             sampling::Step::Pause => match act.pause() {
                 Ok(()) => {
                     debug!("sample over: block tracking paused");

@@ -200,8 +200,11 @@ impl Engine {
         if carried.is_empty() {
             return;
         }
+        // Someone else's mask, or a command the user now excludes (a reload): at once.
         let hands_off = act.hands_off();
-        carried.retain(|e| !hands_off.contains(&(e.tid, e.start_time)));
+        carried.retain(|e| {
+            !hands_off.contains(&(e.tid, e.start_time)) && !self.cfg.exclude_comm.contains(&e.comm)
+        });
         for e in &carried {
             if self.fresh {
                 debug!(

@@ -601,6 +601,14 @@ fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
     vm.run(&mut e, &mut f, 2, |_| 0);
     assert_eq!(f.released, [10]);
     assert!(e.snapshot().kept_with_completions.is_empty());
+    // Excluded by a reload while missing from a window: handed back at once.
+    f.window = vec![io_task_completing_on(11, 1, 1.0)];
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.managed.get(&11), Some(&Some(1)));
+    f.window = Vec::new();
+    e.set_exclude_comm(vec!["fio".into()]);
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.released, [10, 11]);
 }
 
 #[test]

@@ -10,7 +10,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 use steal_emulator::{Emulator, Pattern};
 use vmigrater_testbed::signals::{
-    journal_of_a_pinned_task, run_within, wait_signals_blocked, Guarded,
+    journal_of_a_pinned_task, run_within, spawn_daemon, wait_signals_blocked, Guarded,
 };
 use vmigrater_testbed::{assert_cpus, assert_root, workload, workspace_bin};
 
@@ -1278,17 +1278,7 @@ fn a_stop_signal_at_any_moment_of_start_up_restores_and_exits_0() {
         let config = state.path().join("vmigrater.toml");
         std::fs::write(&config, MECHANISM).unwrap();
         let log = state.path().join("log");
-        let mut guarded = Guarded(
-            Command::new(workspace_bin("vmigrater"))
-                .arg("--config")
-                .arg(&config)
-                .args(["--log", "info", "run", "--no-metrics", "--state-dir"])
-                .arg(state.path())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap(),
-        );
+        let mut guarded = spawn_daemon(&config, state.path(), &log);
         let child = &mut guarded.0;
         wait_signals_blocked(child.id());
         std::thread::sleep(Duration::from_millis(*delay));

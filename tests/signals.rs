@@ -18,7 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use steal_emulator::{Emulator, Pattern};
 use vmigrater_testbed::host::{nice_of, Agent, Hogs};
-use vmigrater_testbed::signals::{stops, wait_signals_blocked, Guarded, OPERATOR_SIGNALS};
+use vmigrater_testbed::signals::{
+    spawn_daemon, stops, wait_signals_blocked, Guarded, OPERATOR_SIGNALS,
+};
 use vmigrater_testbed::{assert_cpus, assert_root, workload, workspace_bin};
 
 fn rounds() -> usize {
@@ -189,17 +191,7 @@ fn every_operator_signal_at_any_moment_leaves_the_guest_daemon_clean() {
         let (phase, sig) = pick(&mut rng);
         let state = tempfile::tempdir().unwrap();
         let log = state.path().join("log");
-        let mut child = Guarded(
-            Command::new(workspace_bin("vmigrater"))
-                .arg("--config")
-                .arg(&config)
-                .args(["--log", "info", "run", "--no-metrics", "--state-dir"])
-                .arg(state.path())
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap(),
-        );
+        let mut child = spawn_daemon(&config, state.path(), &log);
         // Steady state: the reader managed, if that comes within a second.
         let ready = || {
             if daemon_status(state.path()).is_none() {

@@ -121,6 +121,26 @@ pub fn journal_of_a_pinned_task(
     .expect("write journal");
 }
 
+/// `vmigrater run` with `config` in the private `state_dir`, its info log written to
+/// `log`, no metrics endpoint; guarded.
+pub fn spawn_daemon(
+    config: &std::path::Path,
+    state_dir: &std::path::Path,
+    log: &std::path::Path,
+) -> Guarded {
+    Guarded(
+        Command::new(crate::workspace_bin("vmigrater"))
+            .arg("--config")
+            .arg(config)
+            .args(["--log", "info", "run", "--no-metrics", "--state-dir"])
+            .arg(state_dir)
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(log).expect("daemon log"))
+            .spawn()
+            .expect("spawn vmigrater"),
+    )
+}
+
 /// A child that a failing test does not leave behind: dropped while it runs, it gets
 /// SIGTERM (a daemon restores what it changed), then SIGKILL after 5 s.
 pub struct Guarded(pub Child);

@@ -13,6 +13,7 @@
 
 mod tasks;
 mod tracking;
+mod waiting;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -26,6 +27,7 @@ use crate::guard::{Contention, GuardConfig, MoveGuard};
 use crate::hook::{FoundTask, TaskEntry};
 use crate::planner::Reason;
 use crate::sampling::{CompletionEstimate, Schedule};
+pub use waiting::{Starved, LET_GO, STARVED_SHARE, WAIT_SPAN};
 
 /// How often the contention gate judges the vCPUs' out time.
 pub const CONTENTION_WINDOW: Duration = Duration::from_secs(2);
@@ -90,7 +92,18 @@ pub struct Observation {
     /// Each vCPU's steal time as the host reports it, `(cpu, ns)` cumulative; empty where
     /// it is not read. It may lag the board by a read period.
     pub steal_ns: Vec<(usize, u64)>,
+    /// Run-queue figures of the tasks the last step kept with their completions
+    /// (`EngineSnapshot::kept_with_completions`); empty where they cannot be read.
+    pub kept_runs: Vec<RunWait>,
     pub host: HostHints,
+}
+
+/// A thread's cumulative time on a CPU and runnable waiting for one (schedstat).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RunWait {
+    pub tid: u32,
+    pub run_ns: u64,
+    pub wait_ns: u64,
 }
 
 /// The block programs of the detector.
@@ -163,12 +176,15 @@ pub struct EngineSnapshot {
     pub detector_errors: u64,
     /// Tasks kept on the vCPU that takes their completions.
     pub kept_with_completions: Vec<KeptTask>,
+    /// Kept tasks let go because they waited on their vCPU's run queue, cumulative.
+    pub let_go_waiting: u64,
 }
 
 /// A task pinned to the vCPU that takes its requests' completions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeptTask {
     pub tid: u32,
+    pub tgid: u32,
     pub cpu: usize,
 }
 
@@ -188,6 +204,7 @@ impl Default for EngineSnapshot {
             releases: 0,
             detector_errors: 0,
             kept_with_completions: Vec::new(),
+            let_go_waiting: 0,
         }
     }
 }
@@ -224,6 +241,8 @@ pub struct Engine {
     homes: CompletionHomes,
     /// Tasks kept with their completions: when the classifier last found each.
     kept_found_ns: HashMap<u32, u64>,
+    /// Kept tasks waiting on their vCPU's run queue, and the ones let go for it.
+    waiting: waiting::Waiting,
     snap: EngineSnapshot,
 }
 
@@ -250,6 +269,7 @@ impl Engine {
             anchored: Vec::new(),
             homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
             kept_found_ns: HashMap::new(),
+            waiting: waiting::Waiting::default(),
             snap: EngineSnapshot::default(),
             cfg,
         }
@@ -289,6 +309,7 @@ impl Engine {
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let progress = disk.unwrap_or(self.last_completions);
+        self.judge_waits(now, &obs.kept_runs);
         let decided = self.decide_tasks(now, progress, &obs.host.held, act);
         // On hold nothing is decided per window: the guard needs only an epoch's count.
         let nap = if act.tracking() && (decided.active || io_seen) && decided.moves_allowed {
@@ -301,6 +322,12 @@ impl Engine {
             nap_limit
         } else {
             self.cfg.idle
+        };
+        // Kept tasks are judged on their run-queue wait every span, sampled or not.
+        let nap = if self.snap.kept_with_completions.is_empty() {
+            nap
+        } else {
+            nap.min(WAIT_SPAN)
         };
         nap.min(nap_limit)
     }

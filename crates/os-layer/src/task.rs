@@ -47,6 +47,29 @@ impl TaskStat {
     }
 }
 
+/// A thread's `schedstat`: cumulative ns on a CPU, ns runnable waiting for one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SchedStat {
+    pub run_ns: u64,
+    pub wait_ns: u64,
+}
+
+impl SchedStat {
+    /// Parses `schedstat` text (`run_ns wait_ns timeslices`); `None` when it is not one.
+    pub fn parse(text: &str) -> Option<SchedStat> {
+        let mut f = text.split_whitespace().map(str::parse::<u64>);
+        Some(SchedStat {
+            run_ns: f.next()?.ok()?,
+            wait_ns: f.next()?.ok()?,
+        })
+    }
+
+    /// Reads and parses a `schedstat` file; `None` when the task is gone.
+    pub fn read(path: &Path) -> Option<SchedStat> {
+        Self::parse(&std::fs::read_to_string(path).ok()?)
+    }
+}
+
 /// A whole `stat` line as the kernel writes it, for fake /proc trees in tests: every
 /// field present, the ones not given zero.
 pub fn fake_stat_line(tid: u32, comm: &str, flags: u64, start_time: u64, last_cpu: u32) -> String {
@@ -70,6 +93,32 @@ pub fn fake_stat_line(tid: u32, comm: &str, flags: u64, start_time: u64, last_cp
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn schedstat_is_run_then_wait() {
+        assert_eq!(
+            SchedStat::parse("1200 340 7\n"),
+            Some(SchedStat {
+                run_ns: 1200,
+                wait_ns: 340
+            })
+        );
+        assert_eq!(SchedStat::parse("1200\n"), None);
+        assert_eq!(SchedStat::parse("x 1 2"), None);
+    }
+
+    #[test]
+    fn our_own_thread_has_a_schedstat_on_this_kernel() {
+        let tid = nix::unistd::gettid().as_raw();
+        // Run a little and sleep: the figures are brought up to date when a thread leaves
+        // the CPU.
+        let t0 = std::time::Instant::now();
+        while t0.elapsed() < std::time::Duration::from_millis(2) {}
+        std::thread::sleep(std::time::Duration::from_millis(1));
+        let s = SchedStat::read(Path::new(&format!("/proc/self/task/{tid}/schedstat")))
+            .expect("schedstat of this thread (CONFIG_SCHED_INFO)");
+        assert!(s.run_ns > 0, "{s:?}");
+    }
 
     const KTHREAD: &str = "2 (kthreadd) S 0 0 0 0 -1 2129984 0 0 0 0 0 0 0 0 20 0 1 0 \
         3 0 0 18446744073709551615 0 0 0 0 0 0 0 2147483647 0 0 0 0 0 1 0 0 0 0 0 0 0 0 0 0 \

@@ -25,7 +25,8 @@ use crate::channel::ChannelStats;
 use crate::config::Config;
 use migrater::affinity::Outcome;
 use migrater::engine::{
-    BlockTracking, Engine, EngineConfig, EngineSnapshot, HostHints, Observation, TaskPlacement,
+    BlockTracking, Engine, EngineConfig, EngineSnapshot, HostHints, KeptTask, Observation, RunWait,
+    TaskPlacement,
 };
 use migrater::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry};
 use migrater::planner::Reason;
@@ -216,6 +217,21 @@ impl DetectorThread {
     }
 }
 
+/// The run-queue figures of the tasks kept with their completions (a file each).
+fn kept_runs(kept: &[KeptTask]) -> Vec<RunWait> {
+    let root = os_layer::Root::real();
+    kept.iter()
+        .filter_map(|k| {
+            let s = os_layer::SchedStat::read(&root.task(k.tgid, k.tid).join("schedstat"))?;
+            Some(RunWait {
+                tid: k.tid,
+                run_ns: s.run_ns,
+                wait_ns: s.wait_ns,
+            })
+        })
+        .collect()
+}
+
 /// The detector loop (a normal-priority OS thread): observe, step, publish, nap.
 fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
     let board = &*s.board;
@@ -252,6 +268,7 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
                 None
             },
             steal_ns: steal.read(now),
+            kept_runs: kept_runs(&engine.snapshot().kept_with_completions),
             host: HostHints {
                 held: s.channel.held_vcpus(now),
                 agent_answers: s.channel.replies.load(Ordering::Relaxed) > 0,

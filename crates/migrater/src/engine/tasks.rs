@@ -61,7 +61,7 @@ impl Engine {
         let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
         self.snap.moves_allowed = moves_allowed;
         let next = if moves_allowed {
-            let mut next = self.admit(&found, act);
+            let mut next = self.admit(now, &found, act);
             self.carry_kept(now, &mut next, act);
             next
         } else {
@@ -88,7 +88,7 @@ impl Engine {
             .cloned()
             .collect();
         anchored_now.extend(homed);
-        self.release_left(&next, &anchored_now, moves_allowed, act);
+        self.release_left(now, &next, &anchored_now, moves_allowed, act);
         let active = !free.is_empty();
         // On hold the I/O-bound tasks still exist; they are only left alone.
         self.snap.io_bound_tasks = if moves_allowed {
@@ -166,9 +166,11 @@ impl Engine {
             if found.iter().any(|i| i.task.tid == e.tid) {
                 self.kept_found_ns.insert(e.tid, now);
             }
-            self.snap
-                .kept_with_completions
-                .push(super::KeptTask { tid: e.tid, cpu });
+            self.snap.kept_with_completions.push(super::KeptTask {
+                tid: e.tid,
+                tgid: e.tgid,
+                cpu,
+            });
             homed.push(Anchored {
                 tid: e.tid,
                 comm: e.comm.clone(),
@@ -177,6 +179,30 @@ impl Engine {
         self.kept_found_ns
             .retain(|tid, _| homed.iter().any(|h| h.tid == *tid));
         homed
+    }
+
+    /// Lets go the kept tasks that waited on their vCPU's run queue most of a span
+    /// (`waiting`): the next admission skips them, so they are handed back.
+    pub(super) fn judge_waits(&mut self, now: u64, runs: &[super::RunWait]) {
+        if !self.cfg.follow_completions {
+            return;
+        }
+        for s in self
+            .waiting
+            .judge(now, &self.snap.kept_with_completions, runs)
+        {
+            info!(
+                tid = s.tid,
+                cpu = s.cpu,
+                waited = format!("{:.0}%", s.wait_share * 100.0),
+                ran = format!("{:.0}%", s.run_share * 100.0),
+                span_ms = s.span_ns / 1_000_000,
+                for_s = format!("{:.0}", s.for_ns as f64 / 1e9),
+                "kept on vCPU {} it waits for its turn most of the time: its own mask back for a while, the kernel may move it",
+                s.cpu
+            );
+        }
+        self.snap.let_go_waiting = self.waiting.count;
     }
 
     /// Keeps managing the tasks kept with their completions that this window did not
@@ -190,6 +216,7 @@ impl Engine {
             .current
             .iter()
             .filter(|e| !next.iter().any(|n| n.tid == e.tid))
+            .filter(|e| !self.waiting.lets_go(e.tid, now))
             .filter(|e| {
                 self.kept_found_ns
                     .get(&e.tid)
@@ -266,7 +293,12 @@ impl Engine {
 
     /// This window's managed tasks: the ones managed before keep their entry, new ones
     /// are taken over (their mask journaled first).
-    fn admit(&self, found: &[IoTaskInfo], act: &mut impl TaskPlacement) -> Vec<TaskEntry> {
+    fn admit(
+        &self,
+        now: u64,
+        found: &[IoTaskInfo],
+        act: &mut impl TaskPlacement,
+    ) -> Vec<TaskEntry> {
         let hands_off = act.hands_off();
         let ex = admission::Exclusions {
             own_pid: self.cfg.own_pid,
@@ -274,7 +306,12 @@ impl Engine {
             hands_off: &hands_off,
         };
         let mut next = Vec::with_capacity(found.len());
-        for verdict in admission::admit(found, &self.current, ex) {
+        let found: Vec<IoTaskInfo> = found
+            .iter()
+            .filter(|i| !self.waiting.lets_go(i.task.tid, now))
+            .cloned()
+            .collect();
+        for verdict in admission::admit(&found, &self.current, ex) {
             let (info, allowed, priority) = match verdict {
                 Admission::Keep { managed, now } => {
                     (now, managed.allowed.clone(), managed.priority)
@@ -320,6 +357,7 @@ impl Engine {
     /// I/O-bound, moves on hold, or the host stopped holding.
     fn release_left(
         &mut self,
+        now: u64,
         next: &[TaskEntry],
         anchored_now: &[Anchored],
         moves_allowed: bool,
@@ -342,12 +380,18 @@ impl Engine {
         for (tid, comm) in leaving.chain(unanchored) {
             if let Some(outcome) = act.release(tid) {
                 released += 1;
+                let why = if self.waiting.lets_go(tid, now) {
+                    "let go while it waits for its vCPU"
+                } else if moves_allowed {
+                    "task no longer I/O-bound"
+                } else {
+                    "moves on hold"
+                };
                 info!(
                     tid,
                     comm = %comm,
                     result = outcome.as_str(),
-                    "{}: original affinity restored",
-                    if moves_allowed { "task no longer I/O-bound" } else { "moves on hold" }
+                    "{why}: original affinity restored"
                 );
             }
         }

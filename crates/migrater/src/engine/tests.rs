@@ -186,6 +186,11 @@ struct Vm {
     disk: u64,
     held: Vec<usize>,
     agent_answers: bool,
+    /// Run-queue figures of tid 10 as the kernel would show them: ns run and waited per s.
+    run_per_s: u64,
+    wait_per_s: u64,
+    ran: u64,
+    waited: u64,
 }
 
 impl Vm {
@@ -199,6 +204,10 @@ impl Vm {
             disk: 0,
             held: Vec::new(),
             agent_answers: false,
+            run_per_s: 0,
+            wait_per_s: 0,
+            ran: 0,
+            waited: 0,
         }
     }
 
@@ -208,11 +217,18 @@ impl Vm {
         self.inactive += self.out_per_s * dt_ns / S;
         self.covered += self.covered_per_s * dt_ns / S;
         self.disk += rate_per_s * dt_ns / S;
+        self.ran += self.run_per_s * dt_ns / S;
+        self.waited += self.wait_per_s * dt_ns / S;
         let obs = Observation {
             now_ns: self.now,
             vcpus: vec![vcpu(0, self.inactive, self.covered), vcpu(1, 0, 0)],
             disk_completed: Some(self.disk),
             steal_ns: Vec::new(),
+            kept_runs: vec![RunWait {
+                tid: 10,
+                run_ns: self.ran,
+                wait_ns: self.waited,
+            }],
             host: HostHints {
                 held: self.held.clone(),
                 agent_answers: self.agent_answers,
@@ -554,7 +570,11 @@ fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_t
     assert!(f.released.is_empty());
     assert_eq!(
         e.snapshot().kept_with_completions,
-        [KeptTask { tid: 10, cpu: 1 }],
+        [KeptTask {
+            tid: 10,
+            tgid: 10,
+            cpu: 1
+        }],
         "status shows it"
     );
     // Pinned there it submits and completes on vCPU 1: it stays, nothing is re-managed.
@@ -585,7 +605,11 @@ fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
     assert_eq!(f.managed.get(&10), Some(&Some(1)), "still pinned");
     assert_eq!(
         e.snapshot().kept_with_completions,
-        [KeptTask { tid: 10, cpu: 1 }]
+        [KeptTask {
+            tid: 10,
+            tgid: 10,
+            cpu: 1
+        }]
     );
     assert!(
         f.published_tids().is_empty(),
@@ -609,6 +633,35 @@ fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
     e.set_exclude_comm(vec!["fio".into()]);
     vm.step(&mut e, &mut f, 100 * MS, 0);
     assert_eq!(f.released, [10, 11]);
+}
+
+#[test]
+fn a_kept_task_that_waits_for_its_vcpu_is_let_go_for_a_while_then_kept_again() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    let mut vm = Vm::new();
+    // Reading at full rate: runs 25%, waits 40% of the time.
+    (vm.run_per_s, vm.wait_per_s) = (S / 4, 2 * S / 5);
+    vm.run(&mut e, &mut f, 2, |_| 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+    assert!(f.released.is_empty());
+    // A CPU hog there takes its turns: it waits 90%, runs 3%. Let go within two spans.
+    (vm.run_per_s, vm.wait_per_s) = (3 * S / 100, 9 * S / 10);
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.released, [10], "its own mask back");
+    assert!(e.snapshot().kept_with_completions.is_empty());
+    assert!(f.published_tids().is_empty(), "not the planner's either");
+    assert_eq!(e.snapshot().let_go_waiting, 1);
+    // Still found I/O-bound, but left alone until LET_GO has passed...
+    (vm.run_per_s, vm.wait_per_s) = (S / 4, 2 * S / 5);
+    let anchors = f.anchors.len();
+    vm.run(&mut e, &mut f, LET_GO.as_secs() - 1, |_| 0);
+    assert_eq!(f.anchors.len(), anchors, "not kept meanwhile");
+    // ...then kept with its completions again.
+    vm.run(&mut e, &mut f, 2, |_| 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+    assert_eq!(e.snapshot().kept_with_completions.len(), 1);
 }
 
 #[test]

@@ -54,11 +54,19 @@ pub enum Burden {
     Win,
     /// Moves only keep tasks on the vCPU that takes their completions, where the
     /// mechanism is known (each request needs one vCPU's window there instead of two):
-    /// held back only when they lose every pair and the median rate without them beats
-    /// the one with them by `min_gain`. The first pair they win ends the probe, so where
-    /// they pay the verdict comes after one pair.
+    /// held back only when they lose every pair by `NOT_LOSE_MARGIN`. The first pair
+    /// they do not lose so ends the probe, so where they pay the verdict comes after one
+    /// pair.
     NotLose,
 }
+
+/// Under `Burden::NotLose` a pair counts against moves only where the rate without them
+/// beats the one with them by this factor. One reader's rate in neighbouring seconds
+/// swings by far more than `min_gain` on a vCPU taken away half the time (on the hard-IRQ
+/// testbed, 4 KiB reads kept with their completions: 2.1k to 7.3k a second within one
+/// run), so a small loss in a pair is noise, and a rule that held pins back at any loss
+/// gave different verdicts on identical runs.
+pub const NOT_LOSE_MARGIN: f64 = 1.15;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Phase {
@@ -94,6 +102,11 @@ pub struct MoveGuard {
 /// Moves on in probe epoch `e`: pairs alternate M H, H M, M H, ... (ABBA).
 fn probe_moves(e: usize) -> bool {
     e.is_multiple_of(2) == (e / 2).is_multiple_of(2)
+}
+
+/// A pair moves lost beyond noise (`NOT_LOSE_MARGIN`).
+fn clear_loss(with: f64, without: f64) -> bool {
+    without > with * NOT_LOSE_MARGIN
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -184,14 +197,16 @@ impl MoveGuard {
                 }
                 self.epoch_start = Some((now_ns, completed));
                 // A pair that settles the verdict ends the probe: under `Win` one that
-                // moves did not win (every pair must win), under `NotLose` one they won
-                // (every pair must lose to hold them back).
+                // moves did not win (every pair must win), under `NotLose` one they did
+                // not clearly lose (every pair must, to hold them back).
                 let pair_done = self.with.len() == self.without.len();
-                let won = self.with.last() > self.without.last();
                 let settled = pair_done
-                    && match self.burden {
-                        Burden::Win => !won,
-                        Burden::NotLose => won,
+                    && match (self.with.last(), self.without.last()) {
+                        (Some(&w), Some(&wo)) => match self.burden {
+                            Burden::Win => w <= wo,
+                            Burden::NotLose => !clear_loss(w, wo),
+                        },
+                        _ => false,
                     };
                 if epoch + 1 < 2 * self.cfg.probe_pairs && !settled {
                     self.phase = Phase::Probing { epoch: epoch + 1 };
@@ -213,7 +228,7 @@ impl MoveGuard {
         // Epochs were pushed in order, so the k-th of each side form pair k.
         let pairs = || self.with.iter().zip(&self.without);
         let won_every_pair = pairs().all(|(w, wo)| w > wo);
-        let lost_every_pair = pairs().all(|(w, wo)| w < wo);
+        let lost_every_pair = pairs().all(|(&w, &wo)| clear_loss(w, wo));
         let with_moves = median(std::mem::take(&mut self.with));
         let without_moves = median(std::mem::take(&mut self.without));
         let pays = match self.burden {
@@ -222,7 +237,7 @@ impl MoveGuard {
                     && with_moves > 0.0
                     && with_moves >= without_moves * self.cfg.min_gain
             }
-            Burden::NotLose => !(lost_every_pair && without_moves > with_moves * self.cfg.min_gain),
+            Burden::NotLose => !lost_every_pair,
         };
         let for_ns = if pays {
             self.hold_ns = self.cfg.hold_ns;
@@ -518,6 +533,38 @@ mod tests {
         });
         assert!(!v.pays, "{v:?}");
         assert_eq!((v.with_moves, v.without_moves), (1100.0, 1000.0));
+    }
+
+    #[test]
+    fn pins_kept_with_completions_are_held_back_only_by_a_clear_loss_in_every_pair() {
+        // Losing 10% in every pair: within one reader's second-to-second swing, kept.
+        let mut g = guard();
+        g.set_burden(Burden::NotLose);
+        let (mut t, mut c) = (0, 0);
+        let v = probe(&mut g, &mut t, &mut c, |m| if m { 900 } else { 1000 });
+        assert!(v.pays, "{v:?}");
+        assert_eq!(t, 2 * S, "settled by the first pair");
+        // Losing a third in two pairs, 10% in the last: kept, after three pairs.
+        let mut g = guard();
+        g.set_burden(Burden::NotLose);
+        let (mut t, mut c, mut n) = (0, 0, 0);
+        let v = probe(&mut g, &mut t, &mut c, |m| {
+            n += 1;
+            match (m, n) {
+                (true, 5) => 900,
+                (true, _) => 650,
+                (false, _) => 1000,
+            }
+        });
+        assert!(v.pays, "{v:?}");
+        assert_eq!(t, 6 * S);
+        // Losing a third in every pair: held back.
+        let mut g = guard();
+        g.set_burden(Burden::NotLose);
+        let (mut t, mut c) = (0, 0);
+        let v = probe(&mut g, &mut t, &mut c, |m| if m { 650 } else { 1000 });
+        assert!(!v.pays, "{v:?}");
+        assert_eq!(t, 6 * S);
     }
 
     /// Out times, every vCPU's gaps fully covered by another's run.

@@ -309,7 +309,7 @@ impl Engine {
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let progress = disk.unwrap_or(self.last_completions);
-        self.judge_waits(now, &obs.kept_runs);
+        self.judge_waits(now, &obs);
         let decided = self.decide_tasks(now, progress, &obs.host.held, act);
         // On hold nothing is decided per window: the guard needs only an epoch's count.
         let nap = if act.tracking() && (decided.active || io_seen) && decided.moves_allowed {

@@ -183,14 +183,22 @@ impl Engine {
 
     /// Lets go the kept tasks that waited on their vCPU's run queue most of a span
     /// (`waiting`): the next admission skips them, so they are handed back.
-    pub(super) fn judge_waits(&mut self, now: u64, runs: &[super::RunWait]) {
+    pub(super) fn judge_waits(&mut self, now: u64, obs: &super::Observation) {
         if !self.cfg.follow_completions {
             return;
         }
-        for s in self
-            .waiting
-            .judge(now, &self.snap.kept_with_completions, runs)
-        {
+        // Out as the monitor saw it or as the host reports steal, whichever says more.
+        let vcpu_out = |cpu: usize| {
+            let seen = obs
+                .vcpus
+                .iter()
+                .find(|v| v.cpu == cpu)
+                .map_or(0, |v| v.inactive_total_ns);
+            let steal = obs.steal_ns.iter().find(|s| s.0 == cpu).map_or(0, |s| s.1);
+            seen.max(steal)
+        };
+        let kept = &self.snap.kept_with_completions;
+        for s in self.waiting.judge(now, kept, &obs.kept_runs, vcpu_out) {
             info!(
                 tid = s.tid,
                 cpu = s.cpu,

@@ -27,7 +27,7 @@ use crate::guard::{Contention, GuardConfig, MoveGuard};
 use crate::hook::{FoundTask, TaskEntry};
 use crate::planner::Reason;
 use crate::sampling::{CompletionEstimate, Schedule};
-pub use waiting::{Starved, LET_GO, STARVED_SHARE, WAIT_SPAN};
+use waiting::WAIT_SPAN;
 
 /// How often the contention gate judges the vCPUs' out time.
 pub const CONTENTION_WINDOW: Duration = Duration::from_secs(2);

@@ -1,6 +1,7 @@
 //! The engine driven by synthetic boards, detector windows and a fake clock, one test per
 //! behaviour. The fake actuator records what the engine asked of it.
 
+use super::waiting::LET_GO;
 use super::*;
 use crate::planner::Reason;
 use crate::sampling::Schedule;

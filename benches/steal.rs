@@ -9,6 +9,8 @@
 //! - `vmigrater`: the release daemon with the default configuration (private state dir),
 //!   started before the run and warmed up under the same schedule;
 //! - `vmigrater_dry`: the same daemon with `--dry-run` (watching only: its cost);
+//! - `vmigrater_stay`: the daemon with `migration.let_go_waiting = false` (kept tasks stay
+//!   with their completions however long they wait: the let-go rule's ablation);
 //! - `pinned`: the oracle that knows where completions land: every I/O thread pinned to
 //!   the CPU of the disk's request interrupt (`/proc/irq/*/effective_affinity_list`);
 //! - `sched_oracle`: a thread of this harness that knows the plan in advance and moves
@@ -44,10 +46,11 @@ use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{placement, require_root, workload, workspace_bin};
 
-const MODES: [&str; 5] = [
+const MODES: [&str; 6] = [
     "vanilla",
     "vmigrater",
     "vmigrater_dry",
+    "vmigrater_stay",
     "pinned",
     "sched_oracle",
 ];
@@ -281,9 +284,9 @@ fn rusage_s(who: libc::c_int) -> f64 {
 }
 
 /// The daemon under test: the release build, default configuration (an empty file, so
-/// /etc is not read), private state directory, no metrics endpoint.
-fn start_daemon(dry_run: bool) -> Result<BenchDaemon> {
-    BenchDaemon::start("", if dry_run { &["--dry-run"] } else { &[] })
+/// /etc is not read, or `config`), private state directory, no metrics endpoint.
+fn start_daemon(config: &str, dry_run: bool) -> Result<BenchDaemon> {
+    BenchDaemon::start(config, if dry_run { &["--dry-run"] } else { &[] })
 }
 
 /// What the daemon decided, from its info log: each decision is one line.
@@ -298,6 +301,7 @@ fn decisions(log: &str) -> Value {
                 "move guard",
                 "restored",
                 "no longer I/O-bound",
+                "waits for its turn",
                 "WARN",
                 "ERROR",
             ]
@@ -311,6 +315,7 @@ fn decisions(log: &str) -> Value {
         "kept_with_completions": count("kept there"),
         "guard_pays": count("pays=true"),
         "guard_holds": count("pays=false"),
+        "let_go_waiting": count("waits for its turn"),
         "lines": lines,
     })
 }
@@ -450,8 +455,12 @@ fn run_once(
     let steal = IrqSteal::start(&plan).context("starting irq-steal")?;
     let start_ns = steal.start_ns();
     let daemon = match mode {
-        "vmigrater" => Some(start_daemon(false)?),
-        "vmigrater_dry" => Some(start_daemon(true)?),
+        "vmigrater" => Some(start_daemon("", false)?),
+        "vmigrater_dry" => Some(start_daemon("", true)?),
+        "vmigrater_stay" => Some(start_daemon(
+            "[migration]\nlet_go_waiting = false\n",
+            false,
+        )?),
         _ => None,
     };
     sleep_until_ns(start_ns + s.warmup.as_nanos() as u64);
@@ -680,6 +689,12 @@ fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
                 e[format!("runs_at_least_0.6_of_{oracle}")] =
                     json!(stats::fraction_at_least(&v, 0.6 * om));
             }
+        }
+        // The let-go rule's ablation: the default daemon against one without it.
+        if m == "vmigrater" && modes.contains(&"vmigrater_stay") {
+            e["vs_vmigrater_stay"] =
+                est(stats::ratio_of_medians(&v, &vals("vmigrater_stay", metric)));
+            e["paired_vs_vmigrater_stay"] = est(paired(m, "vmigrater_stay", metric));
         }
         if m.starts_with("vmigrater") {
             let d: Vec<f64> = good
@@ -914,7 +929,7 @@ fn main() -> Result<()> {
             "steal_tolerance": STEAL_TOLERANCE,
             "max_retries": MAX_RETRIES,
             "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
-            "daemon_config": "defaults (empty config file), --no-metrics, private --state-dir",
+            "daemon_config": "defaults (empty config file; vmigrater_stay: migration.let_go_waiting = false), --no-metrics, private --state-dir",
             "oracle_lead_us": ORACLE_LEAD.as_micros() as u64,
             "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
         },

@@ -68,6 +68,9 @@ pub struct EngineConfig {
     /// Whether tasks whose completions land on one fixed vCPU are kept there (else every
     /// managed task is the planner's).
     pub follow_completions: bool,
+    /// Whether a kept task found waiting on its vCPU's run queue most of a span gets its
+    /// own mask back for a while (`engine::waiting`).
+    pub let_go_waiting: bool,
 }
 
 /// What the host agent says, as the channel last heard it.

@@ -245,6 +245,10 @@ pub struct MigrationSection {
     /// vCPUs, for a hypervisor that delivers a descheduled vCPU's interrupts elsewhere or
     /// a steal emulator that does not hold them.
     pub follow_completions: bool,
+    /// Give a kept task its own mask back for a while when it spends most of the time its
+    /// vCPU runs waiting on that vCPU's run queue (pinned, the kernel cannot move it to a
+    /// vCPU with less to run). false: kept tasks stay however long they wait.
+    pub let_go_waiting: bool,
 }
 
 impl Default for MigrationSection {
@@ -256,6 +260,7 @@ impl Default for MigrationSection {
             guard: true,
             guard_epoch_ms: 1_000,
             follow_completions: true,
+            let_go_waiting: true,
         }
     }
 }

@@ -86,6 +86,7 @@ fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> Eng
             Home::Unknown
         },
         follow_completions: cfg.migration.follow_completions,
+        let_go_waiting: cfg.migration.let_go_waiting,
     }
 }
 

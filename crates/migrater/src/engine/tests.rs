@@ -173,6 +173,7 @@ fn config() -> EngineConfig {
         guard: None,
         completion_prior: crate::completion::Home::Unknown,
         follow_completions: true,
+        let_go_waiting: true,
     }
 }
 
@@ -663,6 +664,27 @@ fn a_kept_task_that_waits_for_its_vcpu_is_let_go_for_a_while_then_kept_again() {
     vm.run(&mut e, &mut f, 2, |_| 0);
     assert_eq!(f.managed.get(&10), Some(&Some(1)));
     assert_eq!(e.snapshot().kept_with_completions.len(), 1);
+}
+
+#[test]
+fn with_let_go_off_a_kept_task_stays_however_long_it_waits() {
+    let mut e = Engine::new(
+        EngineConfig {
+            let_go_waiting: false,
+            ..config()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 2, |_| 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+    (vm.run_per_s, vm.wait_per_s) = (3 * S / 100, 9 * S / 10);
+    vm.run(&mut e, &mut f, 3, |_| 0);
+    assert!(f.released.is_empty(), "released {:?}", f.released);
+    assert_eq!(e.snapshot().kept_with_completions.len(), 1);
+    assert_eq!(e.snapshot().let_go_waiting, 0);
 }
 
 #[test]

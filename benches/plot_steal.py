@@ -19,7 +19,7 @@ COLORS = {
     "vanilla": "#d9534f",
     "vmigrater": "#2a7ab0",
     "vmigrater_dry": "#8fb8d8",
-    "vmigrater_stay": "#5b5ea6",
+    "vmigrater_let_go": "#5b5ea6",
     "pinned": "#5cb85c",
     "sched_oracle": "#f0ad4e",
 }

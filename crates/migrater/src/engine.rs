@@ -290,6 +290,11 @@ impl Engine {
         self.guard.is_some() || self.cfg.schedule.is_some()
     }
 
+    /// Whether the step needs `Observation::kept_runs`: only the let-go rule reads them.
+    pub fn judges_waits(&self) -> bool {
+        self.cfg.follow_completions && self.cfg.let_go_waiting
+    }
+
     pub fn snapshot(&self) -> &EngineSnapshot {
         &self.snap
     }
@@ -327,7 +332,7 @@ impl Engine {
             self.cfg.idle
         };
         // Kept tasks are judged on their run-queue wait every span, sampled or not.
-        let nap = if self.snap.kept_with_completions.is_empty() {
+        let nap = if self.snap.kept_with_completions.is_empty() || !self.judges_waits() {
             nap
         } else {
             nap.min(WAIT_SPAN)

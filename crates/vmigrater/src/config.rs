@@ -247,7 +247,8 @@ pub struct MigrationSection {
     pub follow_completions: bool,
     /// Give a kept task its own mask back for a while when it spends most of the time its
     /// vCPU runs waiting on that vCPU's run queue (pinned, the kernel cannot move it to a
-    /// vCPU with less to run). false: kept tasks stay however long they wait.
+    /// vCPU with less to run). Off by default: on the hard-IRQ testbed a task let go read
+    /// no faster than one left kept (benches/RESULTS.md, the let-go ablation).
     pub let_go_waiting: bool,
 }
 
@@ -260,7 +261,7 @@ impl Default for MigrationSection {
             guard: true,
             guard_epoch_ms: 1_000,
             follow_completions: true,
-            let_go_waiting: true,
+            let_go_waiting: false,
         }
     }
 }

@@ -268,7 +268,11 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
                 None
             },
             steal_ns: steal.read(now),
-            kept_runs: kept_runs(&engine.snapshot().kept_with_completions),
+            kept_runs: if engine.judges_waits() {
+                kept_runs(&engine.snapshot().kept_with_completions)
+            } else {
+                Vec::new()
+            },
             host: HostHints {
                 held: s.channel.held_vcpus(now),
                 agent_answers: s.channel.replies.load(Ordering::Relaxed) > 0,

@@ -184,7 +184,7 @@ impl Engine {
     /// Lets go the kept tasks that waited on their vCPU's run queue most of a span
     /// (`waiting`): the next admission skips them, so they are handed back.
     pub(super) fn judge_waits(&mut self, now: u64, obs: &super::Observation) {
-        if !self.cfg.follow_completions || !self.cfg.let_go_waiting {
+        if !self.judges_waits() {
             return;
         }
         // Out as the monitor saw it or as the host reports steal, whichever says more.

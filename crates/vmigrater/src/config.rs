@@ -247,8 +247,8 @@ pub struct MigrationSection {
     pub follow_completions: bool,
     /// Give a kept task its own mask back for a while when it spends most of the time its
     /// vCPU runs waiting on that vCPU's run queue (pinned, the kernel cannot move it to a
-    /// vCPU with less to run). Off by default: on the hard-IRQ testbed a task let go read
-    /// no faster than one left kept (benches/RESULTS.md, the let-go ablation).
+    /// vCPU with less to run). Off by default: on the hard-IRQ testbed tasks let go read
+    /// slower than tasks left kept (benches/RESULTS.md, the let-go ablation).
     pub let_go_waiting: bool,
 }
 

@@ -18,10 +18,10 @@ use vmigrater_testbed::host::{nice_of, Agent, Hogs};
 use vmigrater_testbed::{assert_root, workspace_bin};
 
 /// What the host was doing while a guest did not answer: its load, the steal of this
-/// machine's own host, each vCPU thread's nice and run/wait so far, the guest's serial
-/// log's end. A TCG guest frozen for a minute (seen twice in full CI runs, never alone)
+/// machine's own host, each vCPU thread's nice and run/wait so far, then the guest's
+/// serial log's end (`Vm::log_tail`). A TCG guest frozen for a minute (seen twice in full CI runs, never alone)
 /// prints soft lockups there; this says whether its threads were starved and by what.
-fn host_picture(vcpus: &[u32], dir: &std::path::Path) -> String {
+fn host_picture(vcpus: &[u32], serial_tail: &str) -> String {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let steal: Vec<String> = read("/proc/stat")
         .lines()
@@ -41,14 +41,12 @@ fn host_picture(vcpus: &[u32], dir: &std::path::Path) -> String {
             )
         })
         .collect();
-    let serial = read(&dir.join("serial.log").display().to_string());
-    let tail: Vec<&str> = serial.lines().rev().take(30).collect();
     format!(
         "loadavg {}; {}\n{}\nserial log, last lines:\n{}",
         read("/proc/loadavg").trim(),
         steal.join(", "),
         threads.join("\n"),
-        tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+        serial_tail
     )
 }
 
@@ -180,14 +178,14 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
         .or_else(|e| {
             eprintln!(
                 "the guest did not answer ({e:#}); the host meanwhile:\n{}",
-                host_picture(&vcpus, &dir)
+                host_picture(&vcpus, &vm.log_tail())
             );
             guest::read_json(&mut vm, "/tmp/workload.json", Duration::from_secs(120))
         })
         .unwrap_or_else(|e| {
             panic!(
                 "workload did not finish: {e:#}\n{}",
-                host_picture(&vcpus, &dir)
+                host_picture(&vcpus, &vm.log_tail())
             )
         });
     let end = daemon_status(&mut vm).expect("guest status");

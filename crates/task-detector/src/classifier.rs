@@ -9,8 +9,10 @@
 //! A window with some I/O but fewer requests than the minimum stretches up to
 //! `max_window_ns`: a task that issues a request every few milliseconds (one that computes
 //! between requests, or whose completions wait for a descheduled vCPU) is judged on enough
-//! requests, while a window with none still closes on time, so a task that stopped
-//! leaves as fast as before.
+//! requests. A window with no I/O at all closes once its thread's vCPU ran `window_ns`
+//! (time the vCPU was seen out does not count: a completion that came while it was out
+//! left the task nothing in flight and nowhere to run), so a task that stopped leaves as
+//! fast as before while its vCPU runs.
 //! No clocks, no /proc: the caller provides time and counters.
 
 use std::collections::HashMap;
@@ -233,20 +235,27 @@ impl IoClassifier {
             let dt = now_ns.saturating_sub(st.base_ts);
             let ios = t.ios - st.base_ios;
             let some_io = ios > 0 || t.busy_ns > st.base_busy;
-            if dt < cfg.window_ns
-                || (some_io && ios < cfg.min_ios_per_window && dt < cfg.max_window_ns)
-            {
-                continue;
-            }
-            let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
-            // On-CPU time less the time its vCPU was out (it may have been charged for
-            // it): a window where it ran on two vCPUs is taken as it is.
-            let on_cpu = t.cpu_ns.saturating_sub(st.base_cpu);
+            // Time its vCPU was out (it may have been charged for it as on-CPU time): a
+            // window where it ran on two vCPUs is taken as it is.
             let out = if st.base_out.0 == t.last_cpu {
                 t.cpu_out_ns.saturating_sub(st.base_out.1).min(dt)
             } else {
                 0
             };
+            // A window with enough requests closes on time; one with fewer stretches;
+            // one with no I/O at all closes after its vCPU ran a window: a request that
+            // completed while the vCPU was out leaves its task with nothing in flight and
+            // nowhere to run, and judging that time would read an I/O-bound task as idle.
+            let open = if ios >= cfg.min_ios_per_window {
+                dt < cfg.window_ns
+            } else {
+                some_io || dt - out < cfg.window_ns
+            };
+            if open && dt < cfg.max_window_ns {
+                continue;
+            }
+            let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
+            let on_cpu = t.cpu_ns.saturating_sub(st.base_cpu);
             let cpu_fraction = (on_cpu.saturating_sub(out) as f64 / dt as f64).min(1.0);
             let done = t.completions.total.saturating_sub(st.base_done.total);
             let remote = t.completions.remote.saturating_sub(st.base_done.remote);
@@ -482,6 +491,46 @@ mod tests {
     }
 
     #[test]
+    fn time_its_vcpu_was_out_with_nothing_in_flight_does_not_close_a_window() {
+        // A request task whose completions land while its own vCPU is out (anti-phase
+        // deschedules, 10 ms each): a 5 ms window with a request in flight, then one where
+        // the request is done but the vCPU is away, so nothing is in flight and it cannot
+        // run. Judged on wall-clock windows the second reads as idle and it never enters.
+        let obs = |w: u64| {
+            let (done, out) = (w.div_ceil(2), w / 2);
+            ThreadObservation {
+                tid: 7,
+                tgid: 7,
+                busy_ns: done * 5 * MS,
+                ios: done,
+                bytes: done * 4096,
+                cpu_ns: done * MS / 5,
+                cpu_out_ns: out * 5 * MS,
+                is_kernel: false,
+                last_cpu: 0,
+                completions: Completions::default(),
+            }
+        };
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let out = run(&mut c, 20, |w| vec![obs(w as u64 + 1)]);
+        let entered = out
+            .iter()
+            .position(|o| !o.is_empty())
+            .expect("never entered");
+        assert!(entered <= 8, "entered at window {entered}");
+        assert!(out[entered..].iter().all(|o| o.len() == 1), "flapped");
+        // Not told where its vCPU was, the empty windows close on time and break the run.
+        let mut blind = IoClassifier::new(ClassifierConfig::default());
+        let out = run(&mut blind, 20, |w| {
+            vec![ThreadObservation {
+                cpu_out_ns: 0,
+                ..obs(w as u64 + 1)
+            }]
+        });
+        assert!(out.iter().all(|o| o.is_empty()), "{out:?}");
+    }
+
+    #[test]
     fn one_slow_request_does_not_enter() {
         let mut c = IoClassifier::new(ClassifierConfig::default());
         let mut flush = Synth::new(9);
@@ -521,6 +570,18 @@ mod tests {
             .collect();
         let left = out.iter().position(|o| o.is_empty()).expect("never left");
         assert!(left <= 31, "left after {left} windows");
+
+        // The same server judged on windows that never stretch: never two requests in one.
+        let mut fixed = IoClassifier::new(ClassifierConfig {
+            max_window_ns: ClassifierConfig::default().window_ns,
+            ..ClassifierConfig::default()
+        });
+        let mut server = Synth::new(12);
+        let out = run(&mut fixed, 40, |w| {
+            let ios = u64::from(w % 5 == 0 || w % 5 == 3);
+            vec![server.step(0.95, ios, 0.05)]
+        });
+        assert!(out.iter().all(|o| o.is_empty()), "entered on fixed windows");
     }
 
     #[test]

@@ -11,6 +11,8 @@
 //! - `vmigrater_dry`: the same daemon with `--dry-run` (watching only: its cost);
 //! - `vmigrater_let_go`: the daemon with `migration.let_go_waiting = true` (a kept task
 //!   that waits on its vCPU's run queue is let go for a while: the rule's ablation);
+//! - `vmigrater_parent`: another build of the daemon (`--parent-bin PATH`, e.g. this
+//!   commit's parent), default configuration: a code change's A/B, interleaved;
 //! - `pinned`: the oracle that knows where completions land: every I/O thread pinned to
 //!   the CPU of the disk's request interrupt (`/proc/irq/*/effective_affinity_list`);
 //! - `sched_oracle`: a thread of this harness that knows the plan in advance and moves
@@ -31,7 +33,8 @@
 //! Flags (after `--`): --reps N (8), --secs S (8), --warmup-secs S (3), --io-warmup-ms MS
 //! (1000), --only SCHEDULES (names or specs, comma-separated), --workloads LIST,
 //! --modes LIST, --out DIR (default `$VMIGRATER_BENCH_DIR` or target/bench),
-//! --completion-cpu N (instead of reading /proc/irq), --seed N (random schedules, 1).
+//! --completion-cpu N (instead of reading /proc/irq), --seed N (random schedules, 1),
+//! --parent-bin PATH (the daemon of `vmigrater_parent`).
 
 use anyhow::{Context, Result};
 use irq_steal::{IrqSteal, Plan, Schedule, StealReport};
@@ -46,11 +49,12 @@ use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{placement, require_root, workload, workspace_bin};
 
-const MODES: [&str; 6] = [
+const MODES: [&str; 7] = [
     "vanilla",
     "vmigrater",
     "vmigrater_dry",
     "vmigrater_let_go",
+    "vmigrater_parent",
     "pinned",
     "sched_oracle",
 ];
@@ -136,6 +140,7 @@ struct Settings {
     modes: Vec<&'static str>,
     out: PathBuf,
     completion_cpu: Option<usize>,
+    parent_bin: Option<PathBuf>,
 }
 
 fn list(v: &str) -> Vec<String> {
@@ -153,9 +158,15 @@ fn parse_args() -> Result<Settings> {
         io_warmup: Duration::from_millis(1000),
         schedules: Vec::new(),
         workloads: WORKLOADS.iter().collect(),
-        modes: MODES.to_vec(),
+        // The A/B mode runs only when asked for (it needs --parent-bin).
+        modes: MODES
+            .iter()
+            .copied()
+            .filter(|m| *m != "vmigrater_parent")
+            .collect(),
         out: vmigrater_testbed::bench_dir(),
         completion_cpu: None,
+        parent_bin: None,
     };
     let (mut only, mut seed) = (None, 1u64);
     let mut args = std::env::args().skip(1);
@@ -193,6 +204,7 @@ fn parse_args() -> Result<Settings> {
             }
             "--out" => s.out = val()?.into(),
             "--completion-cpu" => s.completion_cpu = Some(val()?.parse()?),
+            "--parent-bin" => s.parent_bin = Some(val()?.into()),
             other => anyhow::bail!(
                 "unknown argument {other:?} (see the top of benches/steal.rs for the flags)"
             ),
@@ -217,6 +229,10 @@ fn parse_args() -> Result<Settings> {
             })
             .collect::<Result<_>>()?,
     };
+    anyhow::ensure!(
+        !s.modes.contains(&"vmigrater_parent") || s.parent_bin.is_some(),
+        "--modes: vmigrater_parent needs --parent-bin PATH (the other build's vmigrater)"
+    );
     Ok(s)
 }
 
@@ -458,6 +474,13 @@ fn run_once(
         "vmigrater" => Some(start_daemon("", false)?),
         "vmigrater_dry" => Some(start_daemon("", true)?),
         "vmigrater_let_go" => Some(start_daemon("[migration]\nlet_go_waiting = true\n", false)?),
+        "vmigrater_parent" => {
+            let bin = s
+                .parent_bin
+                .as_deref()
+                .context("vmigrater_parent needs --parent-bin")?;
+            Some(BenchDaemon::start_bin(bin, "", &[])?)
+        }
         _ => None,
     };
     sleep_until_ns(start_ns + s.warmup.as_nanos() as u64);
@@ -694,6 +717,14 @@ fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
                 &vals("vmigrater_let_go", metric),
             ));
             e["paired_vs_vmigrater_let_go"] = est(paired(m, "vmigrater_let_go", metric));
+        }
+        // A code change's A/B: this build against the other one.
+        if m == "vmigrater" && modes.contains(&"vmigrater_parent") {
+            e["vs_vmigrater_parent"] = est(stats::ratio_of_medians(
+                &v,
+                &vals("vmigrater_parent", metric),
+            ));
+            e["paired_vs_vmigrater_parent"] = est(paired(m, "vmigrater_parent", metric));
         }
         if m.starts_with("vmigrater") {
             let d: Vec<f64> = good

@@ -5,6 +5,7 @@
 
 use anyhow::{Context, Result};
 use serde_json::Value;
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -21,11 +22,16 @@ impl BenchDaemon {
     /// returns once it answers on its status socket.
     pub fn start(config: &str, extra: &[&str]) -> Result<BenchDaemon> {
         ensure_fresh(&workspace_bin("vmigrater"))?;
+        BenchDaemon::start_bin(&workspace_bin("vmigrater"), config, extra)
+    }
+
+    /// `start` with another build of the daemon (an A/B against this one's parent).
+    pub fn start_bin(bin: &Path, config: &str, extra: &[&str]) -> Result<BenchDaemon> {
         let state_dir = tempfile::tempdir()?;
         let config_path = state_dir.path().join("vmigrater.toml");
         std::fs::write(&config_path, config)?;
         let log = std::fs::File::create(state_dir.path().join("daemon.log"))?;
-        let child = Command::new(workspace_bin("vmigrater"))
+        let child = Command::new(bin)
             .arg("--config")
             .arg(&config_path)
             // The classifier says at debug why a task stopped being I/O-bound: one line
@@ -42,7 +48,7 @@ impl BenchDaemon {
             .stdout(Stdio::null())
             .stderr(log)
             .spawn()
-            .context("starting vmigrater")?;
+            .with_context(|| format!("starting {}", bin.display()))?;
         let mut d = BenchDaemon {
             child,
             state_dir,

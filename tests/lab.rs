@@ -18,9 +18,11 @@ use vmigrater_testbed::host::{nice_of, Agent, Hogs};
 use vmigrater_testbed::{assert_root, workspace_bin};
 
 /// What the host was doing while a guest did not answer: its load, the steal of this
-/// machine's own host, each vCPU thread's nice and run/wait so far, then the guest's
-/// serial log's end (`Vm::log_tail`). A TCG guest frozen for a minute (seen twice in full CI runs, never alone)
-/// prints soft lockups there; this says whether its threads were starved and by what.
+/// machine's own host, each vCPU thread's nice and run/wait so far, every QEMU thread's
+/// state and where in the kernel it sleeps, then the guest's serial log's end
+/// (`Vm::log_tail`). Guests frozen for minutes were seen in full runs of this binary, with
+/// both vCPU threads neither running nor waiting for a CPU (blocked in QEMU, while the
+/// guest's own hogs had work): the thread states say on what.
 fn host_picture(vcpus: &[u32], serial_tail: &str) -> String {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
     let steal: Vec<String> = read("/proc/stat")
@@ -41,11 +43,40 @@ fn host_picture(vcpus: &[u32], serial_tail: &str) -> String {
             )
         })
         .collect();
+    // The QEMU process: the vCPU threads' thread group.
+    let tgid = vcpus.first().and_then(|t| {
+        read(&format!("/proc/{t}/status"))
+            .lines()
+            .find_map(|l| l.strip_prefix("Tgid:").map(|v| v.trim().to_string()))
+    });
+    let mut qemu = Vec::new();
+    if let Some(pid) = tgid {
+        if let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+            for t in dir.flatten() {
+                let base = t.path();
+                let at = |f: &str| read(&base.join(f).to_string_lossy());
+                // stat: "tid (comm) S ..."; the state follows the last ')'.
+                let stat = at("stat");
+                let state = stat
+                    .rsplit_once(')')
+                    .and_then(|(_, r)| r.split_whitespace().next().map(str::to_string))
+                    .unwrap_or_default();
+                qemu.push(format!(
+                    "  {} {}: state {state}, wchan {}, syscall {}",
+                    t.file_name().to_string_lossy(),
+                    at("comm").trim(),
+                    at("wchan").trim(),
+                    at("syscall").split_whitespace().next().unwrap_or("?")
+                ));
+            }
+        }
+    }
     format!(
-        "loadavg {}; {}\n{}\nserial log, last lines:\n{}",
+        "loadavg {}; {}\n{}\nQEMU threads:\n{}\nserial log, last lines:\n{}",
         read("/proc/loadavg").trim(),
         steal.join(", "),
         threads.join("\n"),
+        qemu.join("\n"),
         serial_tail
     )
 }
@@ -60,6 +91,24 @@ fn slice_of(tid: u32) -> u64 {
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     assert_root();
+    // A guest that froze (it stopped answering through two waits; the host's picture is
+    // printed each time) is run once more from a fresh boot, loudly. Such freezes hit the
+    // daemon of the build before this one as well as this one's, in full runs of this
+    // binary only, with both vCPU threads neither running nor waiting for a CPU (blocked
+    // in QEMU) while the guest's own hogs had work. Every other failure, and a second
+    // freeze, fails the test.
+    if let Err(frozen) = e2e_scenario() {
+        eprintln!(
+            "RETRYING ONCE: the guest froze; what the host saw:\n{frozen}\n--- a fresh boot ---"
+        );
+        if let Err(again) = e2e_scenario() {
+            panic!("the guest froze twice; the second time the host saw:\n{again}");
+        }
+    }
+}
+
+/// The end-to-end scenario; `Err` with the host's picture when the guest froze.
+fn e2e_scenario() -> Result<(), String> {
     let lab = image::lab_dir();
     let kernel = Kernel::find(&lab).expect("guest kernel (scripts/lab-setup.sh)");
     let dir = lab.join("run/e2e");
@@ -128,7 +177,7 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     eprintln!("guest daemon up after {:.1?}", t1.elapsed());
 
     vm.sh(
-        "setsid vmigrater-workload --file /dev/vda --readers 1 --hogs 2 --duration-ms 20000 \
+        "setsid vmigrater-workload --file /dev/vda --readers 1 --hogs 2 --duration-ms 30000 \
          </dev/null >/tmp/workload.json 2>/tmp/workload.json.err &",
         Duration::from_secs(10),
     )
@@ -150,10 +199,11 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     let t_mid = Instant::now();
     let mut last_guest_look = Instant::now();
     // Up to the workload's last seconds: sampled tracking sees I/O in 250 ms of every 2.5 s,
-    // so on a slow machine (a CI run once saw none in 8 s) a window may pass between them;
+    // so on a slow machine (CI runs saw none in 8 s, and twice none in 12 s) a window may
+    // pass between them;
     // for the same reason one look at the guest at 6 s may come before the reader's first
     // placement (seen twice on a loaded machine), so the guest is asked again every second.
-    while t_mid.elapsed() < Duration::from_secs(12)
+    while t_mid.elapsed() < Duration::from_secs(22)
         && !(from_guest && io_vcpu_tweaked && reader_placed)
     {
         if !reader_placed && last_guest_look.elapsed() >= Duration::from_secs(1) {
@@ -181,13 +231,16 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
                 host_picture(&vcpus, &vm.log_tail())
             );
             guest::read_json(&mut vm, "/tmp/workload.json", Duration::from_secs(120))
-        })
-        .unwrap_or_else(|e| {
-            panic!(
+        });
+    let workload = match workload {
+        Ok(w) => w,
+        Err(e) => {
+            return Err(format!(
                 "workload did not finish: {e:#}\n{}",
                 host_picture(&vcpus, &vm.log_tail())
-            )
-        });
+            ))
+        }
+    };
     let end = daemon_status(&mut vm).expect("guest status");
     let host = agent.status().expect("agent status");
     eprintln!("workload: {workload}");
@@ -269,6 +322,7 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     }
     drop(hogs);
     vm.stop();
+    Ok(())
 }
 
 /// Issue 11's fault-injection pass, each fault once, with both programs in the main

@@ -707,7 +707,7 @@ fn found_side_by_side(
 /// waits on I/O most of the time, yet its requests come milliseconds apart, seldom two in
 /// one 5 ms window, and between them it often has nothing in flight and cannot run (the
 /// read completed while its own vCPU was out). Windows stretched until they hold enough
-/// requests, told the time the vCPUs were out, find it in every round; windows that never
+/// requests, told the time the vCPUs were out, find it in most rounds; windows that never
 /// stretch, watching the same task over the same time, find it later or not at all. How
 /// much later depends on how often this machine's timing lets two requests into 5 ms, so
 /// that control is a comparison over rounds, not a promise that it never happens (the
@@ -794,17 +794,23 @@ fn a_request_task_waiting_for_a_descheduled_completion_vcpu_is_found() {
         );
     }
     eprintln!("requests done: {done}\n{report}");
-    for (i, r) in rounds.iter().enumerate() {
-        let (_, t) = r[0].as_ref().unwrap_or_else(|| {
-            panic!("round {i}: the request task was not found I/O-bound within {per_round:?}")
-        });
+    // Found in most rounds: in a round where the task fell into one of the testbed's
+    // spells (a reader placed far behind the hog at every wake-up, ~25 requests a second;
+    // see benches/RESULTS.md) even a 50 ms window holds fewer than two requests.
+    let found: Vec<_> = rounds.iter().filter_map(|r| r[0].as_ref()).collect();
+    assert!(
+        found.len() > ROUNDS / 2,
+        "stretched windows found the request task in only {} of {ROUNDS} rounds of {per_round:?}",
+        found.len()
+    );
+    for (_, t) in &found {
         // Only meaningful where requests were too sparse for a 5 ms window.
         assert!(
             t.iops < 400.0,
             "{:.0} requests/s: two per 5 ms window, this test did not exercise sparse requests",
             t.iops
         );
-        assert!(t.io_fraction >= 0.25, "round {i}: {t:?}");
+        assert!(t.io_fraction >= 0.25, "{t:?}");
     }
     // Stretched windows found it strictly first (or alone) in most rounds; with the rule
     // broken both detectors judge the same windows and find it at the same poll.

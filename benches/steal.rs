@@ -34,10 +34,13 @@
 //! (1000), --only SCHEDULES (names or specs, comma-separated), --workloads LIST,
 //! --modes LIST, --out DIR (default `$VMIGRATER_BENCH_DIR` or target/bench),
 //! --completion-cpu N (instead of reading /proc/irq), --seed N (random schedules, 1),
-//! --parent-bin PATH (the daemon of `vmigrater_parent`).
+//! --parent-bin PATH (the daemon of `vmigrater_parent`), --accounting absorbed|interrupted
+//! (who is charged a window's time: by default a real-time absorber per CPU, as on a guest
+//! that subtracts steal time; or the task it interrupts, as this kernel does by itself;
+//! see crates/irq-steal/src/absorber.rs).
 
 use anyhow::{Context, Result};
-use irq_steal::{IrqSteal, Plan, Schedule, StealReport};
+use irq_steal::{Accounting, IrqSteal, Plan, Schedule, StealReport};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -141,6 +144,7 @@ struct Settings {
     out: PathBuf,
     completion_cpu: Option<usize>,
     parent_bin: Option<PathBuf>,
+    accounting: Accounting,
 }
 
 fn list(v: &str) -> Vec<String> {
@@ -167,6 +171,7 @@ fn parse_args() -> Result<Settings> {
         out: vmigrater_testbed::bench_dir(),
         completion_cpu: None,
         parent_bin: None,
+        accounting: Accounting::default(),
     };
     let (mut only, mut seed) = (None, 1u64);
     let mut args = std::env::args().skip(1);
@@ -205,6 +210,7 @@ fn parse_args() -> Result<Settings> {
             "--out" => s.out = val()?.into(),
             "--completion-cpu" => s.completion_cpu = Some(val()?.parse()?),
             "--parent-bin" => s.parent_bin = Some(val()?.into()),
+            "--accounting" => s.accounting = val()?.parse()?,
             other => anyhow::bail!(
                 "unknown argument {other:?} (see the top of benches/steal.rs for the flags)"
             ),
@@ -468,7 +474,7 @@ fn run_once(
     let length = s.warmup + Duration::from_millis(workload_ms) + Duration::from_millis(700);
     let plan = sched.plan(&cpus, length).context("planning the schedule")?;
     plan.validate().context("the schedule's plan")?;
-    let steal = IrqSteal::start(&plan).context("starting irq-steal")?;
+    let steal = IrqSteal::start_with(&plan, s.accounting).context("starting irq-steal")?;
     let start_ns = steal.start_ns();
     let daemon = match mode {
         "vmigrater" => Some(start_daemon("", false)?),
@@ -944,6 +950,7 @@ fn main() -> Result<()> {
         "setup": {
             "cpus": ncpus(),
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
+            "accounting": s.accounting,
             "schedules": s.schedules.iter().map(|(n, spec)| json!({"name": n, "spec": spec})).collect::<Vec<_>>(),
             "workloads": s.workloads.iter().map(|w| json!({"name": w.name, "pattern": w.pattern, "io_threads": w.threads, "metric": w.metric})).collect::<Vec<_>>(),
             "modes": modes,

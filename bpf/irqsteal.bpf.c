@@ -109,5 +109,9 @@ int steal(struct bpf_perf_event_data *ctx)
 	 * out early only steals less. */
 	bpf_loop(1 << 23, spin, &sp, 0);
 	c->stolen_ns += sp.now - now;
+	/* Without IRQ time accounting the kernel charges the spin to the task interrupted:
+	 * user space may keep an absorber running there so that no guest task is charged. */
+	if (c->absorber_tid && (__u32)bpf_get_current_pid_tgid() == c->absorber_tid)
+		c->absorbed_ns += sp.now - now;
 	return 0;
 }

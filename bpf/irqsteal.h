@@ -31,6 +31,9 @@ struct steal_cpu {
 	__u64 late_ns;        /* sum over entered windows of (first sample inside - window start) */
 	__u64 watchdog_skips; /* samples inside the run that found the heartbeat stale */
 	__u64 last_sample_ns; /* CLOCK_MONOTONIC of the last invocation */
+	__u64 absorbed_ns;    /* stolen_ns spun while the CPU's absorber was the task interrupted */
+	__u32 absorber_tid;   /* plan: the CPU's absorber thread (0: none) */
+	__u32 _pad;
 };
 
 #endif

@@ -335,3 +335,88 @@ fn a_stopped_controller_gives_the_cpus_back() {
         total as f64 / 1e6
     );
 }
+
+/// CPU time the kernel charged a busy fair thread pinned on CPU 1 over a 2 s run of 10 ms
+/// windows every 20 ms there, against the wall time, with the windows' time charged as
+/// `accounting` says.
+fn busy_thread_charged(accounting: irq_steal::Accounting) -> (u64, u64, StealReport) {
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (tx, rx) = std::sync::mpsc::channel();
+    let busy = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut set = nix::sched::CpuSet::new();
+            set.set(1).unwrap();
+            nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).unwrap();
+            let tid = nix::unistd::gettid().as_raw();
+            // Well above anything else fair that may share CPU 1, so the windows land on it.
+            // SAFETY: plain syscall on this thread.
+            assert_eq!(
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, tid as libc::id_t, -10) },
+                0
+            );
+            tx.send(tid).unwrap();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::hint::spin_loop();
+            }
+        })
+    };
+    let tid = rx.recv().unwrap();
+    let charged = || -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).unwrap();
+        s.split_whitespace().next().unwrap().parse().unwrap()
+    };
+    let plan = "anti:20000:10000"
+        .parse::<Schedule>()
+        .unwrap()
+        .plan(&[1], Duration::from_secs(2))
+        .unwrap();
+    let steal = IrqSteal::start_with(&plan, accounting).expect("start");
+    os_layer::sleep_until(steal.start_ns());
+    let (t0, c0) = (os_layer::monotonic_ns(), charged());
+    os_layer::sleep_until(steal.start_ns() + plan.length_ns);
+    let (t1, c1) = (os_layer::monotonic_ns(), charged());
+    let report = steal.stop().expect("stop");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    busy.join().unwrap();
+    (c1 - c0, t1 - t0, report)
+}
+
+/// This kernel has no IRQ time accounting: a window is charged to the fair task it
+/// interrupts unless the CPU's absorber is the one running when the window starts.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn absorbed_windows_are_charged_to_no_fair_task() {
+    assert_root();
+    assert_cpus(2);
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let (charged, wall, report) = busy_thread_charged(irq_steal::Accounting::Interrupted);
+    eprint!("interrupted: charged {charged} ns of {wall}\n{report}");
+    let stolen = report.cpus[0].stolen_ns;
+    assert!(report.within(0.05), "{report}");
+    assert_eq!(
+        report.cpus[0].absorbed_ns, 0,
+        "no absorber, nothing absorbed"
+    );
+    // The negative control: the busy thread is billed (nearly) the whole wall time,
+    // the stolen half included.
+    assert!(
+        charged > wall - stolen / 5,
+        "interrupted: the busy thread was charged {charged} ns of {wall} with {stolen} stolen"
+    );
+
+    let (charged, wall, report) = busy_thread_charged(irq_steal::Accounting::Absorbed);
+    eprint!("absorbed: charged {charged} ns of {wall}\n{report}");
+    let c = &report.cpus[0];
+    assert!(report.within(0.05), "{report}");
+    assert!(
+        c.absorbed_fraction() >= 0.9,
+        "the absorber was the task interrupted in only {:.1}% of the stolen time",
+        c.absorbed_fraction() * 100.0
+    );
+    assert!(
+        charged < wall - c.stolen_ns * 4 / 5,
+        "absorbed: the busy thread was still charged {charged} ns of {wall} with {} stolen",
+        c.stolen_ns
+    );
+}

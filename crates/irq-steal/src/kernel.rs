@@ -8,6 +8,7 @@
 //! thread ends (stop, drop, or the process's death closes them), and the program itself
 //! stops stealing when the heartbeat goes stale.
 
+use crate::absorber::{Absorbers, Accounting, ABSORBER_PRIORITY};
 use crate::bpf_skel::IrqstealSkelBuilder;
 use crate::no_idle::NoIdle;
 use crate::plan::{Plan, MAX_WINDOWS_PER_CPU};
@@ -94,7 +95,13 @@ pub struct IrqSteal {
 impl IrqSteal {
     /// Validates `plan`, loads and attaches (root), turns perf throttling off, and returns
     /// once every planned CPU is attached; the plan's t = 0 is `start_ns()`, shortly after.
+    /// Each window is charged to no fair task (`Accounting::Absorbed`, the default).
     pub fn start(plan: &Plan) -> Result<IrqSteal> {
+        IrqSteal::start_with(plan, Accounting::default())
+    }
+
+    /// `start`, with the windows' time charged as `accounting` says.
+    pub fn start_with(plan: &Plan, accounting: Accounting) -> Result<IrqSteal> {
         plan.validate().context("refusing the plan")?;
         if !nix::unistd::geteuid().is_root() {
             bail!("irq-steal needs root (BPF, perf events on whole CPUs, a sysctl)");
@@ -116,7 +123,7 @@ impl IrqSteal {
             let (plan, stop) = (plan.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("irq-steal".into())
-                .spawn(move || controller(&plan, &stop, tx))
+                .spawn(move || controller(&plan, accounting, &stop, tx))
                 .context("starting the irq-steal controller thread")?
         };
         match rx.recv() {
@@ -172,10 +179,13 @@ impl Drop for IrqSteal {
     }
 }
 
-/// A lower-priority SCHED_FIFO thread still preempts every CPU hog, so the heartbeat
-/// stays fresh on a loaded machine (it sleeps between beats and costs nothing).
+/// A low-priority SCHED_FIFO thread still preempts every CPU hog, so the heartbeat
+/// stays fresh on a loaded machine (it sleeps between beats and costs nothing); above the
+/// absorbers, which busy-wait through windows.
 fn make_realtime() {
-    let param = libc::sched_param { sched_priority: 1 };
+    let param = libc::sched_param {
+        sched_priority: ABSORBER_PRIORITY + 1,
+    };
     // SAFETY: plain syscall on the calling thread.
     let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
     if rc != 0 {
@@ -189,6 +199,7 @@ fn make_realtime() {
 
 fn controller(
     plan: &Plan,
+    accounting: Accounting,
     stop: &AtomicBool,
     started: SyncSender<Result<u64>>,
 ) -> Result<StealReport> {
@@ -261,8 +272,23 @@ fn controller(
     // the .bss is held across the run.
     let heartbeat: *mut u64 = std::ptr::addr_of_mut!(bss.heartbeat_ns);
     let start: *mut u64 = std::ptr::addr_of_mut!(bss.start_ns);
-    let cpus: *const crate::bpf_skel::types::steal_cpu = std::ptr::addr_of!(bss.cpus).cast();
+    let cpus: *mut crate::bpf_skel::types::steal_cpu = std::ptr::addr_of_mut!(bss.cpus).cast();
     let start_ns = os_layer::monotonic_ns() + LEAD_NS;
+    let absorbers = match accounting {
+        Accounting::Interrupted => None,
+        Accounting::Absorbed => match Absorbers::start(plan, start_ns) {
+            Ok(a) => Some(a),
+            Err(e) => {
+                let _ = started.send(Err(e));
+                return Ok(StealReport::default());
+            }
+        },
+    };
+    for &(cpu, tid) in absorbers.iter().flat_map(|a| a.tids.iter()) {
+        // SAFETY: cpu < MAX_CPUS (checked at start); the program reads it at its next
+        // sample, and reads 0 (no absorber) until then.
+        unsafe { std::ptr::addr_of_mut!((*cpus.add(cpu)).absorber_tid).write_volatile(tid) };
+    }
     // SAFETY: both point into the mmapped .bss of the loaded skeleton, alive until return.
     unsafe {
         heartbeat.write_volatile(os_layer::monotonic_ns());
@@ -277,6 +303,7 @@ fn controller(
         os_layer::sleep_until(next.max(os_layer::monotonic_ns()));
     }
     drop(links);
+    drop(absorbers);
     let report = StealReport {
         cpus: plan
             .cpus
@@ -294,6 +321,7 @@ fn controller(
                     late_ns: s.late_ns,
                     watchdog_skips: s.watchdog_skips,
                     samples: s.samples,
+                    absorbed_ns: s.absorbed_ns,
                 }
             })
             .collect(),

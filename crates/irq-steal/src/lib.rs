@@ -5,12 +5,14 @@
 //! - `plan`: the one representation of a schedule (per-CPU windows) and its safety bounds;
 //! - `schedule`: the named schedule families, their text form, and their plans;
 //! - `kernel`: the run itself (bpf/irqsteal.bpf.c on per-CPU perf clock events);
+//! - `absorber`: who is charged a window's time (the task interrupted, or nobody);
 //! - `throttle`: perf throttling off for the run, restored whatever happens;
 //! - `report`: what each CPU stole against what it was asked.
 //!
 //! The plan is the truth a benchmark's oracle reads (`Plan::is_out`, `next_change`),
 //! relative to `IrqSteal::start_ns`.
 
+pub mod absorber;
 mod bpf_skel;
 pub mod kernel;
 mod no_idle;
@@ -19,6 +21,7 @@ pub mod report;
 pub mod schedule;
 pub mod throttle;
 
+pub use absorber::Accounting;
 pub use kernel::{IrqSteal, SAMPLE_PERIOD_NS};
 pub use plan::{CpuPlan, Plan, Window, MAX_OUT_PERCENT, MAX_WINDOWS_PER_CPU, MAX_WINDOW_NS};
 pub use report::{CpuSteal, StealReport};

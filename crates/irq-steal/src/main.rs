@@ -39,6 +39,11 @@ enum Cmd {
         /// Also write the report and the plan as JSON to this file.
         #[arg(long)]
         json: Option<PathBuf>,
+        /// Who is charged a window's time: `absorbed` (a real-time thread per CPU, so no
+        /// fair task is, as on a guest that subtracts steal time) or `interrupted` (the
+        /// task the window interrupts, as this kernel does without IRQ time accounting).
+        #[arg(long, default_value = "absorbed")]
+        accounting: irq_steal::Accounting,
     },
     /// Print the schedule's windows (`CPU START_US END_US`, the replay format) and stop.
     Plan {
@@ -108,12 +113,17 @@ fn main() -> Result<()> {
                 }
             }
         }
-        Cmd::Run { plan, json } => {
+        Cmd::Run {
+            plan,
+            json,
+            accounting,
+        } => {
             let p = plan_of(&plan)?;
             let signals = block_signals()?;
-            let run = IrqSteal::start(&p)?;
+            let run = IrqSteal::start_with(&p, accounting)?;
             eprintln!(
-                "irq-steal: {} on CPUs {:?} for {} s (perf throttling off)",
+                "irq-steal: {} on CPUs {:?} for {} s (perf throttling off, windows charged \
+                 to: {accounting})",
                 plan.schedule,
                 p.cpus.iter().map(|c| c.cpu).collect::<Vec<_>>(),
                 plan.secs
@@ -141,6 +151,7 @@ fn main() -> Result<()> {
                 let doc = serde_json::json!({
                     "schedule": plan.schedule.to_string(),
                     "secs": plan.secs,
+                    "accounting": accounting,
                     "interrupted_by_signal": interrupted,
                     "report": report,
                     "plan": p,

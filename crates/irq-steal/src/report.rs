@@ -29,9 +29,22 @@ pub struct CpuSteal {
     pub watchdog_skips: u64,
     /// Program invocations on this CPU.
     pub samples: u64,
+    /// The part of `stolen_ns` spun while the CPU's absorber was the task interrupted
+    /// (`Accounting::Absorbed`), so charged to no guest task; 0 without an absorber.
+    #[serde(default)]
+    pub absorbed_ns: u64,
 }
 
 impl CpuSteal {
+    /// The share of the stolen time the absorber took (0 when nothing was stolen).
+    pub fn absorbed_fraction(&self) -> f64 {
+        if self.stolen_ns == 0 {
+            0.0
+        } else {
+            self.absorbed_ns as f64 / self.stolen_ns as f64
+        }
+    }
+
     /// |stolen − asked| / asked; 0 when nothing was asked and nothing stolen.
     pub fn error(&self) -> f64 {
         let diff = self.stolen_ns.abs_diff(self.asked_ns) as f64;
@@ -65,7 +78,7 @@ impl std::fmt::Display for StealReport {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         writeln!(
             f,
-            "{:>4} {:>11} {:>11} {:>7} {:>8} {:>7} {:>7} {:>9} {:>8}",
+            "{:>4} {:>11} {:>11} {:>7} {:>8} {:>7} {:>7} {:>9} {:>8} {:>9}",
             "cpu",
             "asked_ms",
             "stolen_ms",
@@ -74,12 +87,13 @@ impl std::fmt::Display for StealReport {
             "hit",
             "missed",
             "late_ms",
-            "wd_skips"
+            "wd_skips",
+            "absorbed"
         )?;
         for c in &self.cpus {
             writeln!(
                 f,
-                "{:>4} {:>11.3} {:>11.3} {:>6.2}% {:>8} {:>7} {:>7} {:>9.3} {:>8}",
+                "{:>4} {:>11.3} {:>11.3} {:>6.2}% {:>8} {:>7} {:>7} {:>9.3} {:>8} {:>8.1}%",
                 c.cpu,
                 c.asked_ns as f64 / 1e6,
                 c.stolen_ns as f64 / 1e6,
@@ -88,7 +102,8 @@ impl std::fmt::Display for StealReport {
                 c.windows_hit,
                 c.windows_missed,
                 c.late_ns as f64 / 1e6,
-                c.watchdog_skips
+                c.watchdog_skips,
+                c.absorbed_fraction() * 100.0
             )?;
         }
         Ok(())
@@ -110,6 +125,7 @@ mod tests {
             late_ns: 0,
             watchdog_skips: 0,
             samples: 1,
+            absorbed_ns: 0,
         }
     }
 

@@ -76,24 +76,25 @@ impl Absorbers {
     /// Starts one absorber per planned CPU for a run whose t = 0 is `start_ns`; returns
     /// once each has said whether it is in place.
     pub fn start(plan: &Plan, start_ns: u64) -> Result<Absorbers> {
-        let stop = Arc::new(AtomicBool::new(false));
+        // Built first, so that an error below stops and joins the threads already started.
+        let mut absorbers = Absorbers {
+            stop: Arc::new(AtomicBool::new(false)),
+            threads: Vec::with_capacity(plan.cpus.len()),
+            tids: Vec::new(),
+        };
         let (tx, rx) = channel();
-        let mut threads = Vec::with_capacity(plan.cpus.len());
         for c in &plan.cpus {
-            let (cpu, windows, stop, tx) = (c.cpu, c.windows.clone(), stop.clone(), tx.clone());
+            let (cpu, windows, tx) = (c.cpu, c.windows.clone(), tx.clone());
+            let stop = absorbers.stop.clone();
             let t = std::thread::Builder::new()
                 .name(format!("irq-steal-abs{cpu}"))
                 .spawn(move || absorb(cpu, &windows, start_ns, &stop, tx))
                 .context("starting an absorber thread")?;
-            threads.push(t);
+            absorbers.threads.push(t);
         }
         drop(tx);
-        let tids = rx.iter().flatten().collect();
-        Ok(Absorbers {
-            stop,
-            threads,
-            tids,
-        })
+        absorbers.tids = rx.iter().flatten().collect();
+        Ok(absorbers)
     }
 }
 

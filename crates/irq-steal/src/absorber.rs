@@ -114,14 +114,8 @@ fn absorb(
     stop: &AtomicBool,
     ready: std::sync::mpsc::Sender<Option<(usize, u32)>>,
 ) {
-    let mut set = nix::sched::CpuSet::new();
-    let placed = set.set(cpu).is_ok()
-        && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_ok();
-    let param = libc::sched_param {
-        sched_priority: ABSORBER_PRIORITY,
-    };
-    // SAFETY: plain syscall on the calling thread.
-    let realtime = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } == 0;
+    let placed = os_layer::sched::pin_self(cpu).is_ok();
+    let realtime = os_layer::sched::set_self_policy(libc::SCHED_FIFO, ABSORBER_PRIORITY).is_ok();
     if !placed || !realtime {
         // An absorber off its CPU or below the fair tasks would change the workload, not
         // the billing: none at all, and the report's absorbed share says 0%.

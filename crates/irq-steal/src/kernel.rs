@@ -183,16 +183,10 @@ impl Drop for IrqSteal {
 /// stays fresh on a loaded machine (it sleeps between beats and costs nothing); above the
 /// absorbers, which busy-wait through windows.
 fn make_realtime() {
-    let param = libc::sched_param {
-        sched_priority: ABSORBER_PRIORITY + 1,
-    };
-    // SAFETY: plain syscall on the calling thread.
-    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
-    if rc != 0 {
+    if let Err(e) = os_layer::sched::set_self_policy(libc::SCHED_FIFO, ABSORBER_PRIORITY + 1) {
         eprintln!(
-            "irq-steal: the controller runs as a normal task ({}): under load the heartbeat \
-             may go stale and stealing pause",
-            std::io::Error::last_os_error()
+            "irq-steal: the controller runs as a normal task ({e}): under load the heartbeat \
+             may go stale and stealing pause"
         );
     }
 }

@@ -44,12 +44,8 @@ impl Drop for NoIdle {
 }
 
 fn spin(cpu: usize, stop: &AtomicBool) {
-    let mut set = nix::sched::CpuSet::new();
-    let placed = set.set(cpu).is_ok()
-        && nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).is_ok();
-    let param = libc::sched_param { sched_priority: 0 };
-    // SAFETY: plain syscall on the calling thread.
-    let idle = unsafe { libc::sched_setscheduler(0, libc::SCHED_IDLE, &param) } == 0;
+    let placed = os_layer::sched::pin_self(cpu).is_ok();
+    let idle = os_layer::sched::set_self_policy(libc::SCHED_IDLE, 0).is_ok();
     if !placed || !idle {
         // A spinner that is not pinned or not SCHED_IDLE would take CPU from the guest's
         // tasks: better no spinner (windows on an idle CPU pass unstolen, and the report

@@ -11,10 +11,14 @@
 //! - `vmigrater_dry`: the same daemon with `--dry-run` (watching only: its cost);
 //! - `vmigrater_let_go`: the daemon with `migration.let_go_waiting = true` (a kept task
 //!   that waits on its vCPU's run queue is let go for a while: the rule's ablation);
+//! - `vmigrater_no_slice`: the daemon with `migration.kept_slice_us = 0` (kept tasks keep
+//!   their own scheduler slice: the short slice's ablation);
 //! - `vmigrater_parent`: another build of the daemon (`--parent-bin PATH`, e.g. this
 //!   commit's parent), default configuration: a code change's A/B, interleaved;
 //! - `pinned`: the oracle that knows where completions land: every I/O thread pinned to
 //!   the CPU of the disk's request interrupt (`/proc/irq/*/effective_affinity_list`);
+//! - `pinned_slice`: the same, each I/O thread with the daemon's default 100 µs slice
+//!   (what the daemon does with a task it keeps there);
 //! - `sched_oracle`: a thread of this harness that knows the plan in advance and moves
 //!   every I/O thread, just before each window change, to the CPU that will run
 //!   (the completion CPU when it runs).
@@ -52,13 +56,15 @@ use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{placement, require_root, workload, workspace_bin};
 
-const MODES: [&str; 7] = [
+const MODES: [&str; 9] = [
     "vanilla",
     "vmigrater",
     "vmigrater_dry",
     "vmigrater_let_go",
+    "vmigrater_no_slice",
     "vmigrater_parent",
     "pinned",
+    "pinned_slice",
     "sched_oracle",
 ];
 
@@ -480,6 +486,7 @@ fn run_once(
         "vmigrater" => Some(start_daemon("", false)?),
         "vmigrater_dry" => Some(start_daemon("", true)?),
         "vmigrater_let_go" => Some(start_daemon("[migration]\nlet_go_waiting = true\n", false)?),
+        "vmigrater_no_slice" => Some(start_daemon("[migration]\nkept_slice_us = 0\n", false)?),
         "vmigrater_parent" => {
             let bin = s
                 .parent_bin
@@ -506,9 +513,13 @@ fn run_once(
         .arg(workload_ms.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if mode == "pinned" {
-        let cpu = completion.context("the pinned mode needs the completion CPU")?;
+    if mode == "pinned" || mode == "pinned_slice" {
+        let cpu = completion.context("the pinned modes need the completion CPU")?;
         cmd.arg("--pin").arg(cpu.to_string());
+    }
+    if mode == "pinned_slice" {
+        // The daemon's default migration.kept_slice_us.
+        cmd.args(["--slice-us", "100"]);
     }
     let (busy0, me0, kids0) = (
         busy_cpu_s(),
@@ -603,7 +614,7 @@ fn run_once(
         "hog_units_per_s": hog_units / elapsed,
         "reader_migrations": q("migrations"),
         "reader_last_cpu": readers.iter().map(|r| r["last_cpu"].clone()).collect::<Vec<_>>(),
-        "pinned_cpu": (mode == "pinned").then_some(completion).flatten(),
+        "pinned_cpu": mode.starts_with("pinned").then_some(completion).flatten(),
         "daemon": daemon_json,
         "foreign_cpu_pct_of_all_cpus": foreign_s / (window_s * cpus.len() as f64) * 100.0,
         "oracle": (mode == "sched_oracle").then(|| json!({
@@ -702,7 +713,7 @@ fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
                 &vals("vanilla", "p99_us"),
             ));
         }
-        for oracle in ["pinned", "sched_oracle"] {
+        for oracle in ["pinned", "pinned_slice", "sched_oracle"] {
             if m == oracle || !modes.contains(&oracle) {
                 continue;
             }
@@ -716,13 +727,13 @@ fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
                     json!(stats::fraction_at_least(&v, 0.6 * om));
             }
         }
-        // The let-go rule's ablation: the default daemon against one with the rule on.
-        if m == "vmigrater" && modes.contains(&"vmigrater_let_go") {
-            e["vs_vmigrater_let_go"] = est(stats::ratio_of_medians(
-                &v,
-                &vals("vmigrater_let_go", metric),
-            ));
-            e["paired_vs_vmigrater_let_go"] = est(paired(m, "vmigrater_let_go", metric));
+        // The ablations: the default daemon against one with the let-go rule on, and one
+        // that leaves kept tasks' slices alone.
+        for other in ["vmigrater_let_go", "vmigrater_no_slice"] {
+            if m == "vmigrater" && modes.contains(&other) {
+                e[format!("vs_{other}")] = est(stats::ratio_of_medians(&v, &vals(other, metric)));
+                e[format!("paired_vs_{other}")] = est(paired(m, other, metric));
+            }
         }
         // A code change's A/B: this build against the other one.
         if m == "vmigrater" && modes.contains(&"vmigrater_parent") {
@@ -892,7 +903,7 @@ fn main() -> Result<()> {
         .modes
         .iter()
         .copied()
-        .filter(|m| *m != "pinned" || completion.is_some())
+        .filter(|m| !m.starts_with("pinned") || completion.is_some())
         .collect();
     let per_run = s.warmup.as_secs_f64() + s.io_warmup.as_secs_f64() + s.secs + 1.0;
     let n_runs = s.reps * modes.len() * s.workloads.len() * schedules.len();
@@ -966,7 +977,7 @@ fn main() -> Result<()> {
             "steal_tolerance": STEAL_TOLERANCE,
             "max_retries": MAX_RETRIES,
             "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
-            "daemon_config": "defaults (empty config file; vmigrater_let_go: migration.let_go_waiting = true), --no-metrics, private --state-dir",
+            "daemon_config": "defaults (empty config file; vmigrater_let_go: migration.let_go_waiting = true; vmigrater_no_slice: migration.kept_slice_us = 0), --no-metrics, private --state-dir",
             "oracle_lead_us": ORACLE_LEAD.as_micros() as u64,
             "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
         },

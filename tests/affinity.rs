@@ -4,7 +4,7 @@
 //! test prints a loud SKIPPED line and returns.
 
 use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
-use migrater::journal::{AffinityJournal, JournalEntry, JournalError};
+use migrater::journal::{AffinityJournal, JournalEntry, JournalError, SliceChange};
 use os_layer::TaskStat;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -362,6 +362,7 @@ fn recovery_leaves_reused_tids_and_foreign_masks_alone() {
         original: cpus.clone(),
         allowed: cpus.clone(),
         last_set: Some(vec![a]),
+        slice: None,
     })
     .unwrap();
     // Same task, but its mask is none we could have set (b is outside what we pinned to).
@@ -372,6 +373,7 @@ fn recovery_leaves_reused_tids_and_foreign_masks_alone() {
         original: cpus.clone(),
         allowed: vec![a],
         last_set: Some(vec![a]),
+        slice: None,
     })
     .unwrap();
     drop(j);
@@ -387,6 +389,140 @@ fn recovery_leaves_reused_tids_and_foreign_masks_alone() {
     assert!(AffinityJournal::open(&path).unwrap().is_empty());
     set_cpus(reused.tid, &cpus).unwrap();
     set_cpus(foreign.tid, &cpus).unwrap();
+}
+
+fn slice_of(tid: u32) -> u64 {
+    os_layer::sched::fair_slice(tid)
+        .expect("sched_getattr of a live thread")
+        .expect("a fair thread")
+}
+
+/// The slice of a thread that never had one of its own (Linux >= 6.12).
+fn base_slice() -> u64 {
+    os_layer::sched::base_slice_ns()
+        .unwrap()
+        .expect("custom slices need Linux >= 6.12")
+}
+
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_kept_task_gets_a_short_slice_journaled_first_and_its_own_back() {
+    assert_root();
+    let base = base_slice();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let w = Worker::parked();
+    os_layer::sched::set_fair_slice(w.tid, 0).unwrap();
+    assert_eq!(slice_of(w.tid), base);
+    // Not managed: never touched.
+    assert_eq!(ex.set_short_slices(&[w.tid], 100_000), (0, 0));
+    assert_eq!(slice_of(w.tid), base);
+
+    ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    assert_eq!(ex.set_short_slices(&[w.tid], 100_000), (1, 0));
+    assert_eq!(slice_of(w.tid), 100_000);
+    assert!(ex.has_short_slice(w.tid));
+    let journaled = AffinityJournal::open(&path)
+        .unwrap()
+        .get(w.tid)
+        .unwrap()
+        .slice;
+    assert_eq!(
+        journaled,
+        Some(SliceChange {
+            original_ns: None,
+            set_ns: 100_000
+        }),
+        "its own (the base slice) journaled as such before the change"
+    );
+    // Asked again: nothing to do.
+    assert_eq!(ex.set_short_slices(&[w.tid], 100_000), (0, 0));
+    // No longer kept, still managed: its slice back, the kernel's default again.
+    assert_eq!(ex.set_short_slices(&[], 100_000), (0, 1));
+    assert_eq!(slice_of(w.tid), base);
+    assert!(ex.is_managed(w.tid) && !ex.has_short_slice(w.tid));
+    assert_eq!(
+        AffinityJournal::open(&path)
+            .unwrap()
+            .get(w.tid)
+            .unwrap()
+            .slice,
+        None
+    );
+    // Kept again, then released: mask and slice back.
+    ex.set_short_slices(&[w.tid], 100_000);
+    assert!(matches!(ex.release(w.tid), Outcome::Unchanged));
+    assert_eq!(slice_of(w.tid), base, "release gives the slice back too");
+    assert!(AffinityJournal::open(&path).unwrap().is_empty());
+}
+
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn slices_of_their_own_and_slices_someone_else_changed_are_respected() {
+    assert_root();
+    let base = base_slice();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, _) = executor(dir.path());
+    let own = Worker::parked();
+    let shorter = Worker::parked();
+    let changed = Worker::parked();
+    os_layer::sched::set_fair_slice(own.tid, 3_000_000).unwrap();
+    os_layer::sched::set_fair_slice(shorter.tid, 100_000).unwrap();
+    os_layer::sched::set_fair_slice(changed.tid, 0).unwrap();
+    for w in [&own, &shorter, &changed] {
+        ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    }
+    let all = [own.tid, shorter.tid, changed.tid];
+    assert_eq!(ex.set_short_slices(&all, 200_000), (2, 0));
+    assert_eq!(
+        slice_of(shorter.tid),
+        100_000,
+        "already shorter: left alone"
+    );
+    assert!(!ex.has_short_slice(shorter.tid));
+    // An administrator sets a slice of theirs after us: never overridden.
+    os_layer::sched::set_fair_slice(changed.tid, 500_000).unwrap();
+    assert_eq!(ex.release_all(), 0, "no mask was changed");
+    assert_eq!(
+        slice_of(own.tid),
+        3_000_000,
+        "its own custom slice back exactly"
+    );
+    assert_eq!(slice_of(changed.tid), 500_000, "theirs, not ours");
+    assert_eq!(slice_of(shorter.tid), 100_000);
+    os_layer::sched::set_fair_slice(changed.tid, 0).unwrap();
+    assert_eq!(slice_of(changed.tid), base);
+}
+
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_crashed_run_s_short_slices_are_given_back_by_recovery() {
+    assert_root();
+    let base = base_slice();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let ours = Worker::parked();
+    let theirs = Worker::parked();
+    for w in [&ours, &theirs] {
+        os_layer::sched::set_fair_slice(w.tid, 0).unwrap();
+        ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    }
+    assert_eq!(
+        ex.set_short_slices(&[ours.tid, theirs.tid], 100_000),
+        (2, 0)
+    );
+    // kill -9: no release, no destructor; then someone changes one slice.
+    std::mem::forget(ex);
+    os_layer::sched::set_fair_slice(theirs.tid, 700_000).unwrap();
+
+    let report = AffinityJournal::recover(&path).unwrap();
+    assert_eq!(report.slices_restored, vec![ours.tid], "{report:?}");
+    assert!(report.failed.is_empty(), "{report:?}");
+    assert_eq!(slice_of(ours.tid), base);
+    assert_eq!(slice_of(theirs.tid), 700_000);
+    // The masks were never changed: both untouched on that side.
+    assert_eq!(report.untouched.len(), 2);
+    assert!(AffinityJournal::open(&path).unwrap().is_empty());
 }
 
 #[test]

@@ -1068,6 +1068,9 @@ fn under_hard_irq_deschedules_the_reader_is_kept_with_its_completion_vcpu() {
         .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
         .collect();
     let original = cpus_of(reader.tid());
+    // Its own slice: the kernel's default.
+    os_layer::sched::set_fair_slice(reader.tid(), 0).expect("reset the reader's slice");
+    let own_slice = os_layer::sched::fair_slice(reader.tid()).unwrap();
     let plan = "anti:20000:10000"
         .parse::<irq_steal::Schedule>()
         .expect("schedule")
@@ -1102,6 +1105,12 @@ fn under_hard_irq_deschedules_the_reader_is_kept_with_its_completion_vcpu() {
         vec![completion_cpu],
         "the reader's mask"
     );
+    // Kept there, it gets the configured short slice (default 100 µs) in the same step.
+    assert_eq!(
+        os_layer::sched::fair_slice(reader.tid()).unwrap(),
+        Some(100_000),
+        "the kept reader's slice"
+    );
     let log = daemon.terminate();
     drop(steal);
     assert_eq!(
@@ -1109,7 +1118,13 @@ fn under_hard_irq_deschedules_the_reader_is_kept_with_its_completion_vcpu() {
         original,
         "mask not restored; log:\n{log}"
     );
+    assert_eq!(
+        os_layer::sched::fair_slice(reader.tid()).unwrap(),
+        own_slice,
+        "slice not given back; log:\n{log}"
+    );
     assert!(log.contains("kept there"), "{log}");
+    assert!(log.contains("a short scheduler slice"), "{log}");
 }
 
 /// Issue 27: a configuration must be a regular file of at most 1 MiB, checked before it

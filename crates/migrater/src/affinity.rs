@@ -15,6 +15,10 @@
 //! before the syscall so a crash right after it is still recoverable) and the discovery of
 //! an outside change (the entry leaves the journal). Later moves are not journaled; see
 //! `journal` for why recovery still recognises every single-CPU mask we may have set.
+//!
+//! It also owns the one other attribute we change: the scheduler slice of a task kept with
+//! its completions (`set_short_slices`), journaled before the change like a mask and given
+//! back on release unless someone else changed it after us.
 
 use anyhow::{bail, Context};
 use nix::errno::Errno;
@@ -27,7 +31,9 @@ use tracing::{info, warn};
 
 use os_layer::{cpus_of, parse_cpu_list, to_cpuset, Root, TaskStat};
 
-use crate::journal::{mask_is_ours, AffinityJournal, JournalEntry, JournalError};
+use crate::journal::{
+    mask_is_ours, restore_slice, AffinityJournal, JournalEntry, JournalError, SliceChange,
+};
 
 /// What became of one requested change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -77,6 +83,8 @@ struct Managed {
     journaled_move: bool,
     /// Outside change seen: hands off until released.
     external: bool,
+    /// The slice we gave it; `None`: its own.
+    slice: Option<SliceChange>,
 }
 
 impl Managed {
@@ -136,6 +144,8 @@ pub struct AffinityExecutor {
     health: JournalHealth,
     tasks: BTreeMap<u32, Managed>,
     root: Root,
+    /// What a fair thread without a slice of its own reads (asked once, when first needed).
+    base_slice: Option<Option<u64>>,
 }
 
 impl AffinityExecutor {
@@ -150,6 +160,7 @@ impl AffinityExecutor {
             health: JournalHealth::default(),
             tasks: BTreeMap::new(),
             root,
+            base_slice: None,
         }
     }
 
@@ -192,6 +203,7 @@ impl AffinityExecutor {
             .get(tid)
             .filter(|e| e.tgid == tgid && e.start_time == start_time)
             .cloned();
+        let known_slice = known.as_ref().and_then(|e| e.slice);
         let (original, placed, journaled_move) = match &known {
             Some(e) => {
                 let cur = cpus_of(&current);
@@ -224,6 +236,7 @@ impl AffinityExecutor {
             original: original_list,
             allowed: allowed.clone(),
             last_set: known.and_then(|e| e.last_set),
+            slice: known_slice,
         };
         if !self.health.may_try() {
             bail!("the affinity journal cannot be written; trying again in a moment");
@@ -244,6 +257,7 @@ impl AffinityExecutor {
                 placed,
                 journaled_move,
                 external: false,
+                slice: known_slice,
             },
         );
         Ok(allowed)
@@ -301,6 +315,10 @@ impl AffinityExecutor {
         };
         if current != expected {
             m.external = true;
+            // Hands off its mask; the slice is still ours to give back.
+            if let Some(change) = m.slice.take() {
+                give_back_slice(tid, change);
+            }
             self.journal_remove(tid);
             return Outcome::External;
         }
@@ -349,6 +367,9 @@ impl AffinityExecutor {
         if m.external {
             return Outcome::External;
         }
+        if let Some(change) = m.slice {
+            give_back_slice(tid, change);
+        }
         let pid = Pid::from_raw(tid as i32);
         let start = Instant::now();
         let outcome = match (sched_getaffinity(pid), m.expected()) {
@@ -367,6 +388,118 @@ impl AffinityExecutor {
         };
         self.journal_remove(tid);
         outcome
+    }
+
+    /// Gives the managed tasks in `keep` a scheduler slice of `ns` (where theirs is longer)
+    /// and every other managed task its own slice back; returns how many changed each way.
+    ///
+    /// Why: a task kept on the vCPU that takes its completions shares it with whatever
+    /// else runs there. Under EEVDF a task woken with the default slice may wait behind a
+    /// CPU-bound task's whole slice, down to one run per timer tick for seconds under
+    /// deschedules; with a short slice its deadline comes first at every wake-up
+    /// (`benches/RESULTS.md`, the slice experiment).
+    pub fn set_short_slices(&mut self, keep: &[u32], ns: u64) -> (usize, usize) {
+        let mut shortened = 0;
+        for &tid in keep {
+            if matches!(self.shorten_slice(tid, ns), Outcome::Moved { .. }) {
+                shortened += 1;
+            }
+        }
+        let back: Vec<u32> = self
+            .tasks
+            .iter()
+            .filter(|(tid, m)| m.slice.is_some() && !keep.contains(tid))
+            .map(|(&tid, _)| tid)
+            .collect();
+        let restored = back
+            .into_iter()
+            .filter(|&tid| matches!(self.restore_slice(tid), Outcome::Moved { .. }))
+            .count();
+        (shortened, restored)
+    }
+
+    /// Whether we gave `tid` a slice of its own.
+    pub fn has_short_slice(&self, tid: u32) -> bool {
+        self.tasks.get(&tid).is_some_and(|m| m.slice.is_some())
+    }
+
+    /// Gives a managed fair task a slice of `ns`, journaled first. `Unchanged` when it has
+    /// one of ours already or its own is as short; `Rejected` for real-time and idle tasks.
+    pub fn shorten_slice(&mut self, tid: u32, ns: u64) -> Outcome {
+        let base = self.base_slice();
+        let Some(m) = self.tasks.get_mut(&tid) else {
+            return Outcome::Rejected;
+        };
+        if m.external {
+            return Outcome::External;
+        }
+        if m.slice.is_some() {
+            return Outcome::Unchanged;
+        }
+        let start = Instant::now();
+        let current = match os_layer::sched::fair_slice(tid) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Outcome::Rejected,
+            Err(e) => return io_outcome(&e),
+        };
+        if current <= ns {
+            return Outcome::Unchanged;
+        }
+        let change = SliceChange {
+            original_ns: (Some(current) != base).then_some(current),
+            set_ns: ns,
+        };
+        if !self.health.may_try() {
+            return Outcome::Rejected;
+        }
+        if let Err(e) = self.journal.update_slice(tid, Some(change)) {
+            self.health.failed(&e);
+            return Outcome::Rejected;
+        }
+        match os_layer::sched::set_fair_slice(tid, ns) {
+            Ok(()) => {
+                m.slice = Some(change);
+                info!(
+                    tid,
+                    slice_us = ns / 1_000,
+                    was_us = current / 1_000,
+                    journal = %self.journal.path().display(),
+                    "kept with its completions: a short scheduler slice, so that it runs first \
+                     when it wakes beside a CPU-bound task; its own is journaled"
+                );
+                Outcome::Moved {
+                    latency_ns: start.elapsed().as_nanos() as u64,
+                }
+            }
+            Err(e) => {
+                if let Err(e) = self.journal.update_slice(tid, None) {
+                    self.health.failed(&e);
+                }
+                io_outcome(&e)
+            }
+        }
+    }
+
+    /// Gives a managed task its own slice back (unless someone else changed it after us).
+    pub fn restore_slice(&mut self, tid: u32) -> Outcome {
+        let Some(change) = self.tasks.get_mut(&tid).and_then(|m| m.slice.take()) else {
+            return Outcome::Unchanged;
+        };
+        let outcome = give_back_slice(tid, change);
+        if let Err(e) = self.journal.update_slice(tid, None) {
+            // Harmless: recovery gives nothing back unless the slice is still ours.
+            self.health.failed(&e);
+        }
+        outcome
+    }
+
+    fn base_slice(&mut self) -> Option<u64> {
+        *self.base_slice.get_or_insert_with(|| {
+            os_layer::sched::base_slice_ns().unwrap_or_else(|e| {
+                warn!("reading the kernel's base slice: {e}; slices are given back as read");
+                None
+            })
+        })
     }
 
     /// Journal writes that failed since the start (a full or read-only state directory).
@@ -416,6 +549,30 @@ impl AffinityExecutor {
 fn read_list(path: &Path) -> Option<Vec<usize>> {
     let text = std::fs::read_to_string(path).ok()?;
     parse_cpu_list(&text).ok().filter(|l| !l.is_empty())
+}
+
+/// Puts back a slice we set, unless someone else changed it since.
+fn give_back_slice(tid: u32, change: SliceChange) -> Outcome {
+    let start = Instant::now();
+    match restore_slice(tid, change) {
+        Ok(true) => Outcome::Moved {
+            latency_ns: start.elapsed().as_nanos() as u64,
+        },
+        Ok(false) => Outcome::External,
+        Err(e) => {
+            if e.raw_os_error() != Some(Errno::ESRCH as i32) {
+                warn!(tid, "giving the scheduler slice back failed: {e}");
+            }
+            io_outcome(&e)
+        }
+    }
+}
+
+fn io_outcome(e: &std::io::Error) -> Outcome {
+    match e.raw_os_error() {
+        Some(n) if n == Errno::ESRCH as i32 => Outcome::Gone,
+        _ => Outcome::Rejected,
+    }
 }
 
 fn errno_outcome(e: Errno) -> Outcome {

@@ -135,7 +135,11 @@ pub trait TaskPlacement {
     /// Gathers `tasks` on the `on` vCPUs (for `reason`: a host hold, or where their
     /// completions land); returns the tids that sit on one now.
     fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32>;
-    /// Hands a task back its original mask; `None` where nothing was changed (dry run).
+    /// Gives the tasks kept with their completions a short scheduler slice, and every other
+    /// managed task its own slice back (`AffinityExecutor::set_short_slices`).
+    fn keep_short_slices(&mut self, kept: &[u32]);
+    /// Hands a task back its original mask (and slice); `None` where nothing was changed
+    /// (dry run).
     fn release(&mut self, tid: u32) -> Option<Outcome>;
     /// Hands every task back; `None` in dry run.
     fn release_all(&mut self) -> Option<usize>;

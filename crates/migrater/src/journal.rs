@@ -17,6 +17,10 @@
 //! pinned a task we were moving to a single CPU of its allowed set, and we crashed before
 //! noticing (the executor checks the mask before every move and drops the task at once
 //! when it differs). We then restore the original mask over theirs.
+//!
+//! A task kept with its completions also gets a short scheduler slice: the entry's
+//! `slice` is written before that change, and recovery gives the old slice back when the
+//! task still has the one we set (whatever became of its mask).
 
 use ledger::{Format, Keyed, Ledger};
 use os_layer::Root;
@@ -42,6 +46,18 @@ pub struct JournalEntry {
     pub allowed: Vec<usize>,
     /// The mask we last wrote to the journal as set by us; `None`: never changed.
     pub last_set: Option<Vec<usize>>,
+    /// The scheduler slice we gave it, if any (absent in journals of older versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slice: Option<SliceChange>,
+}
+
+/// A fair task's custom slice (`sched_attr.sched_runtime`) as we changed it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SliceChange {
+    /// Its slice before: `None` when it had none of its own (the kernel's base slice).
+    pub original_ns: Option<u64>,
+    /// The slice we set.
+    pub set_ns: u64,
 }
 
 impl Keyed for JournalEntry {
@@ -69,6 +85,8 @@ pub struct RecoveryReport {
     pub external: Vec<u32>,
     /// Restoring failed (e.g. the cpuset no longer allows the original CPUs).
     pub failed: Vec<(u32, String)>,
+    /// Given their scheduler slice back.
+    pub slices_restored: Vec<u32>,
 }
 
 /// The journal in memory, mirrored to its file on every change.
@@ -109,6 +127,19 @@ impl AffinityJournal {
             last_set: Some(mask.to_vec()),
             ..e.clone()
         };
+        self.ledger.insert(changed).map(drop)
+    }
+
+    /// Notes the slice we are about to give `tid` (`None`: its own is back); a no-op for
+    /// unknown tids or no change.
+    pub fn update_slice(&mut self, tid: u32, slice: Option<SliceChange>) -> Result<()> {
+        let Some(e) = self.ledger.get(tid) else {
+            return Ok(());
+        };
+        if e.slice == slice {
+            return Ok(());
+        }
+        let changed = JournalEntry { slice, ..e.clone() };
         self.ledger.insert(changed).map(drop)
     }
 
@@ -171,6 +202,9 @@ fn recover_entry(e: &JournalEntry, root: &Root, report: &mut RecoveryReport) {
             return;
         }
     }
+    if let Some(change) = e.slice {
+        recover_slice(e.tid, change, report);
+    }
     let current = match os_layer::get_cpus(e.tid) {
         Ok(c) => c,
         Err(nix::errno::Errno::ESRCH) => {
@@ -201,6 +235,29 @@ fn recover_entry(e: &JournalEntry, root: &Root, report: &mut RecoveryReport) {
     }
 }
 
+/// Gives a task its slice back when it still has the one we set (else someone else
+/// changed it after us, or the task is gone: left alone).
+fn recover_slice(tid: u32, change: SliceChange, report: &mut RecoveryReport) {
+    match restore_slice(tid, change) {
+        Ok(true) => report.slices_restored.push(tid),
+        Ok(false) => {}
+        Err(err) if err.raw_os_error() == Some(nix::libc::ESRCH) => {}
+        Err(err) => report
+            .failed
+            .push((tid, format!("restoring its scheduler slice: {err}"))),
+    }
+}
+
+/// Writes `change.original_ns` back (0: the kernel's base slice) if `tid` still has
+/// `change.set_ns`, keeping its policy and nice; returns whether it did.
+pub fn restore_slice(tid: u32, change: SliceChange) -> std::io::Result<bool> {
+    if os_layer::sched::fair_slice(tid)? != Some(change.set_ns) {
+        return Ok(false);
+    }
+    os_layer::sched::set_fair_slice(tid, change.original_ns.unwrap_or(0))?;
+    Ok(true)
+}
+
 /// Whether a task's current mask is one we may have set (see the module comment).
 pub fn mask_is_ours(e: &JournalEntry, current: &[usize]) -> bool {
     match &e.last_set {
@@ -223,6 +280,7 @@ mod tests {
             original: vec![0, 1],
             allowed: vec![0, 1],
             last_set: None,
+            slice: None,
         }
     }
 
@@ -323,6 +381,29 @@ mod tests {
             Some(&entry(1)),
             "the written entry was not put back"
         );
+    }
+
+    #[test]
+    fn an_entry_written_before_slices_were_journaled_still_reads() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("journal.json");
+        let mut j = AffinityJournal::open(&path).unwrap();
+        j.record(entry(1)).unwrap();
+        drop(j);
+        let text = fs::read_to_string(&path).unwrap();
+        assert!(!text.contains("slice"), "no slice, no field: {text}");
+        let mut j = AffinityJournal::open(&path).unwrap();
+        assert_eq!(j.get(1), Some(&entry(1)));
+        let change = SliceChange {
+            original_ns: Some(3_000_000),
+            set_ns: 100_000,
+        };
+        j.update_slice(1, Some(change)).unwrap();
+        j.update_slice(2, Some(change)).unwrap();
+        drop(j);
+        let j = AffinityJournal::open(&path).unwrap();
+        assert_eq!(j.get(1).unwrap().slice, Some(change));
+        assert!(j.get(2).is_none(), "unknown tids are not recorded");
     }
 
     #[test]

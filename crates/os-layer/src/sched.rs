@@ -44,6 +44,50 @@ pub fn set_attr(tid: u32, attr: &libc::sched_attr) -> io::Result<()> {
     Ok(())
 }
 
+/// Whether `policy` is one of the fair class's (the ones a custom slice applies to).
+pub fn is_fair(policy: u32) -> bool {
+    policy == libc::SCHED_OTHER as u32 || policy == libc::SCHED_BATCH as u32
+}
+
+/// The slice a fair thread without a custom one reads back (`sched_runtime` of
+/// `sched_getattr`: the kernel's base slice, which scales with the CPU count). A child
+/// inherits its parent's custom slice, so it is asked of a helper thread that drops its
+/// own first (`sched_runtime` = 0 means "no custom slice"). `None` before Linux 6.12,
+/// where fair threads read 0 and no slice can be set.
+pub fn base_slice_ns() -> io::Result<Option<u64>> {
+    std::thread::spawn(|| {
+        let mut a = get_attr(0)?;
+        a.sched_policy = libc::SCHED_OTHER as u32;
+        a.sched_priority = 0;
+        a.sched_runtime = 0;
+        // Keeps the thread's nice: raising it back would need a privilege.
+        a.sched_flags = 0;
+        set_attr(0, &a)?;
+        let slice = get_attr(0)?.sched_runtime;
+        Ok((slice > 0).then_some(slice))
+    })
+    .join()
+    .map_err(|_| io::Error::other("the thread asking the base slice panicked"))?
+}
+
+/// Thread `tid`'s slice when it is a fair-class thread (`None` for real-time and idle ones).
+pub fn fair_slice(tid: u32) -> io::Result<Option<u64>> {
+    let a = get_attr(tid)?;
+    Ok(is_fair(a.sched_policy).then_some(a.sched_runtime))
+}
+
+/// Gives fair thread `tid` a custom slice of `ns` (0: none, the kernel's base slice back),
+/// keeping its policy, nice and reset-on-fork flag. The kernel clamps it to 0.1–100 ms.
+pub fn set_fair_slice(tid: u32, ns: u64) -> io::Result<()> {
+    let mut a = get_attr(tid)?;
+    if !is_fair(a.sched_policy) {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    a.sched_runtime = ns;
+    a.sched_flags &= libc::SCHED_FLAG_RESET_ON_FORK as u64;
+    set_attr(tid, &a)
+}
+
 /// Pins the calling thread to `cpu`.
 pub fn pin_self(cpu: usize) -> io::Result<()> {
     let mut set = nix::sched::CpuSet::new();
@@ -88,6 +132,28 @@ mod tests {
             // Lowering a thread to SCHED_IDLE needs no privilege.
             set_self_policy(libc::SCHED_IDLE, 0).unwrap();
             assert_eq!(get_attr(0).unwrap().sched_policy, libc::SCHED_IDLE as u32);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_custom_slice_reads_back_and_zero_gives_the_base_one_back() {
+        std::thread::spawn(|| {
+            let base = base_slice_ns().unwrap().expect("Linux >= 6.12");
+            let mut a = get_attr(0).unwrap();
+            assert_eq!(
+                a.sched_runtime, base,
+                "an untouched thread has the base slice"
+            );
+            a.sched_runtime = 100_000;
+            set_attr(0, &a).unwrap();
+            assert_eq!(get_attr(0).unwrap().sched_runtime, 100_000);
+            // A child inherits it, the base is still what a thread without one reads.
+            assert_eq!(base_slice_ns().unwrap(), Some(base));
+            a.sched_runtime = 0;
+            set_attr(0, &a).unwrap();
+            assert_eq!(get_attr(0).unwrap().sched_runtime, base);
         })
         .join()
         .unwrap();

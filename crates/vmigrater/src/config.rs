@@ -250,6 +250,11 @@ pub struct MigrationSection {
     /// vCPU with less to run). Off by default: on the hard-IRQ testbed tasks let go read
     /// slower than tasks left kept (benches/RESULTS.md, the let-go ablation).
     pub let_go_waiting: bool,
+    /// The scheduler slice of a task kept with its completions (fair tasks whose own is
+    /// longer; Linux 6.12+): a short one lets it run first when it wakes beside a CPU-bound
+    /// task on that vCPU. Its own slice is journaled and given back when it is no longer
+    /// kept. 0: leave slices alone.
+    pub kept_slice_us: u64,
 }
 
 impl Default for MigrationSection {
@@ -262,6 +267,7 @@ impl Default for MigrationSection {
             guard_epoch_ms: 1_000,
             follow_completions: true,
             let_go_waiting: false,
+            kept_slice_us: 100,
         }
     }
 }
@@ -427,6 +433,13 @@ impl Config {
             64.0,
         )?;
         in_range("migration.guard_epoch_ms", mg.guard_epoch_ms, 100, 60_000)?;
+        if mg.kept_slice_us != 0 {
+            // The kernel's bounds for a custom slice: outside it clamps, and we would not
+            // recognise our own value when giving it back.
+            in_range("migration.kept_slice_us", mg.kept_slice_us, 100, 100_000).map_err(|e| {
+                Invalid::new(&e.key, format!("{}, or 0 to leave slices alone", e.message))
+            })?;
+        }
         in_range("channel.period_ms", self.channel.period_ms, 10, 60_000)?;
         for (i, rule) in self.priorities.iter().enumerate() {
             if rule.comm.is_none() && rule.pid.is_none() && rule.cgroup.is_none() {
@@ -629,6 +642,14 @@ mod tests {
                 "60000",
                 &["99", "60001"],
             ),
+            (
+                "migration",
+                "",
+                "kept_slice_us",
+                "100",
+                "100000",
+                &["99", "100001"],
+            ),
             ("channel", "", "period_ms", "10", "60000", &["9", "60001"]),
             (
                 "priority",
@@ -661,6 +682,13 @@ mod tests {
                 assert!(e.contains(&format!("{table}.{key}")), "{e}");
             }
         }
+    }
+
+    #[test]
+    fn kept_slice_zero_leaves_slices_alone() {
+        let c = Config::parse("[migration]\nkept_slice_us = 0\n", "c").unwrap();
+        assert_eq!(c.migration.kept_slice_us, 0);
+        assert_eq!(Config::default().migration.kept_slice_us, 100);
     }
 
     #[test]

@@ -63,6 +63,15 @@ impl TaskPlacement for LivePlacement<'_> {
         let mut placement = lock_placement(&self.shared.placement);
         anchor_on_held(self.shared, &mut placement, tasks, on, reason)
     }
+    fn keep_short_slices(&mut self, kept: &[u32]) {
+        let ns = self.cfg.migration.kept_slice_us * 1_000;
+        // Set to 0 by a reload: every slice given goes back.
+        let kept = if ns == 0 { &[][..] } else { kept };
+        let mut placement = lock_placement(&self.shared.placement);
+        if let Some(ex) = placement.executor.as_mut() {
+            ex.set_short_slices(kept, ns);
+        }
+    }
     fn release(&mut self, tid: u32) -> Option<Outcome> {
         let mut placement = lock_placement(&self.shared.placement);
         placement.simulated.remove(&tid);
@@ -129,6 +138,9 @@ impl TaskPlacement for Live<'_, '_> {
     }
     fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
         self.placement.anchor(tasks, on, reason)
+    }
+    fn keep_short_slices(&mut self, kept: &[u32]) {
+        self.placement.keep_short_slices(kept)
     }
     fn release(&mut self, tid: u32) -> Option<Outcome> {
         self.placement.release(tid)

@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 use vmigrater_testbed::workload::{self, IoSpec, ReadPattern};
 
-const USAGE: &str = "usage: vmigrater-workload --file F [--pattern P] [--readers N] [--seq-readers N] [--hogs N] [--pin-hogs] [--pin CPU] [--request-work-us US] [--warmup-ms MS] [--duration-ms MS]
+const USAGE: &str = "usage: vmigrater-workload --file F [--pattern P] [--readers N] [--seq-readers N] [--hogs N] [--pin-hogs] [--pin CPU] [--slice-us US] [--request-work-us US] [--warmup-ms MS] [--duration-ms MS]
   Runs N O_DIRECT I/O threads on F (plus --seq-readers 1 MiB sequential ones) and N CPU hogs
   for MS milliseconds (default: until killed), then prints {\"elapsed_s\", \"readers\": [{\"tid\",
   \"pattern\", \"reads\", \"writes\", \"ops\", \"bytes\", \"p50_us\", \"p99_us\", \"cpu_s\", \"migrations\",
@@ -17,7 +17,8 @@ const USAGE: &str = "usage: vmigrater-workload --file F [--pattern P] [--readers
   Patterns: random4k (default), seq128k, seq1m, randrw70 (70/30 random 4 KiB reads/writes;
   F must be a regular file), request (a random 4 KiB read then --request-work-us of CPU work,
   default 200; latencies are whole requests'). N I/O threads of random4k keep N requests in
-  flight: QD N by threads. --pin CPU pins the I/O threads to CPU. The first --warmup-ms of
+  flight: QD N by threads. --pin CPU pins the I/O threads to CPU. --slice-us gives them a scheduler slice of their own
+  (sched_runtime, Linux 6.12+: what the daemon gives a task it keeps with its completions). The first --warmup-ms of
   --duration-ms are a warm-up: only what follows is reported (counts, latencies, CPU, elapsed_s).";
 
 fn main() {
@@ -33,6 +34,7 @@ fn run() -> anyhow::Result<()> {
         (ReadPattern::Random4k, 1usize, 0usize, false, None);
     let (mut seq_readers, mut pin, mut work_us, mut warmup) =
         (0usize, None, 200u64, Duration::ZERO);
+    let mut slice_us: Option<u64> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = |name: &str| {
@@ -47,6 +49,7 @@ fn run() -> anyhow::Result<()> {
             "--hogs" => hogs = val("--hogs")?.parse()?,
             "--pin-hogs" => pin_hogs = true,
             "--pin" => pin = Some(val("--pin")?.parse::<usize>()?),
+            "--slice-us" => slice_us = Some(val("--slice-us")?.parse()?),
             "--request-work-us" => work_us = val("--request-work-us")?.parse()?,
             "--warmup-ms" => warmup = Duration::from_millis(val("--warmup-ms")?.parse()?),
             "--duration-ms" => {
@@ -86,6 +89,12 @@ fn run() -> anyhow::Result<()> {
             Ok((p, workload::spawn_io(&file, spec)?))
         })
         .collect::<anyhow::Result<Vec<_>>>()?;
+    if let Some(us) = slice_us {
+        for (_, w) in &reader_workers {
+            os_layer::sched::set_fair_slice(w.tid, us * 1_000)
+                .map_err(|e| anyhow::anyhow!("--slice-us {us}: sched_setattr: {e}"))?;
+        }
+    }
     if !warmup.is_zero() {
         std::thread::sleep(warmup);
     }

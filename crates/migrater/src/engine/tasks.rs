@@ -68,6 +68,8 @@ impl Engine {
             Vec::new()
         };
         let homed = self.keep_with_completions(now, &found, &next, act);
+        let kept: Vec<u32> = homed.iter().map(|h| h.tid).collect();
+        act.keep_short_slices(&kept);
         let mut anchored_now: Vec<Anchored> = if host_holds {
             let on_held = act.anchor(&self.snap.found, held, Reason::Held);
             eligible

@@ -32,6 +32,8 @@ struct Fake {
     anchors: Vec<(u32, usize, Reason)>,
     /// What `entering` says.
     entering: bool,
+    /// The tasks the last step wanted on a short slice.
+    short_slices: Vec<u32>,
 }
 
 impl Fake {
@@ -100,6 +102,9 @@ impl TaskPlacement for Fake {
             self.anchors.push((t.tid, on[0], reason));
         }
         tasks.iter().map(|t| t.tid).collect()
+    }
+    fn keep_short_slices(&mut self, kept: &[u32]) {
+        self.short_slices = kept.to_vec();
     }
     fn release(&mut self, tid: u32) -> Option<Outcome> {
         self.released.push(tid);
@@ -579,6 +584,11 @@ fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_t
         }],
         "status shows it"
     );
+    assert_eq!(
+        f.short_slices,
+        [10],
+        "only the kept task gets a short slice"
+    );
     // Pinned there it submits and completes on vCPU 1: it stays, nothing is re-managed.
     let managed_before = f.anchors.len();
     f.window = vec![io_task_completing_on(10, 1, 0.0), io_task(11)];
@@ -590,6 +600,7 @@ fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_t
     f.window = vec![io_task(11)];
     vm.run(&mut e, &mut f, KEEP_GRACE.as_secs() + 1, |_| 0);
     assert_eq!(f.released, [10]);
+    assert!(f.short_slices.is_empty(), "no task is kept any more");
 }
 
 #[test]
@@ -652,6 +663,7 @@ fn a_kept_task_that_waits_for_its_vcpu_is_let_go_for_a_while_then_kept_again() {
     (vm.run_per_s, vm.wait_per_s) = (3 * S / 100, 9 * S / 10);
     vm.run(&mut e, &mut f, 1, |_| 0);
     assert_eq!(f.released, [10], "its own mask back");
+    assert!(f.short_slices.is_empty(), "and its own slice");
     assert!(e.snapshot().kept_with_completions.is_empty());
     assert!(f.published_tids().is_empty(), "not the planner's either");
     assert_eq!(e.snapshot().let_go_waiting, 1);

@@ -1,9 +1,14 @@
 //! The I/O-bound classifier: pure, fed cumulative per-thread counters at each window and
 //! returning the threads that are I/O-bound now, with an I/O load level. A thread enters
 //! after `enter_windows` consecutive windows with at least `enter_fraction` of the time
-//! spent with block I/O in flight (and a minimum number of requests, so one slow flush is
-//! not "I/O-bound"); it leaves only after `exit_windows` consecutive windows below
-//! `exit_fraction` — the hysteresis that keeps a bursty reader from flapping. A window
+//! spent with block I/O in flight, or at least `enter_iops` requests a second (and a
+//! minimum number of requests, so one slow flush is not "I/O-bound"); it leaves only after
+//! `exit_windows` consecutive windows below `exit_fraction` and `exit_iops` — the
+//! hysteresis that keeps a bursty reader from flapping. The rate counts because a task
+//! that computes a little between frequent synchronous requests (a request/response
+//! server: a 4 KiB read, then 200 µs of work) has I/O in flight only a tenth of the time
+//! while its completions come promptly, yet every one of its requests waits for the vCPU
+//! that takes its completion interrupt: the task such deschedules stall most. A window
 //! with more than `max_cpu_fraction` on a CPU (less the time its vCPU was seen taken away,
 //! which a kernel may charge to it) is CPU-bound and counts as below.
 //! A window with some I/O but fewer requests than the minimum stretches up to
@@ -26,6 +31,11 @@ pub struct ClassifierConfig {
     pub max_window_ns: u64,
     pub enter_fraction: f64,
     pub exit_fraction: f64,
+    /// Requests a second that make a window count toward entering whatever its time in
+    /// flight (0: only the fraction counts).
+    pub enter_iops: f64,
+    /// A window at this rate or above keeps an I/O-bound thread in.
+    pub exit_iops: f64,
     pub enter_windows: u32,
     pub exit_windows: u32,
     /// Requests a window must complete or start to count toward entering.
@@ -48,6 +58,8 @@ impl Default for ClassifierConfig {
             max_window_ns: 50_000_000,
             enter_fraction: 0.25,
             exit_fraction: 0.10,
+            enter_iops: 1_000.0,
+            exit_iops: 250.0,
             enter_windows: 2,
             exit_windows: 20,
             min_ios_per_window: 2,
@@ -296,12 +308,16 @@ impl IoClassifier {
                 out_us = out / 1000,
                 "window"
             );
-            if io_fraction >= cfg.enter_fraction && ios >= cfg.min_ios_per_window && cpu_ok {
+            let iops = ios as f64 * 1e9 / dt as f64;
+            let rate_in = |limit: f64| limit > 0.0 && iops >= limit;
+            let enters = io_fraction >= cfg.enter_fraction || rate_in(cfg.enter_iops);
+            if enters && ios >= cfg.min_ios_per_window && cpu_ok {
                 st.above += 1;
             } else {
                 st.above = 0;
             }
-            if io_fraction < cfg.exit_fraction || !cpu_ok {
+            let stays = io_fraction >= cfg.exit_fraction || rate_in(cfg.exit_iops);
+            if !stays || !cpu_ok {
                 st.below += 1;
                 st.below_on_cpu += u32::from(io_fraction >= cfg.exit_fraction);
             } else {
@@ -531,6 +547,50 @@ mod tests {
     }
 
     #[test]
+    fn a_request_task_enters_by_its_rate_and_leaves_when_it_stops() {
+        // A 4 KiB read then 200 µs of work, in turn with a CPU hog: 10% of the time in
+        // flight, 45% on a CPU, 2,000 requests a second.
+        let request = |s: &mut Synth| s.step(0.10, 10, 0.45);
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut r = Synth::new(5);
+        let out = run(&mut c, 60, |w| {
+            vec![if w < 25 {
+                request(&mut r)
+            } else {
+                r.step(0.0, 0, 0.0)
+            }]
+        });
+        assert!(out[1].is_empty());
+        assert_eq!(
+            out[2].len(),
+            1,
+            "entered by its rate within the enter windows"
+        );
+        assert!(out[2..25].iter().all(|o| o.len() == 1), "flapped");
+        // Idle from window 25: out after exactly exit_windows idle windows (25..=44).
+        assert_eq!(out[43].len(), 1, "left before exit_windows");
+        assert!(out[44].is_empty(), "{:?}", out[44]);
+        // The rate criterion off: by time in flight alone it never enters.
+        let mut c = IoClassifier::new(ClassifierConfig {
+            enter_iops: 0.0,
+            exit_iops: 0.0,
+            ..ClassifierConfig::default()
+        });
+        let mut r = Synth::new(5);
+        let out = run(&mut c, 40, |_| vec![request(&mut r)]);
+        assert!(out.iter().all(|o| o.is_empty()), "{out:?}");
+    }
+
+    #[test]
+    fn a_computing_task_with_a_few_requests_a_second_does_not_enter() {
+        // 400 requests a second (two per window), 10% in flight, 60% on a CPU: below both.
+        let mut c = IoClassifier::new(ClassifierConfig::default());
+        let mut r = Synth::new(6);
+        let out = run(&mut c, 40, |_| vec![r.step(0.10, 2, 0.6)]);
+        assert!(out.iter().all(|o| o.is_empty()), "{out:?}");
+    }
+
+    #[test]
     fn one_slow_request_does_not_enter() {
         let mut c = IoClassifier::new(ClassifierConfig::default());
         let mut flush = Synth::new(9);
@@ -653,7 +713,8 @@ mod tests {
         let mut c = IoClassifier::new(cfg);
         let mut r = Synth::new(6);
         // Just above, just below, alternating: never two windows above in a row. Then
-        // three clear windows, then hovering between exit and enter: stays in.
+        // three clear windows, then hovering between exit and enter: stays in. Two
+        // requests a window (400 a second): the rate criterion is not what is tested.
         let out = run(&mut c, 60, |w| {
             let f = match w {
                 0..30 if w % 2 == 0 => enter + 0.01,
@@ -661,7 +722,7 @@ mod tests {
                 30..33 => 0.9,
                 _ => (enter + exit) / 2.0,
             };
-            vec![r.step(f, 10, 0.1)]
+            vec![r.step(f, 2, 0.1)]
         });
         assert!(
             out[..31].iter().all(|o| o.is_empty()),

@@ -437,6 +437,20 @@ fn a_kept_task_gets_a_short_slice_journaled_first_and_its_own_back() {
     );
     // Asked again: nothing to do.
     assert_eq!(ex.set_short_slices(&[w.tid], 100_000), (0, 0));
+    // A reload asks for another slice: the new one, still journaled as its own the base.
+    assert_eq!(ex.set_short_slices(&[w.tid], 300_000), (1, 0));
+    assert_eq!(slice_of(w.tid), 300_000);
+    assert_eq!(
+        AffinityJournal::open(&path)
+            .unwrap()
+            .get(w.tid)
+            .unwrap()
+            .slice,
+        Some(SliceChange {
+            original_ns: None,
+            set_ns: 300_000
+        })
+    );
     // No longer kept, still managed: its slice back, the kernel's default again.
     assert_eq!(ex.set_short_slices(&[], 100_000), (0, 1));
     assert_eq!(slice_of(w.tid), base);

@@ -424,7 +424,8 @@ impl AffinityExecutor {
     }
 
     /// Gives a managed fair task a slice of `ns`, journaled first. `Unchanged` when it has
-    /// one of ours already or its own is as short; `Rejected` for real-time and idle tasks.
+    /// that one of ours already or its own is as short; one of ours of another length (a
+    /// reload) is given back first. `Rejected` for real-time and idle tasks.
     pub fn shorten_slice(&mut self, tid: u32, ns: u64) -> Outcome {
         let base = self.base_slice();
         let Some(m) = self.tasks.get_mut(&tid) else {
@@ -433,8 +434,13 @@ impl AffinityExecutor {
         if m.external {
             return Outcome::External;
         }
-        if m.slice.is_some() {
-            return Outcome::Unchanged;
+        if let Some(set) = m.slice.map(|c| c.set_ns) {
+            if set == ns {
+                return Outcome::Unchanged;
+            }
+            // A reload changed the slice to give: ours back first, then the new one.
+            self.restore_slice(tid);
+            return self.shorten_slice(tid, ns);
         }
         let start = Instant::now();
         let current = match os_layer::sched::fair_slice(tid) {

@@ -496,6 +496,10 @@ fn slices_of_their_own_and_slices_someone_else_changed_are_respected() {
     assert!(!ex.has_short_slice(shorter.tid));
     // An administrator sets a slice of theirs after us: never overridden.
     os_layer::sched::set_fair_slice(changed.tid, 500_000).unwrap();
+    // A reload asks for another slice: ours is replaced, theirs stays theirs.
+    assert_eq!(ex.set_short_slices(&all, 300_000), (1, 0));
+    assert_eq!(slice_of(own.tid), 300_000);
+    assert_eq!(slice_of(changed.tid), 500_000);
     assert_eq!(ex.release_all(), 0, "no mask was changed");
     assert_eq!(
         slice_of(own.tid),

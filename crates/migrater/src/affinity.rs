@@ -438,9 +438,12 @@ impl AffinityExecutor {
             if set == ns {
                 return Outcome::Unchanged;
             }
-            // A reload changed the slice to give: ours back first, then the new one.
-            self.restore_slice(tid);
-            return self.shorten_slice(tid, ns);
+            // A reload changed the slice to give: ours back first, then the new one (not
+            // over a slice someone else set meanwhile).
+            return match self.restore_slice(tid) {
+                Outcome::Moved { .. } => self.shorten_slice(tid, ns),
+                other => other,
+            };
         }
         let start = Instant::now();
         let current = match os_layer::sched::fair_slice(tid) {

@@ -397,6 +397,15 @@ fn slice_of(tid: u32) -> u64 {
         .expect("a fair thread")
 }
 
+/// The slice change the journal on disk holds for a task it has.
+fn journaled_slice(path: &Path, tid: u32) -> Option<SliceChange> {
+    AffinityJournal::open(path)
+        .unwrap()
+        .get(tid)
+        .expect("journaled")
+        .slice
+}
+
 /// The slice of a thread that never had one of its own (Linux >= 6.12).
 fn base_slice() -> u64 {
     os_layer::sched::base_slice_ns()
@@ -422,11 +431,7 @@ fn a_kept_task_gets_a_short_slice_journaled_first_and_its_own_back() {
     assert_eq!(ex.set_short_slices(&[w.tid], 100_000), (1, 0));
     assert_eq!(slice_of(w.tid), 100_000);
     assert!(ex.has_short_slice(w.tid));
-    let journaled = AffinityJournal::open(&path)
-        .unwrap()
-        .get(w.tid)
-        .unwrap()
-        .slice;
+    let journaled = journaled_slice(&path, w.tid);
     assert_eq!(
         journaled,
         Some(SliceChange {
@@ -441,11 +446,7 @@ fn a_kept_task_gets_a_short_slice_journaled_first_and_its_own_back() {
     assert_eq!(ex.set_short_slices(&[w.tid], 300_000), (1, 0));
     assert_eq!(slice_of(w.tid), 300_000);
     assert_eq!(
-        AffinityJournal::open(&path)
-            .unwrap()
-            .get(w.tid)
-            .unwrap()
-            .slice,
+        journaled_slice(&path, w.tid),
         Some(SliceChange {
             original_ns: None,
             set_ns: 300_000
@@ -455,14 +456,7 @@ fn a_kept_task_gets_a_short_slice_journaled_first_and_its_own_back() {
     assert_eq!(ex.set_short_slices(&[], 100_000), (0, 1));
     assert_eq!(slice_of(w.tid), base);
     assert!(ex.is_managed(w.tid) && !ex.has_short_slice(w.tid));
-    assert_eq!(
-        AffinityJournal::open(&path)
-            .unwrap()
-            .get(w.tid)
-            .unwrap()
-            .slice,
-        None
-    );
+    assert_eq!(journaled_slice(&path, w.tid), None);
     // Kept again, then released: mask and slice back.
     ex.set_short_slices(&[w.tid], 100_000);
     assert!(matches!(ex.release(w.tid), Outcome::Unchanged));

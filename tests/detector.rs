@@ -701,6 +701,62 @@ fn found_side_by_side(
     found
 }
 
+/// A request/response task (one read, then 200 µs of CPU work; pinned to `pin` if given)
+/// beside a CPU hog on each of the two vCPUs, both taken away by hard-IRQ deschedules on
+/// `schedule` for `secs`.
+struct RequestUnderSteal {
+    plan: irq_steal::Plan,
+    steal: irq_steal::IrqSteal,
+    hogs: Vec<workload::Worker>,
+    task: workload::Worker,
+}
+
+impl RequestUnderSteal {
+    fn start(file: &Path, schedule: &str, secs: u64, pin: Option<usize>) -> Self {
+        let plan = schedule
+            .parse::<irq_steal::Schedule>()
+            .expect("schedule")
+            .plan(&[0, 1], Duration::from_secs(secs))
+            .expect("plan");
+        let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
+        let hogs = (0..2)
+            .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
+            .collect();
+        let spec = workload::IoSpec {
+            pin,
+            request_work: workload::work_units_for(Duration::from_micros(200)),
+            ..workload::IoSpec::new(workload::ReadPattern::Request)
+        };
+        let task = workload::spawn_io(file, spec).expect("request task");
+        std::thread::sleep(Duration::from_millis(300));
+        RequestUnderSteal {
+            plan,
+            steal,
+            hogs,
+            task,
+        }
+    }
+
+    /// Each vCPU's planned time out so far: a window where the task's vCPU was out is not
+    /// held against it as CPU time, and this stands in for what the daemon's monitor
+    /// measures.
+    fn out_ns(&self) -> Vec<(usize, u64)> {
+        let t = os_layer::time::monotonic_ns().saturating_sub(self.steal.start_ns());
+        (0..2)
+            .map(|c| (c, self.plan.out_between(c, 0, t)))
+            .collect()
+    }
+
+    /// Stops everything; returns the task's requests and the steal report.
+    fn stop(self) -> (u64, irq_steal::StealReport) {
+        let done = self.task.stop().expect("request task");
+        for h in self.hogs {
+            h.stop().expect("hog");
+        }
+        (done, self.steal.stop().expect("stop irq-steal"))
+    }
+}
+
 /// A request/response task (one read, then ~200 µs of CPU work) that submits on one vCPU
 /// while its reads complete on another, both taken away half of the time by hard-IRQ
 /// deschedules in anti-phase: each read waits for the other vCPU's window, so the task
@@ -731,32 +787,9 @@ fn a_request_task_waiting_for_a_descheduled_completion_vcpu_is_found() {
         });
     const ROUNDS: usize = 5;
     let per_round = Duration::from_secs(2);
-    let plan = "anti:20000:10000"
-        .parse::<irq_steal::Schedule>()
-        .expect("schedule")
-        .plan(&[0, 1], Duration::from_secs(40))
-        .expect("plan");
-    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
     let began = Instant::now();
-    // A window where the reader's vCPU was out is not held against it as CPU time: the
-    // planned out-time so far stands in for what the daemon's monitor measures.
-    let start = steal.start_ns();
-    let out_ns = || {
-        let t = os_layer::time::monotonic_ns().saturating_sub(start);
-        (0..2)
-            .map(|c| (c, plan.out_between(c, 0, t)))
-            .collect::<Vec<_>>()
-    };
-    let hogs: Vec<_> = (0..2)
-        .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
-        .collect();
-    let spec = workload::IoSpec {
-        pin: Some(submit),
-        request_work: workload::work_units_for(Duration::from_micros(200)),
-        ..workload::IoSpec::new(workload::ReadPattern::Request)
-    };
-    let task = workload::spawn_io(&file, spec).expect("request task");
-    std::thread::sleep(Duration::from_millis(300));
+    let bed = RequestUnderSteal::start(&file, "anti:20000:10000", 40, Some(submit));
+    let task = &bed.task;
     let stretched = ClassifierConfig::default();
     let fixed = ClassifierConfig {
         max_window_ns: stretched.window_ns,
@@ -769,7 +802,7 @@ fn a_request_task_waiting_for_a_descheduled_completion_vcpu_is_found() {
             &[stretched.clone(), fixed.clone()],
             task.tid,
             per_round,
-            out_ns,
+            || bed.out_ns(),
         );
         eprintln!(
             "round {i} ({at:.1?} into the schedule): {} requests",
@@ -777,11 +810,7 @@ fn a_request_task_waiting_for_a_descheduled_completion_vcpu_is_found() {
         );
         rounds.push(found);
     }
-    let done = task.stop().expect("request task");
-    for h in hogs {
-        h.stop().expect("hog");
-    }
-    let report = steal.stop().expect("stop irq-steal");
+    let (done, report) = bed.stop();
     let when = |f: &Option<(Duration, task_detector::IoTask)>| {
         f.as_ref()
             .map_or("never".to_string(), |(d, _)| format!("{d:?}"))
@@ -846,28 +875,7 @@ fn a_request_task_is_found_by_its_rate_under_xen_like_deschedules() {
     let file = data_file();
     const ROUNDS: usize = 8;
     let per_round = Duration::from_secs(2);
-    let plan = "random:30000:30000:exp:3"
-        .parse::<irq_steal::Schedule>()
-        .expect("schedule")
-        .plan(&[0, 1], Duration::from_secs(30))
-        .expect("plan");
-    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
-    let start = steal.start_ns();
-    let out_ns = || {
-        let t = os_layer::time::monotonic_ns().saturating_sub(start);
-        (0..2)
-            .map(|c| (c, plan.out_between(c, 0, t)))
-            .collect::<Vec<_>>()
-    };
-    let hogs: Vec<_> = (0..2)
-        .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
-        .collect();
-    let spec = workload::IoSpec {
-        request_work: workload::work_units_for(Duration::from_micros(200)),
-        ..workload::IoSpec::new(workload::ReadPattern::Request)
-    };
-    let task = workload::spawn_io(&file, spec).expect("request task");
-    std::thread::sleep(Duration::from_millis(300));
+    let bed = RequestUnderSteal::start(&file, "random:30000:30000:exp:3", 30, None);
     let by_rate = ClassifierConfig::default();
     let by_time = ClassifierConfig {
         enter_iops: 0.0,
@@ -878,17 +886,13 @@ fn a_request_task_is_found_by_its_rate_under_xen_like_deschedules() {
         .map(|_| {
             found_side_by_side(
                 &[by_rate.clone(), by_time.clone()],
-                task.tid,
+                bed.task.tid,
                 per_round,
-                out_ns,
+                || bed.out_ns(),
             )
         })
         .collect();
-    let done = task.stop().expect("request task");
-    for h in hogs {
-        h.stop().expect("hog");
-    }
-    let report = steal.stop().expect("stop irq-steal");
+    let (done, report) = bed.stop();
     let when = |f: &Option<(Duration, task_detector::IoTask)>| {
         f.as_ref().map_or("never".to_string(), |(d, t)| {
             format!(

@@ -117,29 +117,25 @@ impl AffinityJournal {
     /// Notes the mask we are about to set (or have set) for `tid`; a no-op for unknown
     /// tids or an unchanged mask.
     pub fn update_last_set(&mut self, tid: u32, mask: &[usize]) -> Result<()> {
-        let Some(e) = self.ledger.get(tid) else {
-            return Ok(());
-        };
-        if e.last_set.as_deref() == Some(mask) {
-            return Ok(());
-        }
-        let changed = JournalEntry {
-            last_set: Some(mask.to_vec()),
-            ..e.clone()
-        };
-        self.ledger.insert(changed).map(drop)
+        self.edit(tid, |e| e.last_set = Some(mask.to_vec()))
     }
 
     /// Notes the slice we are about to give `tid` (`None`: its own is back); a no-op for
     /// unknown tids or no change.
     pub fn update_slice(&mut self, tid: u32, slice: Option<SliceChange>) -> Result<()> {
+        self.edit(tid, |e| e.slice = slice)
+    }
+
+    /// Rewrites `tid`'s entry as `change` leaves it; no write for unknown tids or no change.
+    fn edit(&mut self, tid: u32, change: impl FnOnce(&mut JournalEntry)) -> Result<()> {
         let Some(e) = self.ledger.get(tid) else {
             return Ok(());
         };
-        if e.slice == slice {
+        let mut changed = e.clone();
+        change(&mut changed);
+        if &changed == e {
             return Ok(());
         }
-        let changed = JournalEntry { slice, ..e.clone() };
         self.ledger.insert(changed).map(drop)
     }
 

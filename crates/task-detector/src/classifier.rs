@@ -267,6 +267,7 @@ impl IoClassifier {
                 continue;
             }
             let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
+            let iops = ios as f64 * 1e9 / dt as f64;
             let on_cpu = t.cpu_ns.saturating_sub(st.base_cpu);
             let cpu_fraction = (on_cpu.saturating_sub(out) as f64 / dt as f64).min(1.0);
             let done = t.completions.total.saturating_sub(st.base_done.total);
@@ -274,7 +275,7 @@ impl IoClassifier {
             st.last = IoTaskFields {
                 io_fraction,
                 cpu_fraction,
-                iops: ios as f64 * 1e9 / dt as f64,
+                iops,
                 last_cpu: t.last_cpu,
                 completion: CompletionSite {
                     cpu: t.completions.last_cpu,
@@ -308,7 +309,6 @@ impl IoClassifier {
                 out_us = out / 1000,
                 "window"
             );
-            let iops = ios as f64 * 1e9 / dt as f64;
             let rate_in = |limit: f64| limit > 0.0 && iops >= limit;
             let enters = io_fraction >= cfg.enter_fraction || rate_in(cfg.enter_iops);
             if enters && ios >= cfg.min_ios_per_window && cpu_ok {

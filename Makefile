@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -64,6 +64,19 @@ bench: bench-micro bench-contention
 bench-steal: build
 	$(CARGO) bench -p vmigrater-testbed --bench steal -- $(STEAL_ARGS)
 	cp target/bench/steal.json target/bench/steal.png benches/results/
+
+# Real applications under the hard-IRQ deschedules (root; PostgreSQL + pgbench, nginx + wrk,
+# a tar backup, started cold and measured from their first request; ~2 h with the
+# defaults: 6 schedules x 4 apps x 4 modes x 8 reps x 60 s). JSON + chart in target/bench/,
+# copied to benches/results/. Shorter: make bench-apps APPS_ARGS="--reps 2 --secs 30
+# --only anti,none --apps pg_select_c1". The data (a pgbench database of scale 100, a tree of
+# 100,000 files) is built once under /var/tmp/vmigrater-apps (VMIGRATER_APPS_DIR).
+apps-setup: setup
+	@scripts/apps-setup.sh
+
+bench-apps: apps-setup build
+	$(CARGO) bench -p vmigrater-testbed --bench apps -- $(APPS_ARGS)
+	cp target/bench/apps*.json target/bench/apps*.png benches/results/
 
 # Both programs for an hour in the lab (root): memory and descriptors sampled, the agent
 # killed and restarted and the virtio port hot-unplugged every 5 minutes. JSON + chart in

@@ -44,17 +44,19 @@
 //! see crates/irq-steal/src/absorber.rs).
 
 use anyhow::{Context, Result};
-use irq_steal::{Accounting, IrqSteal, Plan, Schedule, StealReport};
+use irq_steal::{Accounting, IrqSteal, Schedule, StealReport};
+use os_layer::time::{monotonic_ns, sleep_until};
 use serde_json::{json, Map, Value};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
+use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
-use vmigrater_testbed::{placement, require_root, workload, workspace_bin};
+use vmigrater_testbed::{require_root, workload, workspace_bin};
 
 const MODES: [&str; 9] = [
     "vanilla",
@@ -134,11 +136,6 @@ const FILE_SIZE: u64 = 1 << 30;
 /// A run whose stolen time is further than this from its plan, on any CPU, is rejected.
 const STEAL_TOLERANCE: f64 = 0.05;
 const MAX_RETRIES: usize = 2;
-/// The oracle moves the I/O threads this long before a window change, so the move is done
-/// when the CPU they leave goes out.
-const ORACLE_LEAD: Duration = Duration::from_micros(200);
-const ORACLE_PRIORITY: i32 = 10;
-
 struct Settings {
     reps: usize,
     secs: f64,
@@ -248,34 +245,6 @@ fn parse_args() -> Result<Settings> {
     Ok(s)
 }
 
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime fills the timespec we own.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// Sleeps until CLOCK_MONOTONIC reads `ns` (absolute: no drift from late wake-ups).
-fn sleep_until_ns(ns: u64) {
-    let ts = libc::timespec {
-        tv_sec: (ns / 1_000_000_000) as libc::time_t,
-        tv_nsec: (ns % 1_000_000_000) as libc::c_long,
-    };
-    // SAFETY: the timespec outlives the call; EINTR just ends the sleep early, and every
-    // caller re-reads the clock.
-    unsafe {
-        libc::clock_nanosleep(
-            libc::CLOCK_MONOTONIC,
-            libc::TIMER_ABSTIME,
-            &ts,
-            std::ptr::null_mut(),
-        )
-    };
-}
-
 fn ncpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
@@ -373,98 +342,6 @@ fn io_tids(pid: u32, n: usize, deadline: Instant) -> Result<Vec<u32>> {
     }
 }
 
-fn set_affinity(tid: u32, cpu: usize) -> nix::Result<()> {
-    let mut set = nix::sched::CpuSet::new();
-    set.set(cpu)?;
-    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(tid as i32), &set)
-}
-
-/// What the schedule-aware oracle did in one run.
-#[derive(Default)]
-struct OracleLog {
-    moves: AtomicU64,
-    errors: AtomicU64,
-    late_us_max: AtomicU64,
-    late_over_1ms: AtomicU64,
-}
-
-/// The schedule-aware oracle: moves every I/O thread of `pid` to the CPU that runs after
-/// each window change, `ORACLE_LEAD` before it, until `stop`. Runs as SCHED_FIFO so its
-/// own wake-up is not what makes it late, and sleeps on a CPU that runs until its wake-up.
-/// What the schedule-aware oracle knows in advance: the plan, its t = 0, the CPUs and
-/// where completions land.
-struct OracleView<'a> {
-    plan: &'a Plan,
-    start_ns: u64,
-    cpus: &'a [usize],
-    completion: Option<usize>,
-}
-
-fn sched_oracle(
-    view: &OracleView,
-    pid: u32,
-    threads: usize,
-    stop: &AtomicBool,
-    log: &OracleLog,
-) -> Result<()> {
-    let param = libc::sched_param {
-        sched_priority: ORACLE_PRIORITY,
-    };
-    // SAFETY: plain syscall on the calling thread with a valid parameter.
-    if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
-        eprintln!(
-            "WARNING: sched_oracle runs without SCHED_FIFO: {}",
-            std::io::Error::last_os_error()
-        );
-    }
-    let tids = io_tids(pid, threads, Instant::now() + Duration::from_secs(10))?;
-    let place = |cpu: usize| {
-        for &tid in &tids {
-            if set_affinity(tid, cpu).is_err() {
-                log.errors.fetch_add(1, Ordering::Relaxed);
-            }
-        }
-        log.moves.fetch_add(1, Ordering::Relaxed);
-    };
-    let OracleView {
-        plan,
-        start_ns,
-        cpus,
-        completion,
-    } = *view;
-    let now_rel = || monotonic_ns().saturating_sub(start_ns);
-    let target_at = |t: u64| placement::oracle_cpu(cpus, completion, |c| plan.is_out(c, t));
-    let mut current = target_at(now_rel());
-    place(current);
-    let lead = ORACLE_LEAD.as_nanos() as u64;
-    let mut after = now_rel();
-    while !stop.load(Ordering::Relaxed) {
-        let Some(change) = placement::next_change(cpus, |c| plan.next_change(c, after)) else {
-            break;
-        };
-        // Sleep on a CPU that runs from now until the wake-up: between two changes the set
-        // of running CPUs does not change.
-        let _ = set_affinity(0, target_at(after));
-        let wake = start_ns + change.saturating_sub(lead);
-        // Short naps, so a stop request is seen within 50 ms.
-        while monotonic_ns() < wake && !stop.load(Ordering::Relaxed) {
-            sleep_until_ns(wake.min(monotonic_ns() + 50_000_000));
-        }
-        let late = monotonic_ns().saturating_sub(wake) / 1000;
-        log.late_us_max.fetch_max(late, Ordering::Relaxed);
-        if late > 1000 {
-            log.late_over_1ms.fetch_add(1, Ordering::Relaxed);
-        }
-        let next = target_at(change);
-        if next != current {
-            place(next);
-            current = next;
-        }
-        after = change.max(now_rel());
-    }
-    Ok(())
-}
-
 /// One run of one mode, and the steal report that judges it.
 fn run_once(
     sched: &Schedule,
@@ -496,7 +373,7 @@ fn run_once(
         }
         _ => None,
     };
-    sleep_until_ns(start_ns + s.warmup.as_nanos() as u64);
+    sleep_until(start_ns + s.warmup.as_nanos() as u64);
     let status0 = daemon.as_ref().and_then(BenchDaemon::status);
     let dcpu0 = daemon.as_ref().map(|d| proc_cpu_s(d.pid()));
 
@@ -540,7 +417,10 @@ fn run_once(
                 completion,
             };
             let (stop, log) = (&stop, &log);
-            scope.spawn(move || sched_oracle(&view, pid, wl.threads, stop, log))
+            scope.spawn(move || {
+                let tids = io_tids(pid, wl.threads, Instant::now() + Duration::from_secs(10))?;
+                oracle::run(&view, || tids.clone(), stop, log)
+            })
         });
         let out = child.wait_with_output();
         stop.store(true, Ordering::Relaxed);
@@ -587,7 +467,7 @@ fn run_once(
         daemon_json["decisions"] = decisions(&d.stop()?);
     }
     // The plan ends on its own; stopping at its end compares whole plans.
-    sleep_until_ns(start_ns + length.as_nanos() as u64);
+    sleep_until(start_ns + length.as_nanos() as u64);
     let report = steal.stop().context("stopping irq-steal")?;
 
     // Busy CPU that neither the workload, the daemon nor this harness accounts for (the
@@ -617,13 +497,7 @@ fn run_once(
         "pinned_cpu": mode.starts_with("pinned").then_some(completion).flatten(),
         "daemon": daemon_json,
         "foreign_cpu_pct_of_all_cpus": foreign_s / (window_s * cpus.len() as f64) * 100.0,
-        "oracle": (mode == "sched_oracle").then(|| json!({
-            "moves": log.moves.load(Ordering::Relaxed),
-            "setaffinity_errors": log.errors.load(Ordering::Relaxed),
-            "late_wakeup_us_max": log.late_us_max.load(Ordering::Relaxed),
-            "late_wakeups_over_1ms": log.late_over_1ms.load(Ordering::Relaxed),
-            "lead_us": ORACLE_LEAD.as_micros() as u64,
-        })),
+        "oracle": (mode == "sched_oracle").then(|| log.to_json()),
         "steal": &report,
         "steal_worst_error": report.worst_error(),
         "workload": w,
@@ -978,7 +852,7 @@ fn main() -> Result<()> {
             "max_retries": MAX_RETRIES,
             "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
             "daemon_config": "defaults (empty config file; vmigrater_let_go: migration.let_go_waiting = true; vmigrater_no_slice: migration.kept_slice_us = 0), --no-metrics, private --state-dir",
-            "oracle_lead_us": ORACLE_LEAD.as_micros() as u64,
+            "oracle_lead_us": oracle::LEAD.as_micros() as u64,
             "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
         },
         "cells": cells,

@@ -3,9 +3,11 @@
 //! disk completes its requests, and the benchmarks' statistics.
 //! Nothing here may pretend to be the kernel: workloads do real I/O and burn real CPU.
 
+pub mod apps;
 pub mod completion;
 pub mod daemon;
 pub mod host;
+pub mod oracle;
 pub mod placement;
 pub mod signals;
 pub mod stats;

@@ -1,0 +1,630 @@
+//! Real applications under hard-IRQ deschedules (`make bench-apps`, root): PostgreSQL with
+//! pgbench, nginx with wrk, a tar backup (tests/support/apps.rs), each started cold (page
+//! cache dropped, server started under the schedule) and measured from its first request,
+//! with a CPU hog pinned on every CPU while `irq-steal` takes CPUs away on a planned
+//! schedule. For every schedule × application, every mode runs once per repetition, in an
+//! order rotated each repetition:
+//!
+//! - `vanilla`: Linux alone;
+//! - `vmigrater`: the release daemon, default configuration, started before the
+//!   application (as a service is) and warmed up under the same schedule;
+//! - `vmigrater_parent`: another build of the daemon (`--parent-bin`), for an A/B;
+//! - `pinned`: the server's processes pinned to the disk's completion CPU from their start;
+//! - `pinned_all`: the server and its client (pgbench, wrk, md5sum) pinned there;
+//! - `sched_oracle`: every task of the application moved, just before each window change,
+//!   to the CPU that will run (the completion CPU while it runs), knowing the plan.
+//!
+//! The best oracle of a cell is the oracle mode with the highest median there; the daemon
+//! is reported against it and against vanilla (ratio of medians and paired ratio, 95%
+//! bootstrap intervals, spreads). Time to help: from the first request to the daemon's
+//! first log line that keeps or manages one of the server's tasks.
+//!
+//! Flags (after `--`): --reps N (8), --secs S (60), --warmup-secs S (4), --only SCHEDULES,
+//! --apps LIST (pg_select_c1,pg_tpcb_c1,nginx_c4,backup; see apps.rs for all), --modes
+//! LIST, --out DIR, --seed N, --parent-bin PATH, --accounting absorbed|interrupted,
+//! --tag NAME (file name apps-NAME.json). Writes apps.json (raw runs, cells, the build's
+//! commit) and apps.png, and prints a table.
+
+use anyhow::{Context, Result};
+use irq_steal::{Accounting, IrqSteal, Plan, Schedule, StealReport};
+use os_layer::time::{monotonic_ns, sleep_until};
+use serde_json::{json, Map, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+use vmigrater_testbed::apps::{self, App, AppRun, Apps, Placement};
+use vmigrater_testbed::completion::CompletionMap;
+use vmigrater_testbed::daemon::BenchDaemon;
+use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
+use vmigrater_testbed::stats::{self, Estimate};
+use vmigrater_testbed::{require_root, workload};
+
+const MODES: [&str; 6] = [
+    "vanilla",
+    "vmigrater",
+    "vmigrater_parent",
+    "pinned",
+    "pinned_all",
+    "sched_oracle",
+];
+const ORACLES: [&str; 3] = ["pinned", "pinned_all", "sched_oracle"];
+const DEFAULT_APPS: [&str; 4] = ["pg_select_c1", "pg_tpcb_c1", "nginx_c4", "backup"];
+/// (name, spec) of the schedules, as in benches/steal.rs; `SEED` is replaced by --seed.
+const SCHEDULES: [(&str, &str); 6] = [
+    ("anti", "anti:20000:10000"),
+    ("rphase", "rphase:20000:10000:SEED"),
+    ("xen", "random:30000:30000:exp:SEED"),
+    ("kvm", "random:3000:3000:exp:SEED"),
+    ("in", "in:20000:10000"),
+    ("none", "none"),
+];
+const STEAL_TOLERANCE: f64 = 0.05;
+/// Time the plan leaves for the server's start and stop around the measured seconds.
+const START_STOP_BUDGET: Duration = Duration::from_secs(40);
+
+struct Settings {
+    reps: usize,
+    secs: f64,
+    warmup: Duration,
+    schedules: Vec<(String, String)>,
+    apps: Vec<App>,
+    modes: Vec<&'static str>,
+    out: PathBuf,
+    tag: Option<String>,
+    parent_bin: Option<PathBuf>,
+    accounting: Accounting,
+}
+
+fn list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn parse_args() -> Result<Settings> {
+    let mut s = Settings {
+        reps: 8,
+        secs: 60.0,
+        // Long enough for the contention gate to open (~2.3 s): the guard's first probe
+        // starts with the first I/O-bound task, as on a machine where the daemon ran
+        // since boot.
+        warmup: Duration::from_secs(4),
+        schedules: Vec::new(),
+        apps: DEFAULT_APPS
+            .iter()
+            .map(|a| App::parse(a))
+            .collect::<Result<_>>()?,
+        modes: MODES
+            .iter()
+            .copied()
+            .filter(|m| *m != "vmigrater_parent")
+            .collect(),
+        out: vmigrater_testbed::bench_dir(),
+        tag: None,
+        parent_bin: None,
+        accounting: Accounting::default(),
+    };
+    let (mut only, mut seed) = (None, 1u64);
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--bench" => {}
+            "--reps" => s.reps = val()?.parse::<usize>()?.max(1),
+            "--secs" => s.secs = val()?.parse::<f64>()?.max(1.0),
+            "--warmup-secs" => s.warmup = Duration::from_secs_f64(val()?.parse()?),
+            "--only" => only = Some(list(&val()?)),
+            "--seed" => seed = val()?.parse()?,
+            "--apps" => {
+                s.apps = list(&val()?)
+                    .iter()
+                    .map(|a| App::parse(a).context("--apps"))
+                    .collect::<Result<_>>()?
+            }
+            "--modes" => {
+                s.modes = list(&val()?)
+                    .iter()
+                    .map(|m| {
+                        MODES.iter().copied().find(|x| x == m).with_context(|| {
+                            format!("--modes: unknown {m:?}; known: {}", MODES.join(","))
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+            "--out" => s.out = val()?.into(),
+            "--tag" => s.tag = Some(val()?),
+            "--parent-bin" => s.parent_bin = Some(val()?.into()),
+            "--accounting" => s.accounting = val()?.parse()?,
+            other => anyhow::bail!(
+                "unknown argument {other:?} (see the top of benches/apps.rs for the flags)"
+            ),
+        }
+    }
+    let defaults: Vec<(String, String)> = SCHEDULES
+        .iter()
+        .map(|(n, spec)| (n.to_string(), spec.replace("SEED", &seed.to_string())))
+        .collect();
+    s.schedules = match only {
+        None => defaults,
+        Some(names) => names
+            .into_iter()
+            .map(|n| match defaults.iter().find(|(d, _)| *d == n) {
+                Some(d) => Ok(d.clone()),
+                None if n.contains(':') => Ok((n.clone(), n)),
+                None => anyhow::bail!(
+                    "--only: unknown schedule {n:?}; known: {} (or a spec such as anti:6000:3000)",
+                    SCHEDULES.map(|s| s.0).join(",")
+                ),
+            })
+            .collect::<Result<_>>()?,
+    };
+    anyhow::ensure!(
+        !s.modes.contains(&"vmigrater_parent") || s.parent_bin.is_some(),
+        "--modes: vmigrater_parent needs --parent-bin PATH"
+    );
+    Ok(s)
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+fn ncpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// On-CPU seconds of every live thread of a process.
+fn proc_cpu_s(pid: u32) -> f64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum::<u64>() as f64
+        / 1e9
+}
+
+/// The steal report judged against the plan up to `until_ns` (the run stops the program
+/// when the application is done, not at the plan's end).
+fn steal_error(report: &StealReport, plan: &Plan, until_ns: u64) -> f64 {
+    report
+        .cpus
+        .iter()
+        .map(|c| {
+            let asked = plan.out_between(c.cpu, 0, until_ns);
+            match asked {
+                0 if c.stolen_ns == 0 => 0.0,
+                0 => f64::INFINITY,
+                a => c.stolen_ns.abs_diff(a) as f64 / a as f64,
+            }
+        })
+        .fold(0.0, f64::max)
+}
+
+/// The build of the daemon under test, as `git describe` names it.
+fn commit() -> String {
+    Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+/// A CPU hog pinned on every CPU (threads of this process, stopped with the application).
+struct Hogs {
+    workers: Vec<workload::Worker>,
+    t0: std::time::Instant,
+}
+
+impl Hogs {
+    fn start() -> Result<Hogs> {
+        Ok(Hogs {
+            workers: (0..ncpus())
+                .map(|c| workload::spawn_hog(Some(c)))
+                .collect::<Result<_>>()?,
+            t0: std::time::Instant::now(),
+        })
+    }
+
+    /// Units of work per second of each hog, by CPU.
+    fn finish(self) -> Result<Vec<f64>> {
+        let el = self.t0.elapsed().as_secs_f64();
+        self.workers
+            .into_iter()
+            .map(|w| Ok(w.stop()? as f64 / el))
+            .collect()
+    }
+}
+
+fn run_once(
+    sched: &Schedule,
+    app: App,
+    mode: &str,
+    apps: &Apps,
+    completion: usize,
+    s: &Settings,
+) -> Result<Value> {
+    let cpus: Vec<usize> = (0..ncpus()).collect();
+    let length = s.warmup + Duration::from_secs_f64(s.secs) + START_STOP_BUDGET;
+    let plan = sched.plan(&cpus, length).context("planning the schedule")?;
+    plan.validate().context("the schedule's plan")?;
+    apps::drop_caches()?;
+    let steal = IrqSteal::start_with(&plan, s.accounting).context("starting irq-steal")?;
+    let start_ns = steal.start_ns();
+    let daemon = match mode {
+        "vmigrater" => Some(BenchDaemon::start("", &[])?),
+        "vmigrater_parent" => Some(BenchDaemon::start_bin(
+            s.parent_bin.as_deref().context("--parent-bin")?,
+            "",
+            &[],
+        )?),
+        _ => None,
+    };
+    sleep_until(start_ns + s.warmup.as_nanos() as u64);
+    let dcpu0 = daemon.as_ref().map(|d| proc_cpu_s(d.pid()));
+    let hogs = Hogs::start()?;
+    let place = match mode {
+        "pinned" => Placement {
+            server_cpu: Some(completion),
+            client_cpu: None,
+        },
+        "pinned_all" => Placement {
+            server_cpu: Some(completion),
+            client_cpu: Some(completion),
+        },
+        _ => Placement::default(),
+    };
+    let stop = AtomicBool::new(false);
+    let log = OracleLog::default();
+    let t0 = monotonic_ns();
+    let run: Result<AppRun> = std::thread::scope(|scope| {
+        let mut oracle_thread = None;
+        let mut on_start = |cg: &apps::MemCgroup| {
+            if mode != "sched_oracle" {
+                return;
+            }
+            let tasks_file = cg.procs_file().with_file_name("tasks");
+            let (stop, log, plan, cpus) = (&stop, &log, &plan, &cpus);
+            oracle_thread = Some(scope.spawn(move || {
+                let view = OracleView {
+                    plan,
+                    start_ns,
+                    cpus,
+                    completion: Some(completion),
+                };
+                let tasks = || {
+                    std::fs::read_to_string(&tasks_file)
+                        .unwrap_or_default()
+                        .lines()
+                        .filter_map(|l| l.trim().parse().ok())
+                        .collect()
+                };
+                oracle::run(&view, tasks, stop, log)
+            }));
+        };
+        let r = apps.run(app, s.secs, &place, &mut on_start);
+        stop.store(true, Ordering::Relaxed);
+        if let Some(o) = oracle_thread {
+            o.join()
+                .map_err(|_| anyhow::anyhow!("sched_oracle thread panicked"))??;
+        }
+        r
+    });
+    let t1 = monotonic_ns();
+    let hog_rates = hogs.finish();
+    let mut daemon_json = Value::Null;
+    if let (Some(d), Some(c0)) = (daemon, dcpu0) {
+        let cpu_s = proc_cpu_s(d.pid()) - c0;
+        let st = d.status().unwrap_or(Value::Null);
+        let log = d.stop()?;
+        let first = run.as_ref().ok().map(|r| r.first_request_unix_s);
+        daemon_json = json!({
+            "cpu_pct_of_one_cpu": cpu_s / ((t1 - t0) as f64 / 1e9) * 100.0,
+            "migrations": st["migrations"],
+            "time_to_help_s": first.and_then(|t| apps::first_kept_after(&log, app.server_comms(), t)),
+            "kept_lines": log.lines().filter(|l| l.contains("kept there")).count(),
+            "released_lines": log.lines().filter(|l| l.contains("no longer I/O-bound") || l.contains("restored")).count(),
+            "guard_holds": log.lines().filter(|l| l.contains("pays=false")).count(),
+            "log_tail": log.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>(),
+        });
+    }
+    let until = monotonic_ns().saturating_sub(start_ns);
+    let report = steal.stop().context("stopping irq-steal")?;
+    let run = run?;
+    let err = steal_error(&report, &plan, until);
+    anyhow::ensure!(
+        until < length.as_nanos() as u64,
+        "the run outlived its plan ({} s): raise START_STOP_BUDGET",
+        length.as_secs()
+    );
+    Ok(json!({
+        "mode": mode,
+        "value": run.value,
+        "metric": app.metric(),
+        "elapsed_s": run.elapsed_s,
+        "per_s": run.per_s,
+        "p50_ms": run.p50_ms,
+        "p99_ms": run.p99_ms,
+        "server_start_s": run.server_start_s,
+        "app": run.extra,
+        "hog_units_per_s_by_cpu": hog_rates.ok(),
+        "daemon": daemon_json,
+        "oracle": (mode == "sched_oracle").then(|| log.to_json()),
+        "steal": report,
+        "steal_error": err,
+        "steal_ok": err <= STEAL_TOLERANCE,
+    }))
+}
+
+fn est(e: Option<Estimate>) -> Value {
+    e.map_or(Value::Null, |e| json!(e))
+}
+
+/// Medians, ratios and spreads of one schedule × application.
+fn summarise(runs: &[Value], modes: &[&str]) -> Value {
+    let good: Vec<&Value> = runs.iter().filter(|r| r["steal_ok"] == true).collect();
+    let vals = |mode: &str, key: &str| -> Vec<f64> {
+        good.iter()
+            .filter(|r| r["mode"] == mode)
+            .map(|r| f(&r[key]))
+            .collect()
+    };
+    let paired = |a: &str, b: &str| -> Option<Estimate> {
+        let by_rep = |m: &str| -> Map<String, Value> {
+            good.iter()
+                .filter(|r| r["mode"] == m)
+                .map(|r| (r["rep"].to_string(), r["value"].clone()))
+                .collect()
+        };
+        let (ma, mb) = (by_rep(a), by_rep(b));
+        let pairs: Vec<(f64, f64)> = ma
+            .iter()
+            .filter_map(|(rep, x)| Some((f(x), f(mb.get(rep)?))))
+            .collect();
+        stats::paired_ratio(&pairs)
+    };
+    let best_oracle = ORACLES
+        .iter()
+        .copied()
+        .filter(|o| modes.contains(o))
+        .max_by(|a, b| {
+            let m = |o| stats::median(&vals(o, "value")).unwrap_or(f64::NEG_INFINITY);
+            m(a).total_cmp(&m(b))
+        });
+    let mut per_mode = Map::new();
+    for &m in modes {
+        let v = vals(m, "value");
+        let mut e = json!({
+            "runs": v,
+            "median": stats::median(&v),
+            "spread_max_over_min": stats::spread(&v),
+            "p99_ms_median": stats::median(&vals(m, "p99_ms")),
+            "p50_ms_median": stats::median(&vals(m, "p50_ms")),
+        });
+        if m != "vanilla" {
+            e["vs_vanilla"] = est(stats::ratio_of_medians(&v, &vals("vanilla", "value")));
+            e["paired_vs_vanilla"] = est(paired(m, "vanilla"));
+        }
+        if let Some(o) = best_oracle.filter(|o| *o != m) {
+            let ov = vals(o, "value");
+            e["vs_best_oracle"] = est(stats::ratio_of_medians(&v, &ov));
+            e["paired_vs_best_oracle"] = est(paired(m, o));
+            if let Some(om) = stats::median(&ov) {
+                e["runs_at_least_0.9_of_best_oracle"] =
+                    json!(stats::fraction_at_least(&v, 0.9 * om));
+                e["runs_at_least_0.7_of_best_oracle"] =
+                    json!(stats::fraction_at_least(&v, 0.7 * om));
+            }
+        }
+        if m.starts_with("vmigrater") {
+            let d = |k: &str| -> Vec<f64> {
+                good.iter()
+                    .filter(|r| r["mode"] == m)
+                    .map(|r| f(&r["daemon"][k]))
+                    .collect()
+            };
+            let tth = d("time_to_help_s");
+            e["time_to_help_s"] = json!(tth);
+            e["time_to_help_s_median"] = json!(stats::median(&tth));
+            e["daemon_cpu_pct_median"] = json!(stats::median(&d("cpu_pct_of_one_cpu")));
+        }
+        if m == "vmigrater" && modes.contains(&"vmigrater_parent") {
+            e["vs_vmigrater_parent"] = est(stats::ratio_of_medians(
+                &v,
+                &vals("vmigrater_parent", "value"),
+            ));
+            e["paired_vs_vmigrater_parent"] = est(paired(m, "vmigrater_parent"));
+        }
+        per_mode.insert(m.to_string(), e);
+    }
+    json!({ "best_oracle": best_oracle, "modes": per_mode })
+}
+
+fn fmt_est(e: &Value) -> String {
+    if e.is_null() {
+        return "-".into();
+    }
+    format!(
+        "{:.2} [{:.2},{:.2}]",
+        f(&e["value"]),
+        f(&e["lo"]),
+        f(&e["hi"])
+    )
+}
+
+fn print_table(cells: &Map<String, Value>, s: &Settings) {
+    println!(
+        "\napplications under hard-IRQ deschedules ({:?} billing): median per mode, ratio of \
+         medians [95% bootstrap], {} reps × {} s from the first request",
+        s.accounting, s.reps, s.secs
+    );
+    let head: String = s.modes.iter().map(|m| format!(" {m:>12}")).collect();
+    println!(
+        "{:<8} {:<13}{head} {:>19} {:>19} {:>13} {:>8} {:>9}",
+        "schedule", "app", "vm/vanilla", "vm/best oracle", "best", "vm≥.7bo", "help s"
+    );
+    for (sname, _) in &s.schedules {
+        for app in &s.apps {
+            let c = &cells[sname][app.name()];
+            let m = &c["modes"];
+            let meds: String = s
+                .modes
+                .iter()
+                .map(|mode| format!(" {:>12.1}", f(&m[*mode]["median"])))
+                .collect();
+            let vm = &m["vmigrater"];
+            println!(
+                "{:<8} {:<13}{meds} {:>19} {:>19} {:>13} {:>8.2} {:>9.2}",
+                sname,
+                app.name(),
+                fmt_est(&vm["vs_vanilla"]),
+                fmt_est(&vm["vs_best_oracle"]),
+                c["best_oracle"].as_str().unwrap_or("-"),
+                f(&vm["runs_at_least_0.7_of_best_oracle"]),
+                f(&vm["time_to_help_s_median"]),
+            );
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    if !require_root("applications benchmark") {
+        return Ok(());
+    }
+    let s = parse_args()?;
+    anyhow::ensure!(
+        ncpus() >= 2,
+        "the applications benchmark needs at least 2 CPUs"
+    );
+    let schedules: Vec<Schedule> = s
+        .schedules
+        .iter()
+        .map(|(n, spec)| {
+            spec.parse()
+                .with_context(|| format!("schedule {n} ({spec})"))
+        })
+        .collect::<Result<_>>()?;
+    std::fs::create_dir_all(&s.out)?;
+    let apps = Apps::new();
+    for &app in &s.apps {
+        apps.prepare(app)
+            .with_context(|| format!("preparing {}", app.name()))?;
+    }
+    // The disk the applications' data lives on, and the CPU its completions land on.
+    let map = CompletionMap::for_file(&apps.dir).context("the data disk's completion CPU")?;
+    let completion = *map
+        .cpus()
+        .first()
+        .context("no completion CPU for the data disk")?;
+    if map.cpus().len() > 1 {
+        eprintln!(
+            "WARNING: {} completes on CPUs {:?} (a queue per CPU): the pinned oracles use CPU \
+             {completion}, which is not an oracle for this geometry",
+            map.disk,
+            map.cpus()
+        );
+    }
+    let build = commit();
+    let n = s.reps * s.modes.len() * s.apps.len() * schedules.len();
+    eprintln!(
+        "apps benchmark at {build}: {} schedules × {} apps × {} modes × {} reps, ~{:.0} min; completion CPU {completion}",
+        schedules.len(),
+        s.apps.len(),
+        s.modes.len(),
+        s.reps,
+        n as f64 * (s.secs + s.warmup.as_secs_f64() + 12.0) / 60.0
+    );
+    let mut raw = Vec::new();
+    let mut cells = Map::new();
+    for ((sname, spec), sched) in s.schedules.iter().zip(&schedules) {
+        let mut per_app = Map::new();
+        for &app in &s.apps {
+            let mut runs = Vec::new();
+            for rep in 0..s.reps {
+                for k in 0..s.modes.len() {
+                    let mode = s.modes[(k + rep) % s.modes.len()];
+                    let mut v = run_once(sched, app, mode, &apps, completion, &s)
+                        .with_context(|| format!("{sname} {} rep {rep} {mode}", app.name()))?;
+                    v["schedule"] = json!(sname);
+                    v["spec"] = json!(spec);
+                    v["app_name"] = json!(app.name());
+                    v["rep"] = json!(rep);
+                    v["order"] = json!(k);
+                    eprintln!(
+                        "{sname:<7} {:<13} rep {rep} {mode:<13} {:>9.1} {:<5} p99 {:>8.1} ms  start {:>5.2} s  steal err {:>4.1}%{}",
+                        app.name(),
+                        f(&v["value"]),
+                        app.metric(),
+                        f(&v["p99_ms"]),
+                        f(&v["server_start_s"]),
+                        f(&v["steal_error"]) * 100.0,
+                        if v["daemon"].is_null() {
+                            String::new()
+                        } else {
+                            format!(
+                                "  help {:.2} s  daemon {:.2}%",
+                                f(&v["daemon"]["time_to_help_s"]),
+                                f(&v["daemon"]["cpu_pct_of_one_cpu"])
+                            )
+                        }
+                    );
+                    runs.push(v);
+                }
+            }
+            per_app.insert(app.name(), summarise(&runs, &s.modes));
+            raw.extend(runs);
+        }
+        cells.insert(sname.clone(), Value::Object(per_app));
+    }
+    let report = json!({
+        "benchmark": "apps",
+        "commit": build,
+        "setup": {
+            "cpus": ncpus(),
+            "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
+            "accounting": s.accounting,
+            "schedules": s.schedules.iter().map(|(n, spec)| json!({"name": n, "spec": spec})).collect::<Vec<_>>(),
+            "apps": s.apps.iter().map(|a| json!({"name": a.name(), "metric": a.metric()})).collect::<Vec<_>>(),
+            "modes": s.modes,
+            "oracles": ORACLES,
+            "hogs": "one CPU hog pinned on every CPU from the application's start, every mode",
+            "cold": "page cache dropped before each run; server started under the schedule; memory cgroup (pg 160 MB, nginx and backup 64 MB)",
+            "completion_cpu": completion,
+            "completion_map": map,
+            "reps": s.reps,
+            "seconds_per_run": s.secs,
+            "daemon_warmup_s": s.warmup.as_secs_f64(),
+            "steal_tolerance": STEAL_TOLERANCE,
+            "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
+            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        },
+        "cells": cells,
+        "runs": raw,
+    });
+    let name = s
+        .tag
+        .as_ref()
+        .map_or("apps".to_string(), |t| format!("apps-{t}"));
+    let path = s.out.join(format!("{name}.json"));
+    std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
+    print_table(&cells, &s);
+    println!("\nwrote {}", path.display());
+    let png = s.out.join(format!("{name}.png"));
+    let plot = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/plot_apps.py");
+    match Command::new("/usr/bin/python3")
+        .arg(&plot)
+        .arg(&path)
+        .arg(&png)
+        .status()
+    {
+        Ok(st) if st.success() => println!("wrote {}", png.display()),
+        other => eprintln!("WARNING: no chart ({other:?}); the numbers above stand"),
+    }
+    Ok(())
+}

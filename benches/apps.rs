@@ -8,6 +8,8 @@
 //! - `vanilla`: Linux alone;
 //! - `vmigrater`: the release daemon, default configuration, started before the
 //!   application (as a service is) and warmed up under the same schedule;
+//! - `vmigrater_no_partners`: the daemon with `migration.keep_partners = false` (the kept
+//!   task's client stays where the kernel puts it: the partner rule's ablation);
 //! - `vmigrater_parent`: another build of the daemon (`--parent-bin`), for an A/B;
 //! - `pinned`: the server's processes pinned to the disk's completion CPU from their start;
 //! - `pinned_all`: the server and its client (pgbench, wrk, md5sum) pinned there;
@@ -40,9 +42,10 @@ use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{require_root, workload};
 
-const MODES: [&str; 6] = [
+const MODES: [&str; 7] = [
     "vanilla",
     "vmigrater",
+    "vmigrater_no_partners",
     "vmigrater_parent",
     "pinned",
     "pinned_all",
@@ -99,7 +102,7 @@ fn parse_args() -> Result<Settings> {
         modes: MODES
             .iter()
             .copied()
-            .filter(|m| *m != "vmigrater_parent")
+            .filter(|m| *m != "vmigrater_parent" && *m != "vmigrater_no_partners")
             .collect(),
         out: vmigrater_testbed::bench_dir(),
         tag: None,
@@ -259,6 +262,10 @@ fn run_once(
     let start_ns = steal.start_ns();
     let daemon = match mode {
         "vmigrater" => Some(BenchDaemon::start("", &[])?),
+        "vmigrater_no_partners" => Some(BenchDaemon::start(
+            "[migration]\nkeep_partners = false\n",
+            &[],
+        )?),
         "vmigrater_parent" => Some(BenchDaemon::start_bin(
             s.parent_bin.as_deref().context("--parent-bin")?,
             "",
@@ -434,12 +441,11 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
             e["time_to_help_s_median"] = json!(stats::median(&tth));
             e["daemon_cpu_pct_median"] = json!(stats::median(&d("cpu_pct_of_one_cpu")));
         }
-        if m == "vmigrater" && modes.contains(&"vmigrater_parent") {
-            e["vs_vmigrater_parent"] = est(stats::ratio_of_medians(
-                &v,
-                &vals("vmigrater_parent", "value"),
-            ));
-            e["paired_vs_vmigrater_parent"] = est(paired(m, "vmigrater_parent"));
+        for other in ["vmigrater_parent", "vmigrater_no_partners"] {
+            if m == "vmigrater" && modes.contains(&other) {
+                e[format!("vs_{other}")] = est(stats::ratio_of_medians(&v, &vals(other, "value")));
+                e[format!("paired_vs_{other}")] = est(paired(m, other));
+            }
         }
         per_mode.insert(m.to_string(), e);
     }

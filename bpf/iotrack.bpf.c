@@ -3,7 +3,8 @@
  *
  * Owns: the per-thread counters (requests, bytes, time with >= 1 request in flight), the
  * per-CPU completion counters with the ISACS Eq. 1 interval EMA, and the table of
- * requests in flight that maps a request back to the thread that submitted it.
+ * requests in flight that maps a request back to the thread that submitted it; while
+ * tracking, the wake-ups between those threads and other user threads (their partners).
  * Must never: wake user space per I/O (no ring buffer, no perf events: aggregating in
  * maps costs a request an order of magnitude less than a record with its wake-up), count
  * kernel threads as submitters, or let a lost completion keep a thread "in flight".
@@ -42,6 +43,12 @@ char LICENSE[] SEC("license") = "GPL";
  * spinning until descheduled vCPUs run again; an early return costs a few instructions. */
 volatile __u32 paused;
 
+/* Rung while paused by a user thread's request when that thread did no block I/O in the
+ * last DOORBELL_QUIET_NS (or never): a task that may have just become I/O-bound, so user
+ * space samples now instead of at the next period. Set once, cleared by user space: a
+ * paused request pays one flag read, or a hash lookup until the first ring. */
+volatile __u32 doorbell;
+
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
 	__uint(max_entries, MAX_THREADS);
@@ -64,6 +71,13 @@ struct {
 	__type(key, __u32);
 	__type(value, struct cpu_stats);
 } cpus SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_WAKE_PAIRS);
+	__type(key, struct wake_pair);
+	__type(value, struct wake_stats);
+} wakes SEC(".maps");
 
 /* One of `tid`'s requests ended at `now`; `bytes` of it were transferred. `now == 0`
  * says its end was lost (found only when its key came back): the request is closed at the
@@ -93,10 +107,28 @@ static __always_inline void thread_done(__u32 tid, __u64 now, __u32 bytes)
 /* Opens a request for the current thread, or moves an already open one on. `kind` is the
  * hook (RQ_STARTED, RQ_INSERTED or RQ_ISSUED); `cookie` tells one life of a request slot
  * from the next (its first bio; 0 when unknown, in classic tracepoint mode). */
+static __always_inline void ring_if_new(void)
+{
+	if (doorbell)
+		return;
+	struct task_struct *task = (struct task_struct *)bpf_get_current_task();
+	if (BPF_CORE_READ(task, flags) & PF_KTHREAD)
+		return;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	if (tid == 0)
+		return;
+	struct thread_stats *s = bpf_map_lookup_elem(&threads, &tid);
+	if (s && bpf_ktime_get_ns() - s->last_ts < DOORBELL_QUIET_NS)
+		return;
+	doorbell = 1;
+}
+
 static __always_inline void begin(__u64 key, __u64 cookie, __u32 kind)
 {
-	if (paused)
+	if (paused) {
+		ring_if_new();
 		return;
+	}
 	__u64 now = bpf_ktime_get_ns();
 	struct inflight *fl = bpf_map_lookup_elem(&inflight, &key);
 	if (fl) {
@@ -230,6 +262,48 @@ static __always_inline void merged(__u64 key)
 	__u32 tid = fl->tid;
 	if (bpf_map_delete_elem(&inflight, &key) == 0)
 		thread_done(tid, bpf_ktime_get_ns(), 0);
+}
+
+/* `current` wakes `p`: counted when both are user threads and one of them issued block I/O
+ * (the map stays small). A wake-up from interrupt context counts the interrupted task as
+ * the waker; user space takes as partners only threads that wake each other both ways. */
+static __always_inline void woken(struct task_struct *p)
+{
+	if (paused)
+		return;
+	__u64 id = bpf_get_current_pid_tgid();
+	__u32 waker = (__u32)id;
+	__u32 wakee = BPF_CORE_READ(p, pid);
+	if (waker == 0 || wakee == 0 || waker == wakee)
+		return;
+	struct task_struct *cur = (struct task_struct *)bpf_get_current_task();
+	if ((BPF_CORE_READ(cur, flags) | BPF_CORE_READ(p, flags)) & PF_KTHREAD)
+		return;
+	if (!bpf_map_lookup_elem(&threads, &waker) && !bpf_map_lookup_elem(&threads, &wakee))
+		return;
+	struct wake_pair key = { .waker = waker, .wakee = wakee };
+	struct wake_stats *w = bpf_map_lookup_elem(&wakes, &key);
+	if (w) {
+		__sync_fetch_and_add(&w->wakes, 1);
+		return;
+	}
+	struct wake_stats first = { .wakes = 1, .waker_tgid = id >> 32,
+				    .wakee_tgid = BPF_CORE_READ(p, tgid) };
+	bpf_map_update_elem(&wakes, &key, &first, BPF_NOEXIST);
+}
+
+SEC("tp_btf/sched_wakeup")
+int BPF_PROG(btf_sched_wakeup, struct task_struct *p)
+{
+	woken(p);
+	return 0;
+}
+
+SEC("raw_tp/sched_wakeup")
+int BPF_PROG(raw_sched_wakeup, struct task_struct *p)
+{
+	woken(p);
+	return 0;
 }
 
 /* ---- tp_btf: typed arguments, direct loads, cheapest. ---- */

@@ -15,6 +15,9 @@
  * next request. Real block requests on a guest disk finish in ms; 5 s is far beyond any
  * timeout-free completion. */
 #define INFLIGHT_STALE_NS 5000000000ULL
+/* A thread whose last request is older than this (longer than the sampling period, so a
+ * task found in the last sample does not ring) rings the doorbell while tracking pauses. */
+#define DOORBELL_QUIET_NS 5000000000ULL
 
 /* Per thread (key: tid). Cumulative since the thread's first I/O. */
 struct thread_stats {
@@ -59,6 +62,22 @@ struct inflight {
 	__u64 cookie; /* the request's first bio: tells a re-issue from a reuse of the slot */
 	__u32 cpu;    /* the vCPU that submitted it */
 	__u32 _pad;
+};
+
+/* Wake-ups between two user threads while tracking, one of which issued block I/O (key:
+ * waker, wakee): a database backend and its client across a socket wake each other for
+ * every request. User space reads and empties the map each poll. */
+#define MAX_WAKE_PAIRS 4096
+
+struct wake_pair {
+	__u32 waker;
+	__u32 wakee;
+};
+
+struct wake_stats {
+	__u64 wakes;
+	__u32 waker_tgid;
+	__u32 wakee_tgid;
 };
 
 #endif

@@ -11,6 +11,7 @@
 //! The window of the block programs is read through the actuator, not passed in: the step
 //! first decides whether they track (pause, resume, detach) and reads what they saw after.
 
+mod partners;
 mod tasks;
 mod tracking;
 mod waiting;
@@ -18,7 +19,7 @@ mod waiting;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
-use task_detector::{CpuIoSample, DetectorOutput, IoTaskInfo};
+use task_detector::{CpuIoSample, DetectorOutput, IoTaskInfo, Partner};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
 use crate::affinity::Outcome;
@@ -42,6 +43,9 @@ pub const HOLD_LEAD: Duration = Duration::from_secs(5);
 /// a vCPU whose requests complete elsewhere. A task that really stopped is handed back
 /// this much later; one whose mask someone else changed, at once.
 pub const KEEP_GRACE: Duration = Duration::from_secs(3);
+/// A partner stays beside its kept task this long after a sample last saw them wake each
+/// other: longer than the sampling period, so that one sample without it does not undo it.
+pub const PARTNER_GRACE: Duration = Duration::from_secs(6);
 
 /// The settings of the loop, fixed for a run.
 #[derive(Clone, Debug)]
@@ -71,6 +75,9 @@ pub struct EngineConfig {
     /// Whether a kept task found waiting on its vCPU's run queue most of a span gets its
     /// own mask back for a while (`engine::waiting`).
     pub let_go_waiting: bool,
+    /// Whether the threads a kept task wakes and is woken by are kept beside it
+    /// (`engine::partners`).
+    pub keep_partners: bool,
 }
 
 /// What the host agent says, as the channel last heard it.
@@ -122,6 +129,9 @@ pub trait BlockTracking {
     fn poll(&mut self) -> anyhow::Result<DetectorOutput>;
     /// Whether a thread is half-way to being found I/O-bound (a sample may run on).
     fn entering(&self) -> bool;
+    /// Whether, while paused, a thread quiet for seconds issued block I/O since the last
+    /// call (it may have just become I/O-bound: sample now). Reading clears it.
+    fn take_doorbell(&mut self) -> bool;
 }
 
 /// The placement: the affinity executor (journaled) and the set the monitor threads move.
@@ -185,6 +195,8 @@ pub struct EngineSnapshot {
     pub kept_with_completions: Vec<KeptTask>,
     /// Kept tasks let go because they waited on their vCPU's run queue, cumulative.
     pub let_go_waiting: u64,
+    /// Samples started before their period by the doorbell, cumulative.
+    pub early_samples: u64,
 }
 
 /// A task pinned to the vCPU that takes its requests' completions.
@@ -210,6 +222,7 @@ impl Default for EngineSnapshot {
             cpu_io: Vec::new(),
             releases: 0,
             detector_errors: 0,
+            early_samples: 0,
             kept_with_completions: Vec::new(),
             let_go_waiting: 0,
         }
@@ -250,6 +263,8 @@ pub struct Engine {
     kept_found_ns: HashMap<u32, u64>,
     /// Kept tasks waiting on their vCPU's run queue, and the ones let go for it.
     waiting: waiting::Waiting,
+    /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
+    partners: HashMap<u32, (Partner, u64)>,
     snap: EngineSnapshot,
 }
 
@@ -277,6 +292,7 @@ impl Engine {
             homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
             kept_found_ns: HashMap::new(),
             waiting: waiting::Waiting::default(),
+            partners: HashMap::new(),
             snap: EngineSnapshot::default(),
             cfg,
         }
@@ -315,7 +331,7 @@ impl Engine {
         self.snap.block_tracking = act.tracking();
         self.snap.block_attached = act.attached();
         let disk = obs.disk_completed.filter(|_| self.reads_disk());
-        let Some(io_seen) = self.read_window(disk, act) else {
+        let Some(io_seen) = self.read_window(now, disk, act) else {
             return self.cfg.idle;
         };
         // The kernel's own count of completed requests: what the guard judges progress
@@ -346,7 +362,12 @@ impl Engine {
 
     /// Polls the block programs while they track, else carries the per-vCPU estimate
     /// forward; returns whether new completions were seen, `None` when the poll failed.
-    fn read_window(&mut self, disk: Option<u64>, act: &mut impl Actuator) -> Option<bool> {
+    fn read_window(
+        &mut self,
+        now: u64,
+        disk: Option<u64>,
+        act: &mut impl Actuator,
+    ) -> Option<bool> {
         if act.tracking() {
             let out = match act.poll() {
                 Ok(out) => out,
@@ -365,6 +386,9 @@ impl Engine {
             };
             self.sampled_cpus = out.cpus;
             self.found = out.tasks;
+            for p in out.partners {
+                self.partners.insert(p.tid, (p, now));
+            }
             self.fresh = true;
             Some(io_seen)
         } else {

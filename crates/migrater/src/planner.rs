@@ -75,6 +75,8 @@ pub enum Reason {
     Held,
     /// Onto the vCPU that takes its requests' completions (`completion`).
     Completion,
+    /// Beside a task kept with its completions, which it wakes and is woken by.
+    Partner,
 }
 
 impl Reason {
@@ -85,6 +87,7 @@ impl Reason {
             Reason::Balance => "balance",
             Reason::Held => "held",
             Reason::Completion => "completion",
+            Reason::Partner => "partner",
         }
     }
 }

@@ -8,6 +8,11 @@
 use std::time::Duration;
 use task_detector::CpuIoSample;
 
+/// How often a paused loop that could act on it looks at the doorbell (a thread quiet for
+/// seconds issued block I/O: it may have just become I/O-bound). A new I/O-bound task
+/// waits this, not the rest of the period, for its sample.
+pub const DOORBELL_POLL: Duration = Duration::from_millis(50);
+
 /// `length` of tracking at the start of every `every`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Schedule {
@@ -29,8 +34,10 @@ pub enum Step {
 }
 
 impl Schedule {
-    pub fn step(&self, tracking: bool, into: Duration) -> Step {
-        match (tracking, into >= self.length, into >= self.every) {
+    /// `rung`: the doorbell rang while paused, so the next sample starts now rather than
+    /// at the next period (never while one runs: a sample is never cut short).
+    pub fn step(&self, tracking: bool, into: Duration, rung: bool) -> Step {
+        match (tracking, into >= self.length, into >= self.every || rung) {
             (true, false, _) => Step::Track(self.length - into),
             (true, true, _) => Step::Pause,
             (false, _, true) => Step::Resume,
@@ -94,13 +101,25 @@ mod tests {
             length: 250 * MS,
             every: 2500 * MS,
         };
-        assert_eq!(s.step(true, Duration::ZERO), Step::Track(250 * MS));
-        assert_eq!(s.step(true, 200 * MS), Step::Track(50 * MS));
-        assert_eq!(s.step(true, 250 * MS), Step::Pause);
-        assert_eq!(s.step(false, 250 * MS), Step::Wait(2250 * MS));
-        assert_eq!(s.step(false, 2500 * MS), Step::Resume);
+        assert_eq!(s.step(true, Duration::ZERO, false), Step::Track(250 * MS));
+        assert_eq!(s.step(true, 200 * MS, false), Step::Track(50 * MS));
+        assert_eq!(s.step(true, 250 * MS, false), Step::Pause);
+        assert_eq!(s.step(false, 250 * MS, false), Step::Wait(2250 * MS));
+        assert_eq!(s.step(false, 2500 * MS, false), Step::Resume);
         // A late loop (a long poll) still pauses, never tracks on.
-        assert_eq!(s.step(true, 9000 * MS), Step::Pause);
+        assert_eq!(s.step(true, 9000 * MS, false), Step::Pause);
+    }
+
+    #[test]
+    fn the_doorbell_starts_the_next_sample_at_once_but_never_cuts_one_short() {
+        let s = Schedule {
+            length: 250 * MS,
+            every: 2500 * MS,
+        };
+        assert_eq!(s.step(false, 300 * MS, true), Step::Resume);
+        assert_eq!(s.step(false, 300 * MS, false), Step::Wait(2200 * MS));
+        assert_eq!(s.step(true, 100 * MS, true), Step::Track(150 * MS));
+        assert_eq!(s.step(true, 250 * MS, true), Step::Pause);
     }
 
     fn cpu(cpu: u32, completions: u64) -> CpuIoSample {

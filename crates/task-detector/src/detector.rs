@@ -20,10 +20,24 @@ pub struct IoTaskInfo {
     pub start_time: u64,
 }
 
+/// A user thread that the I/O-bound thread `of` wakes and is woken by (`partners`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Partner {
+    pub of: u32,
+    pub tid: u32,
+    pub tgid: u32,
+    pub comm: String,
+    pub start_time: u64,
+    /// Wake-ups both ways in this sample so far.
+    pub wakes: u64,
+}
+
 #[derive(Clone, Debug, Default)]
 pub struct DetectorOutput {
     pub tasks: Vec<IoTaskInfo>,
     pub cpus: Vec<CpuIoSample>,
+    /// The partners of `tasks`.
+    pub partners: Vec<Partner>,
 }
 
 #[derive(Clone, Debug)]
@@ -84,6 +98,9 @@ pub struct Detector<'obj> {
     /// Per thread: on-CPU ns at the pause (while paused), and on-CPU ns spent paused.
     cpu_at_pause: HashMap<u32, u64>,
     untracked_cpu: HashMap<u32, u64>,
+    /// Wake-ups per (waker, wakee) in the current sample, and each thread's tgid.
+    wakes: HashMap<(u32, u32), u64>,
+    tgids: HashMap<u32, u32>,
 }
 
 impl<'obj> Detector<'obj> {
@@ -99,6 +116,8 @@ impl<'obj> Detector<'obj> {
             untracked_ns: 0,
             cpu_at_pause: HashMap::new(),
             untracked_cpu: HashMap::new(),
+            wakes: HashMap::new(),
+            tgids: HashMap::new(),
         }
     }
 
@@ -131,6 +150,12 @@ impl<'obj> Detector<'obj> {
         Ok(())
     }
 
+    /// Whether a thread quiet for seconds issued block I/O since the last call, while
+    /// paused (`IoTracker::take_doorbell`).
+    pub fn take_doorbell(&mut self) -> bool {
+        self.tracker.take_doorbell()
+    }
+
     /// Whether the programs are on their tracepoints (see `detach`).
     pub fn attached(&self) -> bool {
         self.tracker.attached()
@@ -152,6 +177,9 @@ impl<'obj> Detector<'obj> {
         let now = vcpu_clock();
         self.untracked_ns += now.saturating_sub(at);
         self.paused_at = None;
+        // Partners are judged per sample.
+        self.wakes.clear();
+        self.tgids.clear();
         for (tid, before) in std::mem::take(&mut self.cpu_at_pause) {
             let Some(tgid) = self.classifier.tgid_of(tid) else {
                 continue;
@@ -189,6 +217,11 @@ impl<'obj> Detector<'obj> {
         // first pause). The maps are read on the real clock.
         let real_now = vcpu_clock();
         let now = real_now - self.untracked_ns;
+        for w in self.tracker.take_wakes()? {
+            *self.wakes.entry((w.waker, w.wakee)).or_default() += w.wakes;
+            self.tgids.insert(w.waker, w.waker_tgid);
+            self.tgids.insert(w.wakee, w.wakee_tgid);
+        }
         let cpus = self.tracker.sample_cpus()?;
         // Idle fast path: no completion anywhere since the last poll and nobody being
         // classified means no thread can have become I/O-bound; skip the thread map.
@@ -199,6 +232,7 @@ impl<'obj> Detector<'obj> {
             return Ok(DetectorOutput {
                 tasks: Vec::new(),
                 cpus,
+                partners: Vec::new(),
             });
         }
         let samples = self.tracker.sample_threads(real_now)?;
@@ -259,7 +293,7 @@ impl<'obj> Detector<'obj> {
         }
         let plain: Vec<ThreadObservation> = obs.iter().map(|(o, _)| o.clone()).collect();
         let tasks = self.classifier.observe(now, &plain);
-        let tasks = tasks
+        let tasks: Vec<IoTaskInfo> = tasks
             .into_iter()
             .filter_map(|task| {
                 let id = obs.iter().find(|(o, _)| o.tid == task.tid)?.1.clone();
@@ -270,7 +304,38 @@ impl<'obj> Detector<'obj> {
                 })
             })
             .collect();
-        Ok(DetectorOutput { tasks, cpus })
+        let partners = self.partners_of(&tasks);
+        Ok(DetectorOutput {
+            tasks,
+            cpus,
+            partners,
+        })
+    }
+
+    /// The partners of `tasks` in this sample, with their /proc identity (exited and
+    /// kernel threads left out).
+    fn partners_of(&mut self, tasks: &[IoTaskInfo]) -> Vec<Partner> {
+        if self.wakes.is_empty() || tasks.is_empty() {
+            return Vec::new();
+        }
+        let io: Vec<u32> = tasks.iter().map(|t| t.task.tid).collect();
+        crate::partners::partners(&io, &self.wakes)
+            .into_iter()
+            .filter_map(|(of, tid, wakes)| {
+                let tgid = *self.tgids.get(&tid)?;
+                // Read afresh, not from the I/O threads' cache: a partner's tid is
+                // never forgotten there, and a reused tid must not inherit its identity.
+                let id = self.proc.identity(tgid, tid)?;
+                (!id.is_kernel).then_some(Partner {
+                    of,
+                    tid,
+                    tgid,
+                    comm: id.comm,
+                    start_time: id.start_time,
+                    wakes,
+                })
+            })
+            .collect()
     }
 }
 

@@ -2,14 +2,15 @@
 //! may use, which of them a mode attaches, and how long an open request may stay silent.
 //! Pure: both the probe (what this kernel offers) and the tracker (loading) read it.
 
-/// Every block tracepoint the programs may use (see `tracker::plan_hooks`).
-pub const TRACEPOINTS: [&str; 6] = [
+/// Every tracepoint the programs may use (see `plan_hooks`).
+pub const TRACEPOINTS: [&str; 7] = [
     "block_io_start",
     "block_rq_insert",
     "block_rq_issue",
     "block_rq_complete",
     "block_rq_requeue",
     "block_rq_merge",
+    "sched_wakeup",
 ];
 
 /// bpf/iotrack.h INFLIGHT_STALE_NS: an open busy interval with no event for this long
@@ -48,7 +49,8 @@ impl AttachMode {
 /// Start: `block_io_start` (6.5+, once per request in the submitter's context), else
 /// `block_rq_insert` + `block_rq_issue` (insert sees the submitter on the scheduler
 /// path, issue on the direct path). End: `block_rq_complete`. `block_rq_requeue` and
-/// `block_rq_merge` keep the in-flight table honest where they exist.
+/// `block_rq_merge` keep the in-flight table honest where they exist; `sched_wakeup`
+/// (typed and raw modes) finds the threads an I/O thread wakes and is woken by.
 pub fn plan_hooks(exists: impl Fn(&str) -> bool) -> Option<Vec<&'static str>> {
     let mut hooks = Vec::new();
     if exists("block_io_start") {
@@ -65,7 +67,7 @@ pub fn plan_hooks(exists: impl Fn(&str) -> bool) -> Option<Vec<&'static str>> {
         return None;
     }
     hooks.push("block_rq_complete");
-    for optional in ["block_rq_requeue", "block_rq_merge"] {
+    for optional in ["block_rq_requeue", "block_rq_merge", "sched_wakeup"] {
         if exists(optional) {
             hooks.push(optional);
         }
@@ -91,7 +93,8 @@ mod tests {
                 "block_io_start",
                 "block_rq_complete",
                 "block_rq_requeue",
-                "block_rq_merge"
+                "block_rq_merge",
+                "sched_wakeup"
             ]
         );
         assert_eq!(

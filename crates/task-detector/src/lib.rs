@@ -12,6 +12,7 @@ mod detector;
 pub mod diskstats;
 mod hooks;
 pub mod libbpf_log;
+pub mod partners;
 mod probe;
 pub mod queues;
 mod tracker;
@@ -19,7 +20,9 @@ mod tracker;
 pub use classifier::{
     ClassifierConfig, CompletionSite, Completions, IoClassifier, IoTask, ThreadObservation,
 };
-pub use detector::{Detector, DetectorOutput, IoTaskInfo, ProcReader};
+pub use detector::{Detector, DetectorOutput, IoTaskInfo, Partner, ProcReader};
 pub use hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_NS};
 pub use probe::{probe, Probe};
-pub use tracker::{CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions, TrackerStorage};
+pub use tracker::{
+    CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions, TrackerStorage, WakeSample,
+};

@@ -38,6 +38,17 @@ pub struct ThreadIoSample {
     pub completions: Completions,
 }
 
+/// Wake-ups of `wakee` by `waker` counted by the programs since the last read, where one
+/// of the two issued block I/O (`IoTracker::take_wakes`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct WakeSample {
+    pub waker: u32,
+    pub waker_tgid: u32,
+    pub wakee: u32,
+    pub wakee_tgid: u32,
+    pub wakes: u64,
+}
+
 /// One vCPU's I/O completions (ISACS E_n and the Eq. 1 EMA).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuIoSample {
@@ -235,6 +246,49 @@ impl<'obj> IoTracker<'obj> {
         unsafe { std::ptr::write_volatile(std::ptr::addr_of_mut!(bss.paused), u32::from(paused)) };
         self.paused = paused;
         Ok(())
+    }
+
+    /// Whether a thread that did no block I/O for seconds issued a request while paused
+    /// (bpf/iotrack.bpf.c `doorbell`): something may have just become I/O-bound. Reading
+    /// clears it.
+    pub fn take_doorbell(&mut self) -> bool {
+        let Some(bss) = self.skel.maps.bss_data.as_deref_mut() else {
+            return false;
+        };
+        // SAFETY: a valid, aligned u32 in the mmapped .bss the programs write concurrently;
+        // volatile so neither the read nor the clear is elided. A ring between the two is
+        // lost only while another ring is being taken.
+        unsafe {
+            let rang = std::ptr::read_volatile(std::ptr::addr_of!(bss.doorbell)) != 0;
+            if rang {
+                std::ptr::write_volatile(std::ptr::addr_of_mut!(bss.doorbell), 0);
+            }
+            rang
+        }
+    }
+
+    /// The wake-ups counted since the last call, and the map emptied: counts are per
+    /// read. A wake-up counted between the read and the delete of its pair is lost.
+    pub fn take_wakes(&mut self) -> Result<Vec<WakeSample>> {
+        let map = &self.skel.maps.wakes;
+        let mut out = Vec::new();
+        let mut keys = Vec::new();
+        for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
+            let key: types::wake_pair = read_pod(&k)?;
+            let val: types::wake_stats = read_pod(&v)?;
+            out.push(WakeSample {
+                waker: key.waker,
+                waker_tgid: val.waker_tgid,
+                wakee: key.wakee,
+                wakee_tgid: val.wakee_tgid,
+                wakes: val.wakes,
+            });
+            keys.push(k);
+        }
+        for k in keys {
+            let _ = map.delete(&k);
+        }
+        Ok(out)
     }
 
     /// Stops tracking: every hook returns at once (a flag, not a detach: detaching
@@ -491,6 +545,11 @@ mod tests {
         for mode in AttachMode::ALL {
             for hook in hooks.iter().chain(&legacy) {
                 assert!(all.contains(hook));
+                // Classic mode looks for tracepoints under events/block only: it never
+                // plans the scheduler's (no partners there).
+                if mode == AttachMode::Tracepoint && *hook == "sched_wakeup" {
+                    continue;
+                }
                 let name = prog_name(mode, hook);
                 assert!(text.contains(&name), "no program {name} for {mode}");
             }

@@ -255,6 +255,11 @@ pub struct MigrationSection {
     /// task on that vCPU. Its own slice is journaled and given back when it is no longer
     /// kept. 0: leave slices alone.
     pub kept_slice_us: u64,
+    /// Keep beside a task kept with its completions the user threads it wakes and is woken
+    /// by many times a second (a database backend's client across a socket): on another
+    /// vCPU each request would wait for that vCPU's window too. They get the short slice
+    /// as well.
+    pub keep_partners: bool,
 }
 
 impl Default for MigrationSection {
@@ -268,6 +273,7 @@ impl Default for MigrationSection {
             follow_completions: true,
             let_go_waiting: false,
             kept_slice_us: 100,
+            keep_partners: true,
         }
     }
 }

@@ -87,6 +87,7 @@ fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> Eng
         },
         follow_completions: cfg.migration.follow_completions,
         let_go_waiting: cfg.migration.let_go_waiting,
+        keep_partners: cfg.migration.keep_partners,
     }
 }
 

@@ -124,6 +124,9 @@ impl BlockTracking for Live<'_, '_> {
     fn entering(&self) -> bool {
         self.detector.entering()
     }
+    fn take_doorbell(&mut self) -> bool {
+        self.detector.take_doorbell()
+    }
 }
 
 impl TaskPlacement for Live<'_, '_> {

@@ -72,6 +72,7 @@ pub struct Metrics {
     pub releases: Counter,
     pub let_go_waiting: Counter,
     pub detector_errors: Counter,
+    pub early_samples: Counter,
     /// Mirrors the executor's count of failed journal writes.
     pub journal_errors: Counter,
     monitor_source: Family<SourceLabel, Gauge>,
@@ -104,6 +105,7 @@ impl Metrics {
             releases: Counter::default(),
             let_go_waiting: Counter::default(),
             detector_errors: Counter::default(),
+            early_samples: Counter::default(),
             journal_errors: Counter::default(),
             monitor_source: Family::default(),
             moves_allowed: Gauge::default(),
@@ -151,6 +153,11 @@ impl Metrics {
             "detector_errors",
             "Failed polls of the BPF maps",
             m.detector_errors.clone(),
+        );
+        r.register(
+            "early_samples",
+            "Block-tracking samples started before their period because a thread quiet for seconds issued block I/O",
+            m.early_samples.clone(),
         );
         r.register(
             "journal_errors",
@@ -283,6 +290,7 @@ impl Metrics {
         store(&self.releases, engine.releases);
         store(&self.let_go_waiting, engine.let_go_waiting);
         store(&self.detector_errors, engine.detector_errors);
+        store(&self.early_samples, engine.early_samples);
         let verdicts = engine.guard_verdicts;
         for (pays, n) in [("true", verdicts.pays), ("false", verdicts.holds)] {
             store(

@@ -68,7 +68,9 @@ impl Engine {
             Vec::new()
         };
         let homed = self.keep_with_completions(now, &found, &next, act);
-        let kept: Vec<u32> = homed.iter().map(|h| h.tid).collect();
+        let managed: Vec<u32> = next.iter().map(|e| e.tid).collect();
+        let partners = self.keep_partners(now, &managed, act);
+        let kept: Vec<u32> = homed.iter().chain(&partners).map(|h| h.tid).collect();
         act.keep_short_slices(&kept);
         let mut anchored_now: Vec<Anchored> = if host_holds {
             let on_held = act.anchor(&self.snap.found, held, Reason::Held);
@@ -90,6 +92,7 @@ impl Engine {
             .cloned()
             .collect();
         anchored_now.extend(homed);
+        anchored_now.extend(partners);
         self.release_left(now, &next, &anchored_now, moves_allowed, act);
         let active = !free.is_empty();
         // On hold the I/O-bound tasks still exist; they are only left alone.

@@ -34,6 +34,10 @@ struct Fake {
     entering: bool,
     /// The tasks the last step wanted on a short slice.
     short_slices: Vec<u32>,
+    /// What `take_doorbell` says next (then false).
+    doorbell: bool,
+    /// The partners the next polls report.
+    partners: Vec<task_detector::Partner>,
 }
 
 impl Fake {
@@ -76,11 +80,15 @@ impl BlockTracking for Fake {
     fn entering(&self) -> bool {
         self.entering
     }
+    fn take_doorbell(&mut self) -> bool {
+        std::mem::take(&mut self.doorbell)
+    }
     fn poll(&mut self) -> anyhow::Result<DetectorOutput> {
         self.polls += 1;
         Ok(DetectorOutput {
             tasks: self.window.clone(),
             cpus: Vec::new(),
+            partners: self.partners.clone(),
         })
     }
 }
@@ -179,6 +187,7 @@ fn config() -> EngineConfig {
         completion_prior: crate::completion::Home::Unknown,
         follow_completions: true,
         let_go_waiting: true,
+        keep_partners: true,
     }
 }
 
@@ -497,12 +506,46 @@ fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
     let nap = vm.step(&mut e, &mut f, 1_000 * MS, 0);
     assert_eq!(
         nap,
-        Duration::from_millis(1_200),
-        "napping until the next sample"
+        crate::sampling::DOORBELL_POLL,
+        "paused where moves may pay: looking at the doorbell every poll"
     );
-    vm.step(&mut e, &mut f, 1_200 * MS, 0);
+    vm.step(&mut e, &mut f, 1_150 * MS, 0);
+    assert_eq!(f.resumes, 0, "no ring, no sample before the period");
+    vm.step(&mut e, &mut f, 50 * MS, 0);
     assert_eq!(f.resumes, 1);
     assert!(f.tracking);
+    assert_eq!(e.snapshot().early_samples, 0);
+}
+
+#[test]
+fn the_doorbell_starts_a_whole_sample_between_periods() {
+    let mut e = Engine::new(
+        EngineConfig {
+            schedule: Some(Schedule {
+                length: Duration::from_millis(250),
+                every: Duration::from_millis(2_500),
+            }),
+            ..config()
+        },
+        1_000 * S,
+    );
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    vm.step(&mut e, &mut f, 200 * MS, 0);
+    assert_eq!(f.pauses, 1);
+    vm.step(&mut e, &mut f, 400 * MS, 0);
+    assert_eq!(f.resumes, 0);
+    // A quiet thread issues block I/O 700 ms into the period.
+    f.doorbell = true;
+    vm.step(&mut e, &mut f, 50 * MS, 0);
+    assert_eq!(f.resumes, 1, "sampling at the next poll");
+    assert!(f.tracking);
+    assert_eq!(e.snapshot().early_samples, 1);
+    vm.step(&mut e, &mut f, 200 * MS, 0);
+    assert_eq!(f.pauses, 1, "the early sample runs its whole length");
+    vm.step(&mut e, &mut f, 60 * MS, 0);
+    assert_eq!(f.pauses, 2);
 }
 
 #[test]
@@ -755,4 +798,98 @@ fn the_guard_holds_completion_pins_that_lose_every_pair() {
     vm.run(&mut e, &mut f, 1, |_| 1000);
     assert!(!e.snapshot().moves_allowed);
     assert!(f.released.contains(&10), "handed back while held");
+}
+
+fn partner(of: u32, tid: u32, comm: &str) -> task_detector::Partner {
+    task_detector::Partner {
+        of,
+        tid,
+        tgid: tid,
+        comm: comm.into(),
+        start_time: 7,
+        wakes: 200,
+    }
+}
+
+#[test]
+fn a_kept_tasks_partner_is_kept_beside_it_and_handed_back_with_it() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
+    // 20 is the kept task's client; 21 partners the unkept task 11; 99's own thread is
+    // never touched; an excluded command neither.
+    f.partners = vec![
+        partner(10, 20, "pgbench"),
+        partner(11, 21, "other"),
+        partner(10, 99, "vmigrater"),
+    ];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert!(
+        f.anchors.contains(&(20, 1, Reason::Partner)),
+        "{:?}",
+        f.anchors
+    );
+    assert!(
+        !f.anchors.iter().any(|a| a.0 == 21 || a.0 == 99),
+        "only partners of kept tasks, never our own: {:?}",
+        f.anchors
+    );
+    assert_eq!(f.managed.get(&20), Some(&Some(1)));
+    let mut slices = f.short_slices.clone();
+    slices.sort_unstable();
+    assert_eq!(slices, [10, 20], "the partner shares the short slice");
+    assert!(!f.published_tids().contains(&20), "not the planner's");
+    // The kept task leaves: after its grace both are handed back.
+    f.window = vec![io_task(11)];
+    f.partners.clear();
+    vm.run(&mut e, &mut f, KEEP_GRACE.as_secs() + 1, |_| 0);
+    assert!(
+        f.released.contains(&10) && f.released.contains(&20),
+        "{:?}",
+        f.released
+    );
+    assert!(!f.managed.contains_key(&20));
+}
+
+#[test]
+fn partners_off_keeps_the_task_alone() {
+    let mut e = Engine::new(
+        EngineConfig {
+            keep_partners: false,
+            ..config()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    f.partners = vec![partner(10, 20, "pgbench")];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert!(f.anchors.contains(&(10, 1, Reason::Completion)));
+    assert!(!f.anchors.iter().any(|a| a.0 == 20), "{:?}", f.anchors);
+}
+
+#[test]
+fn an_excluded_partner_or_an_io_bound_one_is_not_kept_as_a_partner() {
+    let mut e = Engine::new(
+        EngineConfig {
+            exclude_comm: vec!["backup".into()],
+            ..config()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
+    f.partners = vec![partner(10, 30, "backup"), partner(10, 11, "fio")];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert!(!f.anchors.iter().any(|a| a.0 == 30), "{:?}", f.anchors);
+    assert!(
+        !f.anchors
+            .iter()
+            .any(|a| a.0 == 11 && a.2 == Reason::Partner),
+        "an I/O-bound partner is placed by its own rule: {:?}",
+        f.anchors
+    );
 }

@@ -156,7 +156,10 @@ impl Engine {
         act: &mut impl BlockTracking,
     ) -> Duration {
         let into = Duration::from_nanos(now.saturating_sub(self.sample_start_ns));
-        match s.step(act.tracking(), into) {
+        // Only a loop that would sample reads the doorbell; otherwise it stays rung for
+        // when something can gain again.
+        let rung = wants && !act.tracking() && act.take_doorbell();
+        match s.step(act.tracking(), into, rung) {
             sampling::Step::Track(left) => left,
             // A task half-way through the classifier's enter windows (one issuing a
             // request every few ms needs most of a sample): the sample runs on, up to
@@ -173,6 +176,8 @@ impl Engine {
                     Duration::MAX
                 }
             },
+            // Paused where a sample could help: look at the doorbell every poll.
+            sampling::Step::Wait(left) if wants => left.min(sampling::DOORBELL_POLL),
             sampling::Step::Wait(left) => left,
             sampling::Step::Resume if !wants => {
                 // Nothing to gain: skip this sample.
@@ -180,6 +185,13 @@ impl Engine {
                 s.every
             }
             sampling::Step::Resume => {
+                if rung {
+                    self.snap.early_samples += 1;
+                    debug!("a quiet thread issued block I/O: sampling now");
+                } else {
+                    // A ring from before this sample: the sample sees that thread now.
+                    act.take_doorbell();
+                }
                 self.sample_start_ns = now;
                 match act.resume() {
                     Ok(()) => s.length,

@@ -89,10 +89,11 @@ soak: lab-setup build
 # Every benchmark run once in seconds, not a measurement: so that none can rot unseen (a
 # benchmark that no longer starts fails CI). Criterion's test mode runs each micro
 # benchmark once; the contention, BPF-overhead, lab and hard-IRQ steal benchmarks run one
-# tiny round and the soak 30 s with one fault, all writing to target/bench-smoke, never
+# tiny round (the applications' with their data built once under /var/tmp/vmigrater-apps)
+# and the soak 30 s with one fault, all writing to target/bench-smoke, never
 # over a real result. Root (CI is). `cargo bench` runs release builds, which start the release
 # binaries: built first.
-bench-smoke: lab-setup
+bench-smoke: lab-setup apps-setup
 	$(CARGO) build --release --workspace --bins
 	$(CARGO) test -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse
 	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-smoke VMIGRATER_BENCH_ROUNDS=1 VMIGRATER_BENCH_READS=200 \
@@ -107,6 +108,9 @@ bench-smoke: lab-setup
 	/usr/bin/python3 benches/plot_soak.py target/bench-smoke/soak.json target/bench-smoke/soak.png
 	$(CARGO) bench -p vmigrater-testbed --bench steal -- --reps 1 --secs 1 --warmup-secs 1 \
 		--io-warmup-ms 200 --only none,anti --workloads rand4k --modes vanilla,vmigrater,pinned \
+		--out $(CURDIR)/target/bench-smoke
+	$(CARGO) bench -p vmigrater-testbed --bench apps -- --reps 1 --secs 2 --warmup-secs 1 \
+		--only none,anti --apps pg_select_c1,nginx_c4,backup --modes vanilla,vmigrater,pinned_all,sched_oracle \
 		--out $(CURDIR)/target/bench-smoke
 
 # Coverage-guided fuzzing of the guest channel's framing and messages, the session rules

@@ -338,7 +338,12 @@ fn run_once(
             "kept_lines": log.lines().filter(|l| l.contains("kept there")).count(),
             "released_lines": log.lines().filter(|l| l.contains("no longer I/O-bound") || l.contains("restored")).count(),
             "guard_holds": log.lines().filter(|l| l.contains("pays=false")).count(),
-            "log_tail": log.lines().rev().take(30).collect::<Vec<_>>().into_iter().rev().collect::<Vec<_>>(),
+            // Every decision the daemon logged (a line each), for the runs that need a why.
+            "log": log
+                .lines()
+                .filter(|l| !l.contains(" DEBUG ") || l.contains("no longer I/O-bound"))
+                .take(200)
+                .collect::<Vec<_>>(),
         });
     }
     let until = monotonic_ns().saturating_sub(start_ns);

@@ -922,3 +922,110 @@ fn a_request_task_is_found_by_its_rate_under_xen_like_deschedules() {
         "never found by its rate: every round found it through a window mostly in flight"
     );
 }
+
+/// Issue 33: the user threads an I/O thread wakes and is woken by are its partners. A
+/// reader that hands every read to a second thread over a pipe and waits for its answer
+/// (a database backend and its client), beside a CPU hog that the disk's completion
+/// interrupts land on: the detector names the second thread as the reader's partner and
+/// never the hog (an interrupt's wake-up is charged to the task it interrupted, which the
+/// reader never wakes back).
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn the_thread_an_io_thread_answers_is_its_partner_and_a_hog_never() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::{mpsc, Arc};
+    assert_root();
+    let _serial = serial();
+    let file = data_file();
+    let mut storage = TrackerStorage::new();
+    let tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
+    assert!(
+        tracker.mode() == AttachMode::Tracepoint || tracker.hooks().contains(&"sched_wakeup"),
+        "{} mode without sched_wakeup: {:?}",
+        tracker.mode(),
+        tracker.hooks()
+    );
+    let mut det = Detector::new(tracker, ClassifierConfig::default());
+    let hogs: Vec<_> = (0..2)
+        .map(|c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect();
+    let hog_tids: Vec<u32> = hogs.iter().map(|h| h.tid).collect();
+    let (to_client_r, to_client_w) = nix::unistd::pipe().expect("pipe");
+    let (to_reader_r, to_reader_w) = nix::unistd::pipe().expect("pipe");
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tids_tx, tids_rx) = mpsc::channel();
+    let client_tx = tids_tx.clone();
+    let client = std::thread::spawn(move || {
+        client_tx.send(("client", gettid())).unwrap();
+        let mut b = [0u8; 1];
+        // Answers each request until the reader closes its end.
+        while nix::unistd::read(&to_client_r, &mut b).unwrap_or(0) == 1 {
+            nix::unistd::write(&to_reader_w, &b).expect("answer");
+        }
+    });
+    let reader_stop = stop.clone();
+    let reader_file = file.clone();
+    let reader = std::thread::spawn(move || {
+        tids_tx.send(("reader", gettid())).unwrap();
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(&reader_file)
+            .expect("open O_DIRECT");
+        let mut backing = vec![0u8; 8192];
+        let skip = backing.as_ptr().align_offset(4096);
+        let buf = &mut backing[skip..skip + 4096];
+        let mut b = [0u8; 1];
+        let mut i = 0u64;
+        while !reader_stop.load(Ordering::Relaxed) {
+            f.read_exact_at(buf, (i * 7919 % 65536) * 4096)
+                .expect("read");
+            nix::unistd::write(&to_client_w, &[1]).expect("request");
+            nix::unistd::read(&to_reader_r, &mut b).expect("answer");
+            i += 1;
+        }
+        drop(to_client_w);
+        i
+    });
+    let mut tids = std::collections::HashMap::new();
+    for _ in 0..2 {
+        let (who, tid) = tids_rx.recv().unwrap();
+        tids.insert(who, tid);
+    }
+    let (reader_tid, client_tid) = (tids["reader"], tids["client"]);
+    let mut seen = Vec::new();
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(5));
+        let out = det.poll().expect("poll");
+        seen.extend(out.partners);
+        if seen
+            .iter()
+            .any(|p| p.of == reader_tid && p.tid == client_tid)
+        {
+            break;
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    let requests = reader.join().expect("reader");
+    client.join().expect("client");
+    for h in hogs {
+        h.stop().expect("hog");
+    }
+    if det.mode() == AttachMode::Tracepoint {
+        assert!(seen.is_empty(), "classic mode finds no partners: {seen:?}");
+        return;
+    }
+    eprintln!("{requests} requests; partners seen: {seen:?}");
+    let p = seen
+        .iter()
+        .find(|p| p.of == reader_tid && p.tid == client_tid)
+        .unwrap_or_else(|| {
+            panic!("the client {client_tid} of reader {reader_tid} not found: {seen:?}")
+        });
+    assert_eq!(p.tgid, std::process::id(), "{p:?}");
+    assert!(
+        !seen.iter().any(|p| hog_tids.contains(&p.tid)),
+        "a hog named a partner: {seen:?} (hogs {hog_tids:?})"
+    );
+}

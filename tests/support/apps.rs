@@ -863,14 +863,15 @@ fn pgbench_log(dir: &Path, start_unix_s: f64, secs: u64) -> Result<(Vec<f64>, Ve
 }
 
 /// Seconds from `start_unix_s` to the first line of the daemon's log (RFC 3339 UTC
-/// timestamps) that says it keeps one of `comms`, if any.
+/// timestamps) at or after it that says it keeps or manages one of `comms`, if any (a
+/// server's own start-up I/O, before the first request, is not help for a request).
 pub fn first_kept_after(log: &str, comms: &[&str], start_unix_s: f64) -> Option<f64> {
     log.lines()
         .filter(|l| l.contains("kept there") || l.contains("managing it"))
         .filter(|l| comms.iter().any(|c| l.contains(&format!("comm={c}"))))
         .filter_map(|l| rfc3339_unix_s(l.split_whitespace().next()?))
         .map(|t| t - start_unix_s)
-        .find(|&d| d >= -1.0)
+        .find(|&d| d >= 0.0)
 }
 
 /// "2026-11-27T14:30:01.123456Z" as Unix seconds.

@@ -44,9 +44,10 @@ char LICENSE[] SEC("license") = "GPL";
 volatile __u32 paused;
 
 /* Rung while paused by a user thread's request when that thread did no block I/O in the
- * last DOORBELL_QUIET_NS (or never): a task that may have just become I/O-bound, so user
- * space samples now instead of at the next period. Set once, cleared by user space: a
- * paused request pays one flag read, or a hash lookup until the first ring. */
+ * last DOORBELL_QUIET_NS, or has fewer than DOORBELL_YOUNG_IOS tracked requests (or none):
+ * a task that may have just become I/O-bound, so user space samples now instead of at the
+ * next period. Set once, cleared by user space: a paused request pays one flag read, or
+ * a hash lookup until the first ring. */
 volatile __u32 doorbell;
 
 struct {
@@ -118,7 +119,7 @@ static __always_inline void ring_if_new(void)
 	if (tid == 0)
 		return;
 	struct thread_stats *s = bpf_map_lookup_elem(&threads, &tid);
-	if (s && bpf_ktime_get_ns() - s->last_ts < DOORBELL_QUIET_NS)
+	if (s && s->ios >= DOORBELL_YOUNG_IOS && bpf_ktime_get_ns() - s->last_ts < DOORBELL_QUIET_NS)
 		return;
 	doorbell = 1;
 }

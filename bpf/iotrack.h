@@ -18,6 +18,10 @@
 /* A thread whose last request is older than this (longer than the sampling period, so a
  * task found in the last sample does not ring) rings the doorbell while tracking pauses. */
 #define DOORBELL_QUIET_NS 5000000000ULL
+/* A thread with fewer tracked requests than this rings too: one that a sample saw start
+ * but could not yet judge (a database backend whose first requests wait on its client)
+ * is looked at again at once rather than a period later. Bounded: the count only grows. */
+#define DOORBELL_YOUNG_IOS 64
 
 /* Per thread (key: tid). Cumulative since the thread's first I/O. */
 struct thread_stats {

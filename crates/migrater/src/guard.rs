@@ -29,6 +29,13 @@ pub struct GuardConfig {
     pub trust_ns: u64,
     pub hold_ns: u64,
     pub max_hold_ns: u64,
+    /// A guard's first judgement of moves that only keep tasks with their completions
+    /// (`Burden::NotLose`) trusts them for `trust_ns` and probes after, instead of probing
+    /// at once: an application started while the daemon runs is helped from its first
+    /// requests rather than through a probe's epochs without moves, which its start-up
+    /// tasks (a shell, a readiness check loading binaries) begin before its first request.
+    /// A loss still shows, at that first probe.
+    pub trust_kept_first: bool,
 }
 
 impl Default for GuardConfig {
@@ -40,6 +47,7 @@ impl Default for GuardConfig {
             trust_ns: 30_000_000_000,
             hold_ns: 30_000_000_000,
             max_hold_ns: 240_000_000_000,
+            trust_kept_first: true,
         }
     }
 }
@@ -97,6 +105,8 @@ pub struct MoveGuard {
     without: Vec<f64>,
     hold_ns: u64,
     burden: Burden,
+    /// No I/O-bound task seen yet: nothing judged.
+    fresh: bool,
 }
 
 /// Moves on in probe epoch `e`: pairs alternate M H, H M, M H, ... (ABBA).
@@ -132,6 +142,7 @@ impl MoveGuard {
             without: Vec::new(),
             hold_ns,
             burden: Burden::Win,
+            fresh: true,
         }
     }
 
@@ -171,6 +182,15 @@ impl MoveGuard {
     pub fn observe(&mut self, now_ns: u64, completed: u64, busy: bool) -> Option<Verdict> {
         if !busy {
             self.epoch_start = None;
+            return None;
+        }
+        if std::mem::take(&mut self.fresh)
+            && self.cfg.trust_kept_first
+            && self.burden == Burden::NotLose
+        {
+            self.phase = Phase::Trusting {
+                until_ns: now_ns + self.cfg.trust_ns,
+            };
             return None;
         }
         match self.phase {
@@ -390,7 +410,38 @@ mod tests {
     const S: u64 = 1_000_000_000;
 
     fn guard() -> MoveGuard {
-        MoveGuard::new(GuardConfig::default())
+        MoveGuard::new(GuardConfig {
+            trust_kept_first: false,
+            ..GuardConfig::default()
+        })
+    }
+
+    #[test]
+    fn keeping_with_completions_is_trusted_first_and_probed_after_the_trust() {
+        let mut g = MoveGuard::new(GuardConfig::default());
+        g.set_burden(Burden::NotLose);
+        assert!(g.probing() && g.moves_allowed());
+        assert_eq!(g.observe(5 * S, 0, false), None, "no task: nothing judged");
+        assert!(g.probing());
+        assert_eq!(g.observe(6 * S, 0, true), None);
+        assert_eq!(
+            g.phase(),
+            &Phase::Trusting {
+                until_ns: 6 * S + GuardConfig::default().trust_ns
+            }
+        );
+        assert!(g.moves_allowed(), "kept from the first task on");
+        // The trust over, a probe as usual: its epoch without moves comes.
+        let end = 6 * S + GuardConfig::default().trust_ns;
+        assert_eq!(g.observe(end, 100, true), None);
+        assert!(g.probing());
+        assert_eq!(g.observe(end + S, 1000, true), None);
+        assert!(!g.moves_allowed(), "the probe's epoch without moves");
+        // Moves that must win are probed at once, trusted first or not.
+        let mut g = MoveGuard::new(GuardConfig::default());
+        g.set_burden(Burden::Win);
+        assert_eq!(g.observe(S, 0, true), None);
+        assert!(g.probing());
     }
 
     /// Drives whole 1 s epochs; `rate(moves)` is the I/O rate the "VM" delivers.

@@ -121,9 +121,11 @@ impl<'obj> Detector<'obj> {
         }
     }
 
-    /// Whether a thread is half-way to being classified I/O-bound.
+    /// Whether a thread is half-way to being classified I/O-bound, or two threads have
+    /// begun to wake each other in this sample but not yet often enough to be partners
+    /// (the sample may run on to decide).
     pub fn entering(&self) -> bool {
-        self.classifier.entering()
+        self.classifier.entering() || crate::partners::pending(&self.wakes)
     }
 
     /// Whether the BPF programs run on block requests now.

@@ -47,6 +47,15 @@ pub fn partners(io_tids: &[u32], wakes: &HashMap<(u32, u32), u64>) -> Vec<(u32, 
     out
 }
 
+/// Whether some pair has woken each other both ways in `wakes`, but one way fewer than
+/// `MIN_WAKES_EACH_WAY` times: a sample that runs on a little decides it.
+pub fn pending(wakes: &HashMap<(u32, u32), u64>) -> bool {
+    wakes.iter().any(|(&(a, b), &there)| {
+        let back = wakes.get(&(b, a)).copied().unwrap_or(0);
+        back > 0 && there.min(back) < MIN_WAKES_EACH_WAY
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -60,6 +69,13 @@ mod tests {
         // Backend 10 and client 20 ping-pong; interrupts charged to hog 30 wake 10.
         let wakes = w(&[((10, 20), 120), ((20, 10), 118), ((30, 10), 400)]);
         assert_eq!(partners(&[10], &wakes), vec![(10, 20, 238)]);
+    }
+
+    #[test]
+    fn a_pair_that_began_to_wake_each_other_is_pending_until_it_qualifies() {
+        assert!(!pending(&w(&[((10, 20), 3)])), "one way only");
+        assert!(pending(&w(&[((10, 20), 3), ((20, 10), 2)])));
+        assert!(!pending(&w(&[((10, 20), 30), ((20, 10), 30)])), "decided");
     }
 
     #[test]

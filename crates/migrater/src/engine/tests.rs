@@ -500,9 +500,14 @@ fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
         nap,
         Duration::from_millis(40).min(Duration::from_millis(150))
     );
-    vm.step(&mut e, &mut f, 200 * MS, 0);
+    let nap = vm.step(&mut e, &mut f, 200 * MS, 0);
     assert_eq!(f.pauses, 1);
     assert!(!e.snapshot().block_tracking);
+    assert_eq!(
+        nap,
+        crate::sampling::DOORBELL_POLL,
+        "the step that pauses looks at the doorbell at the next poll, not the next period"
+    );
     let nap = vm.step(&mut e, &mut f, 1_000 * MS, 0);
     assert_eq!(
         nap,

@@ -168,7 +168,13 @@ impl Engine {
             sampling::Step::Pause => match act.pause() {
                 Ok(()) => {
                     debug!("sample over: block tracking paused");
-                    s.every.saturating_sub(into)
+                    let left = s.every.saturating_sub(into);
+                    // From the pause on, the doorbell is looked at every poll.
+                    if wants {
+                        left.min(sampling::DOORBELL_POLL)
+                    } else {
+                        left
+                    }
                 }
                 Err(e) => {
                     self.snap.detector_errors += 1;

@@ -178,18 +178,6 @@ fn ncpus() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-/// On-CPU seconds of every live thread of a process.
-fn proc_cpu_s(pid: u32) -> f64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum::<u64>() as f64
-        / 1e9
-}
-
 /// The steal report judged against the plan up to `until_ns` (the run stops the program
 /// when the application is done, not at the plan's end).
 fn steal_error(report: &StealReport, plan: &Plan, until_ns: u64) -> f64 {
@@ -274,7 +262,9 @@ fn run_once(
         _ => None,
     };
     sleep_until(start_ns + s.warmup.as_nanos() as u64);
-    let dcpu0 = daemon.as_ref().map(|d| proc_cpu_s(d.pid()));
+    let dcpu0 = daemon
+        .as_ref()
+        .map(|d| vmigrater_testbed::process_cpu_s(d.pid()));
     let hogs = Hogs::start()?;
     let place = match mode {
         "pinned" => Placement {
@@ -327,7 +317,7 @@ fn run_once(
     let hog_rates = hogs.finish();
     let mut daemon_json = Value::Null;
     if let (Some(d), Some(c0)) = (daemon, dcpu0) {
-        let cpu_s = proc_cpu_s(d.pid()) - c0;
+        let cpu_s = vmigrater_testbed::process_cpu_s(d.pid()) - c0;
         let st = d.status().unwrap_or(Value::Null);
         let log = d.stop()?;
         let first = run.as_ref().ok().map(|r| r.first_request_unix_s);

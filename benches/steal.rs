@@ -253,18 +253,6 @@ fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(f64::NAN)
 }
 
-/// On-CPU seconds of every live thread of a process, from schedstat (ns resolution).
-fn proc_cpu_s(pid: u32) -> f64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum::<u64>() as f64
-        / 1e9
-}
-
 /// Busy CPU seconds of the whole machine (all CPUs) from /proc/stat: user through softirq,
 /// without idle, iowait and the hypervisor's steal column.
 fn busy_cpu_s() -> f64 {
@@ -375,7 +363,9 @@ fn run_once(
     };
     sleep_until(start_ns + s.warmup.as_nanos() as u64);
     let status0 = daemon.as_ref().and_then(BenchDaemon::status);
-    let dcpu0 = daemon.as_ref().map(|d| proc_cpu_s(d.pid()));
+    let dcpu0 = daemon
+        .as_ref()
+        .map(|d| vmigrater_testbed::process_cpu_s(d.pid()));
 
     let mut cmd = Command::new(workspace_bin("vmigrater-workload"));
     cmd.arg("--file")
@@ -449,7 +439,7 @@ fn run_once(
     let mut daemon_json = Value::Null;
     let mut daemon_cpu_s = 0.0;
     if let (Some(d), Some(c0)) = (daemon, dcpu0) {
-        let cpu_s = proc_cpu_s(d.pid()) - c0;
+        let cpu_s = vmigrater_testbed::process_cpu_s(d.pid()) - c0;
         daemon_cpu_s = cpu_s;
         let st = d.status().context("vmigrater status after the run")?;
         let m0 = status0

@@ -208,3 +208,15 @@ impl SystemCpu {
         }
     }
 }
+
+/// On-CPU seconds of every live thread of a process, from schedstat (ns resolution).
+pub fn process_cpu_s(pid: u32) -> f64 {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum::<u64>() as f64
+        / 1e9
+}

@@ -92,18 +92,6 @@ fn proc_stat_cpu_s(pid: u32) -> f64 {
     (t(11) + t(12)) / clk_tck()
 }
 
-/// On-CPU seconds of every live thread of a process, from schedstat (ns resolution).
-fn proc_schedstat_s(pid: u32) -> f64 {
-    std::fs::read_dir(format!("/proc/{pid}/task"))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum::<u64>() as f64
-        / 1e9
-}
-
 /// A process's CPU use at one instant, both ways the kernel reports it.
 #[derive(Clone, Copy)]
 struct ProcCpu {
@@ -114,7 +102,7 @@ struct ProcCpu {
 impl ProcCpu {
     fn read(pid: u32) -> ProcCpu {
         ProcCpu {
-            schedstat_s: proc_schedstat_s(pid),
+            schedstat_s: vmigrater_testbed::process_cpu_s(pid),
             stat_s: proc_stat_cpu_s(pid),
         }
     }

@@ -97,6 +97,10 @@ int steal(struct bpf_perf_event_data *ctx)
 	struct steal_window *w = bpf_map_lookup_elem(&windows, &key);
 	if (!w || t < w->start_ns)
 		return 0;
+	__u32 tid = (__u32)bpf_get_current_pid_tgid();
+	if (!c->hit && c->absorber_tid && tid != c->absorber_tid &&
+	    t - w->start_ns < IS_ABSORBER_WAIT_NS)
+		return 0;
 	if (!c->hit) {
 		c->hit = 1;
 		c->windows_hit++;
@@ -111,7 +115,7 @@ int steal(struct bpf_perf_event_data *ctx)
 	c->stolen_ns += sp.now - now;
 	/* Without IRQ time accounting the kernel charges the spin to the task interrupted:
 	 * user space may keep an absorber running there so that no guest task is charged. */
-	if (c->absorber_tid && (__u32)bpf_get_current_pid_tgid() == c->absorber_tid)
+	if (c->absorber_tid && tid == c->absorber_tid)
 		c->absorbed_ns += sp.now - now;
 	return 0;
 }

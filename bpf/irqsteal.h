@@ -10,6 +10,11 @@
 #define IS_MAX_SPIN_NS 50000000ULL
 /* Stealing stops when user space has not refreshed the heartbeat for this long. */
 #define IS_HEARTBEAT_MAX_NS 100000000ULL
+/* With an absorber, how long past its start a window waits for the absorber to be the task
+ * running: two sample periods. A timer that wakes the absorber and the sample that enters
+ * the window can fire in the same interrupt (a late host timer coalesces them), and the
+ * absorber can only run once that interrupt returns. */
+#define IS_ABSORBER_WAIT_NS 500000ULL
 
 /* One window, ns relative to the run's start (`start_ns`). */
 struct steal_window {

@@ -11,6 +11,11 @@
 //! competes with, and nothing else changes (nothing runs on the CPU during the window
 //! either way). The program counts the part of each CPU's stolen time spun while its
 //! absorber was the task interrupted (`absorbed_ns`), so a run says how well this worked.
+//! A window that finds another task running waits up to two sample periods
+//! (`IS_ABSORBER_WAIT_NS`) for its absorber: the timer that wakes the absorber and the
+//! sample that enters the window can fire in one interrupt when the host delivers them
+//! late, and the absorber runs only once that interrupt returns (a CI guest billed 11% of
+//! its windows to the busy task so).
 //!
 //! Must never outlive the run: the threads poll a stop flag at least every 20 ms and are
 //! joined on drop. Windows are bounded by the plan (<= 50 ms, <= 60% of any second), so the

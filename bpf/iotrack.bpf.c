@@ -49,6 +49,8 @@ volatile __u32 paused;
  * next period. Set once, cleared by user space: a paused request pays one flag read, or
  * a hash lookup until the first ring. */
 volatile __u32 doorbell;
+/* The CPUs the machine has (set by user space at load; 0: forks are not watched). */
+volatile __u32 all_cpus;
 
 struct {
 	__uint(type, BPF_MAP_TYPE_LRU_HASH);
@@ -79,6 +81,16 @@ struct {
 	__type(key, struct wake_pair);
 	__type(value, struct wake_stats);
 } wakes SEC(".maps");
+
+/* Every thread born with fewer CPUs allowed than `all_cpus`: Linux copies a parent's mask
+ * to its children, so a task the daemon pinned passes the pin on to every thread or
+ * process it starts. User space sets back the ones it caused. LRU: never full. */
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_FORKS);
+	__type(key, __u32);
+	__type(value, struct fork_seen);
+} forks SEC(".maps");
 
 /* One of `tid`'s requests ended at `now`; `bytes` of it were transferred. `now == 0`
  * says its end was lost (found only when its key came back): the request is closed at the
@@ -304,6 +316,38 @@ SEC("raw_tp/sched_wakeup")
 int BPF_PROG(raw_sched_wakeup, struct task_struct *p)
 {
 	woken(p);
+	return 0;
+}
+
+/* `parent` started `child`. Not paused with the block hooks: a pin passed on between two
+ * samples must be seen too. */
+static __always_inline void forked(struct task_struct *parent, struct task_struct *child)
+{
+	__u32 n = all_cpus;
+	if (!n || BPF_CORE_READ(child, nr_cpus_allowed) >= n)
+		return;
+	if (BPF_CORE_READ(child, flags) & PF_KTHREAD)
+		return;
+	__u32 tid = BPF_CORE_READ(child, pid);
+	struct fork_seen f = {
+		.parent = BPF_CORE_READ(parent, pid),
+		.child_tgid = BPF_CORE_READ(child, tgid),
+		.mask = BPF_CORE_READ(child, cpus_mask.bits[0]),
+	};
+	bpf_map_update_elem(&forks, &tid, &f, BPF_ANY);
+}
+
+SEC("tp_btf/sched_process_fork")
+int BPF_PROG(btf_sched_process_fork, struct task_struct *parent, struct task_struct *child)
+{
+	forked(parent, child);
+	return 0;
+}
+
+SEC("raw_tp/sched_process_fork")
+int BPF_PROG(raw_sched_process_fork, struct task_struct *parent, struct task_struct *child)
+{
+	forked(parent, child);
 	return 0;
 }
 

@@ -84,4 +84,13 @@ struct wake_stats {
 	__u32 wakee_tgid;
 };
 
+/* Children born with fewer CPUs than the machine has, keyed by the child's tid. */
+#define MAX_FORKS 1024
+
+struct fork_seen {
+	__u32 parent;       /* the thread that forked (its tid) */
+	__u32 child_tgid;
+	__u64 mask;         /* the child's allowed CPUs 0-63 at birth */
+};
+
 #endif

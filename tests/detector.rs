@@ -1029,3 +1029,139 @@ fn the_thread_an_io_thread_answers_is_its_partner_and_a_hog_never() {
         "a hog named a partner: {seen:?} (hogs {hog_tids:?})"
     );
 }
+
+/// A shell the test pins: at each line on its stdin it starts `sh -c 'echo $$; sleep 30 &
+/// echo $!; wait'` in the background, which prints its own pid and its child's.
+struct Starter {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+}
+
+impl Starter {
+    fn spawn() -> Starter {
+        use std::os::unix::process::CommandExt;
+        use std::process::{Command, Stdio};
+        let mut child = Command::new("sh")
+            .args([
+                "-c",
+                "while read l; do sh -c 'echo $$; sleep 30 & echo $!; wait' & done; wait",
+            ])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .process_group(0)
+            .spawn()
+            .expect("sh");
+        let stdin = child.stdin.take().unwrap();
+        let stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        Starter {
+            child,
+            stdin,
+            stdout,
+        }
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// (the shell it started, that shell's sleep)
+    fn start(&mut self) -> (u32, u32) {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "go").expect("write");
+        let mut pid = || {
+            let mut l = String::new();
+            self.stdout.read_line(&mut l).expect("read");
+            l.trim().parse::<u32>().expect("a pid")
+        };
+        (pid(), pid())
+    }
+}
+
+impl Drop for Starter {
+    fn drop(&mut self) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let _ = self.child.wait();
+    }
+}
+
+/// Linux gives a child its parent's mask: a task the daemon pinned passes the pin on to
+/// every process it starts. The fork program reports the children born narrowed, and the
+/// executor sets back those of a task it pinned (grandchildren too, and after the parent's
+/// release), never those of a task someone else pinned.
+#[test]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
+fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
+    use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
+    use migrater::journal::AffinityJournal;
+    assert_root();
+    let _serial = serial();
+    let mut storage = TrackerStorage::new();
+    let mut tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
+    if tracker.mode() == AttachMode::Tracepoint {
+        eprintln!("SKIPPED: classic tracepoints carry no task pointer: forks are not watched");
+        return;
+    }
+    assert!(tracker.hooks().contains(&"sched_process_fork"));
+    let own = get_cpus(gettid()).unwrap();
+    assert!(own.len() >= 2, "needs 2 CPUs in the test's mask");
+    let pin = own[1];
+    let dir = tempfile::tempdir().unwrap();
+    let mut ex = AffinityExecutor::new(AffinityJournal::open(dir.path().join("j.json")).unwrap());
+
+    let mut ours = Starter::spawn();
+    let theirs = Starter::spawn();
+    std::thread::sleep(Duration::from_millis(50));
+    let start = os_layer::TaskStat::of_tid(ours.pid()).unwrap().start_time;
+    ex.manage(ours.pid(), ours.pid(), start).expect("manage");
+    assert!(matches!(ex.move_to(ours.pid(), pin), Outcome::Moved { .. }));
+    // Someone else's pin: never ours to undo.
+    set_cpus(theirs.pid(), &[pin]).expect("pin");
+    let mut theirs = theirs;
+    let _ = tracker.take_forks().expect("forks");
+
+    let (shell, sleep) = ours.start();
+    let (their_shell, their_sleep) = theirs.start();
+    for tid in [shell, sleep, their_shell, their_sleep] {
+        assert_eq!(get_cpus(tid).unwrap(), [pin], "tid {tid} born with the pin");
+    }
+    let forks = tracker.take_forks().expect("forks");
+    let seen = |child: u32, parent: u32| {
+        forks
+            .iter()
+            .any(|f| f.child == child && f.parent == parent && f.mask == 1 << pin)
+    };
+    assert!(seen(shell, ours.pid()), "{forks:?}");
+    assert!(
+        seen(sleep, shell),
+        "the grandchild, by its own parent: {forks:?}"
+    );
+    assert!(seen(their_shell, theirs.pid()), "{forks:?}");
+
+    // Reported after the parent was handed back: its own mask is still known.
+    assert!(matches!(ex.release(ours.pid()), Outcome::Moved { .. }));
+    assert_eq!(ex.undo_inherited(&forks), 2, "{forks:?}");
+    assert_eq!(get_cpus(shell).unwrap(), own);
+    assert_eq!(get_cpus(sleep).unwrap(), own);
+    assert_eq!(get_cpus(their_shell).unwrap(), [pin], "not ours");
+    assert_eq!(get_cpus(their_sleep).unwrap(), [pin]);
+
+    // A child that changed its own mask since its birth keeps it.
+    let start = os_layer::TaskStat::of_tid(ours.pid()).unwrap().start_time;
+    ex.manage(ours.pid(), ours.pid(), start)
+        .expect("manage again");
+    assert!(matches!(ex.move_to(ours.pid(), pin), Outcome::Moved { .. }));
+    let (shell, sleep) = ours.start();
+    set_cpus(sleep, &[own[0]]).expect("its own choice");
+    let forks = tracker.take_forks().expect("forks");
+    assert_eq!(ex.undo_inherited(&forks), 1, "{forks:?}");
+    assert_eq!(get_cpus(shell).unwrap(), own);
+    assert_eq!(get_cpus(sleep).unwrap(), [own[0]]);
+    ex.release_all();
+}

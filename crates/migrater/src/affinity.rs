@@ -16,6 +16,9 @@
 //! an outside change (the entry leaves the journal). Later moves are not journaled; see
 //! `journal` for why recovery still recognises every single-CPU mask we may have set.
 //!
+//! Linux copies a parent's mask to its children, so a task we pinned passes the pin on to
+//! what it starts; `undo_inherited` sets those back to the parent's own mask.
+//!
 //! It also owns the one other attribute we change: the scheduler slice of a task kept with
 //! its completions (`set_short_slices`), journaled before the change like a mask and given
 //! back on release unless someone else changed it after us.
@@ -24,10 +27,11 @@ use anyhow::{bail, Context};
 use nix::errno::Errno;
 use nix::sched::{sched_getaffinity, sched_setaffinity, CpuSet};
 use nix::unistd::Pid;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
-use std::time::Instant;
-use tracing::{info, warn};
+use std::time::{Duration, Instant};
+use task_detector::ForkSample;
+use tracing::{debug, info, warn};
 
 use os_layer::{cpus_of, parse_cpu_list, to_cpuset, Root, TaskStat};
 
@@ -139,10 +143,18 @@ impl JournalHealth {
     }
 }
 
+/// How long a released task's own mask is remembered (`undo_inherited`): the threads it
+/// started while pinned are reported at the next poll of the block programs, which may come
+/// after its release (one sample period, 2.5 s by default).
+const ORIGIN_KEPT: Duration = Duration::from_secs(30);
+
 pub struct AffinityExecutor {
     journal: AffinityJournal,
     health: JournalHealth,
     tasks: BTreeMap<u32, Managed>,
+    /// By tid: the own mask of a task released lately, or of a thread set back by
+    /// `undo_inherited` (its own children inherited the same pin), and when it was noted.
+    origins: HashMap<u32, (CpuSet, Instant)>,
     root: Root,
     /// What a fair thread without a slice of its own reads (asked once, when first needed).
     base_slice: Option<Option<u64>>,
@@ -159,6 +171,7 @@ impl AffinityExecutor {
             journal,
             health: JournalHealth::default(),
             tasks: BTreeMap::new(),
+            origins: HashMap::new(),
             root,
             base_slice: None,
         }
@@ -367,6 +380,7 @@ impl AffinityExecutor {
         if m.external {
             return Outcome::External;
         }
+        self.origins.insert(tid, (m.original, Instant::now()));
         if let Some(change) = m.slice {
             give_back_slice(tid, change);
         }
@@ -521,6 +535,69 @@ impl AffinityExecutor {
             // The stale entry is harmless: recovery re-checks identity and mask.
             self.health.failed(&e);
         }
+    }
+
+    /// Sets back the threads that inherited a pin of ours: Linux gives a child its parent's
+    /// mask, so a task we pinned passes the pin on to every thread and process it starts,
+    /// and nothing would ever give it back (a server started by a task we kept would stay
+    /// on one vCPU for good). A child is set to its parent's own mask when it still has
+    /// the mask it was born with (CPUs 0-63: `ForkSample::mask`) and its parent is managed
+    /// or was lately; a child that changed its mask since, or that we manage ourselves, is
+    /// left alone. Grandchildren follow their parent. Returns how many were set back.
+    pub fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
+        let now = Instant::now();
+        self.origins
+            .retain(|_, (_, at)| now.duration_since(*at) < ORIGIN_KEPT);
+        let mut pending: Vec<&ForkSample> = forks.iter().collect();
+        let mut undone = 0;
+        // A grandchild's parent is set back first: as many passes as that takes.
+        loop {
+            let before = pending.len();
+            let mut rest = Vec::new();
+            for f in pending {
+                let own = self
+                    .tasks
+                    .get(&f.parent)
+                    .filter(|m| !m.external)
+                    .map(|m| m.original)
+                    .or_else(|| self.origins.get(&f.parent).map(|(o, _)| *o));
+                let Some(own) = own else {
+                    rest.push(f);
+                    continue;
+                };
+                if self.tasks.contains_key(&f.child) {
+                    continue;
+                }
+                let pid = Pid::from_raw(f.child as i32);
+                let Ok(current) = sched_getaffinity(pid) else {
+                    continue;
+                };
+                let cpus = cpus_of(&current);
+                let as_born = cpus.iter().all(|&c| c < 64)
+                    && cpus.iter().fold(0u64, |m, &c| m | 1 << c) == f.mask;
+                if !as_born || current == own {
+                    continue;
+                }
+                match sched_setaffinity(pid, &own) {
+                    Ok(()) => {
+                        debug!(
+                            tid = f.child,
+                            parent = f.parent,
+                            "started by a pinned task: its inherited pin set back"
+                        );
+                        self.origins.insert(f.child, (own, now));
+                        undone += 1;
+                    }
+                    Err(e) => debug!(tid = f.child, "setting back an inherited pin: {e}"),
+                }
+            }
+            // Forks of tasks we never pinned stay in `rest` until a pass changes nothing.
+            if rest.len() == before {
+                break;
+            }
+            pending = rest;
+        }
+        undone
     }
 
     /// Releases every task (on exit); returns how many got their original mask back.

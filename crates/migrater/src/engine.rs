@@ -19,7 +19,7 @@ mod waiting;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
-use task_detector::{CpuIoSample, DetectorOutput, IoTaskInfo, Partner};
+use task_detector::{CpuIoSample, DetectorOutput, ForkSample, IoTaskInfo, Partner};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
 use crate::affinity::Outcome;
@@ -153,6 +153,9 @@ pub trait TaskPlacement {
     fn release(&mut self, tid: u32) -> Option<Outcome>;
     /// Hands every task back; `None` in dry run.
     fn release_all(&mut self) -> Option<usize>;
+    /// Sets back the children that inherited a pin of ours (`AffinityExecutor::undo_inherited`);
+    /// returns how many.
+    fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize;
     /// The tasks the monitor threads may move from now on.
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>);
     /// Whether the monitor must track slices precisely.
@@ -197,6 +200,8 @@ pub struct EngineSnapshot {
     pub let_go_waiting: u64,
     /// Samples started before their period by the doorbell, cumulative.
     pub early_samples: u64,
+    /// Threads that inherited a pin from a task we pinned, set back, cumulative.
+    pub inherited_pins_undone: u64,
 }
 
 /// A task pinned to the vCPU that takes its requests' completions.
@@ -223,6 +228,7 @@ impl Default for EngineSnapshot {
             releases: 0,
             detector_errors: 0,
             early_samples: 0,
+            inherited_pins_undone: 0,
             kept_with_completions: Vec::new(),
             let_go_waiting: 0,
         }
@@ -385,6 +391,14 @@ impl Engine {
                 _ => out.cpus.clone(),
             };
             self.sampled_cpus = out.cpus;
+            let undone = act.undo_inherited(&out.forks);
+            if undone > 0 {
+                tracing::info!(
+                    undone,
+                    "threads started by pinned tasks had inherited the pin: set back to their parents' own masks"
+                );
+                self.snap.inherited_pins_undone += undone as u64;
+            }
             self.found = out.tasks;
             for p in out.partners {
                 self.partners.insert(p.tid, (p, now));

@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use crate::classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
 use crate::hooks::AttachMode;
-use crate::tracker::{CpuIoSample, IoTracker};
+use crate::tracker::{CpuIoSample, ForkSample, IoTracker};
 
 /// An I/O-bound thread with what the daemon needs to manage it safely.
 #[derive(Clone, Debug, PartialEq)]
@@ -38,6 +38,8 @@ pub struct DetectorOutput {
     pub cpus: Vec<CpuIoSample>,
     /// The partners of `tasks`.
     pub partners: Vec<Partner>,
+    /// Threads born with a narrowed mask since the last poll (inherited pins among them).
+    pub forks: Vec<ForkSample>,
 }
 
 #[derive(Clone, Debug)]
@@ -224,6 +226,7 @@ impl<'obj> Detector<'obj> {
             self.tgids.insert(w.waker, w.waker_tgid);
             self.tgids.insert(w.wakee, w.wakee_tgid);
         }
+        let forks = self.tracker.take_forks()?;
         let cpus = self.tracker.sample_cpus()?;
         // Idle fast path: no completion anywhere since the last poll and nobody being
         // classified means no thread can have become I/O-bound; skip the thread map.
@@ -235,6 +238,7 @@ impl<'obj> Detector<'obj> {
                 tasks: Vec::new(),
                 cpus,
                 partners: Vec::new(),
+                forks,
             });
         }
         let samples = self.tracker.sample_threads(real_now)?;
@@ -311,6 +315,7 @@ impl<'obj> Detector<'obj> {
             tasks,
             cpus,
             partners,
+            forks,
         })
     }
 

@@ -3,7 +3,7 @@
 //! Pure: both the probe (what this kernel offers) and the tracker (loading) read it.
 
 /// Every tracepoint the programs may use (see `plan_hooks`).
-pub const TRACEPOINTS: [&str; 7] = [
+pub const TRACEPOINTS: [&str; 8] = [
     "block_io_start",
     "block_rq_insert",
     "block_rq_issue",
@@ -11,6 +11,7 @@ pub const TRACEPOINTS: [&str; 7] = [
     "block_rq_requeue",
     "block_rq_merge",
     "sched_wakeup",
+    "sched_process_fork",
 ];
 
 /// bpf/iotrack.h INFLIGHT_STALE_NS: an open busy interval with no event for this long
@@ -50,7 +51,8 @@ impl AttachMode {
 /// `block_rq_insert` + `block_rq_issue` (insert sees the submitter on the scheduler
 /// path, issue on the direct path). End: `block_rq_complete`. `block_rq_requeue` and
 /// `block_rq_merge` keep the in-flight table honest where they exist; `sched_wakeup`
-/// (typed and raw modes) finds the threads an I/O thread wakes and is woken by.
+/// (typed and raw modes) finds the threads an I/O thread wakes and is woken by;
+/// `sched_process_fork` (typed and raw) sees the children that inherit a pin.
 pub fn plan_hooks(exists: impl Fn(&str) -> bool) -> Option<Vec<&'static str>> {
     let mut hooks = Vec::new();
     if exists("block_io_start") {
@@ -67,7 +69,12 @@ pub fn plan_hooks(exists: impl Fn(&str) -> bool) -> Option<Vec<&'static str>> {
         return None;
     }
     hooks.push("block_rq_complete");
-    for optional in ["block_rq_requeue", "block_rq_merge", "sched_wakeup"] {
+    for optional in [
+        "block_rq_requeue",
+        "block_rq_merge",
+        "sched_wakeup",
+        "sched_process_fork",
+    ] {
         if exists(optional) {
             hooks.push(optional);
         }
@@ -94,7 +101,8 @@ mod tests {
                 "block_rq_complete",
                 "block_rq_requeue",
                 "block_rq_merge",
-                "sched_wakeup"
+                "sched_wakeup",
+                "sched_process_fork"
             ]
         );
         assert_eq!(

@@ -24,5 +24,5 @@ pub use detector::{Detector, DetectorOutput, IoTaskInfo, Partner, ProcReader};
 pub use hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_NS};
 pub use probe::{probe, Probe};
 pub use tracker::{
-    CpuIoSample, IoTracker, ThreadIoSample, TrackerOptions, TrackerStorage, WakeSample,
+    CpuIoSample, ForkSample, IoTracker, ThreadIoSample, TrackerOptions, TrackerStorage, WakeSample,
 };

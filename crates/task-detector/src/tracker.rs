@@ -49,6 +49,18 @@ pub struct WakeSample {
     pub wakes: u64,
 }
 
+/// A thread born with fewer CPUs allowed than the machine has (`IoTracker::take_forks`):
+/// it may carry a pin its parent had from us.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ForkSample {
+    pub child: u32,
+    pub child_tgid: u32,
+    /// The thread that started it.
+    pub parent: u32,
+    /// Its allowed CPUs 0-63 at birth, one bit each.
+    pub mask: u64,
+}
+
 /// One vCPU's I/O completions (ISACS E_n and the Eq. 1 EMA).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuIoSample {
@@ -199,14 +211,16 @@ impl<'obj> IoTracker<'obj> {
         let ncpus = libbpf_rs::num_possible_cpus()
             .unwrap_or(1)
             .min(MAX_CPUS as usize) as u32;
-        Ok(IoTracker {
+        let mut tracker = IoTracker {
             links,
             paused: false,
             skel,
             mode,
             hooks,
             ncpus,
-        })
+        };
+        tracker.watch_forks()?;
+        Ok(tracker)
     }
 
     fn load_attach(
@@ -265,6 +279,47 @@ impl<'obj> IoTracker<'obj> {
             }
             rang
         }
+    }
+
+    /// Tells the fork program how many CPUs are online: a child allowed fewer was narrowed
+    /// by someone (`take_forks`).
+    fn watch_forks(&mut self) -> Result<()> {
+        let online = nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+            .ok()
+            .flatten()
+            .unwrap_or(0)
+            .max(0) as u32;
+        let bss = self
+            .skel
+            .maps
+            .bss_data
+            .as_deref_mut()
+            .context("the block I/O BPF object has no mmapped .bss")?;
+        // SAFETY: a valid, aligned u32 in the mmapped .bss the programs read concurrently.
+        unsafe { std::ptr::write_volatile(std::ptr::addr_of_mut!(bss.all_cpus), online) };
+        Ok(())
+    }
+
+    /// The threads born narrowed since the last call, and the map emptied.
+    pub fn take_forks(&mut self) -> Result<Vec<ForkSample>> {
+        let map = &self.skel.maps.forks;
+        let mut out = Vec::new();
+        let mut keys = Vec::new();
+        for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
+            let child: u32 = read_pod(&k)?;
+            let val: types::fork_seen = read_pod(&v)?;
+            out.push(ForkSample {
+                child,
+                child_tgid: val.child_tgid,
+                parent: val.parent,
+                mask: val.mask,
+            });
+            keys.push(k);
+        }
+        for k in keys {
+            let _ = map.delete(&k);
+        }
+        Ok(out)
     }
 
     /// The wake-ups counted since the last call, and the map emptied: counts are per
@@ -547,7 +602,7 @@ mod tests {
                 assert!(all.contains(hook));
                 // Classic mode looks for tracepoints under events/block only: it never
                 // plans the scheduler's (no partners there).
-                if mode == AttachMode::Tracepoint && *hook == "sched_wakeup" {
+                if mode == AttachMode::Tracepoint && hook.starts_with("sched_") {
                     continue;
                 }
                 let name = prog_name(mode, hook);

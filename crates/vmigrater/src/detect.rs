@@ -15,8 +15,8 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use task_detector::{
-    AttachMode, ClassifierConfig, Detector, DetectorOutput, IoTaskInfo, IoTracker, TrackerOptions,
-    TrackerStorage,
+    AttachMode, ClassifierConfig, Detector, DetectorOutput, ForkSample, IoTaskInfo, IoTracker,
+    TrackerOptions, TrackerStorage,
 };
 use tracing::{info, warn};
 use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
@@ -80,6 +80,16 @@ impl TaskPlacement for LivePlacement<'_> {
     fn release_all(&mut self) -> Option<usize> {
         let mut placement = lock_placement(&self.shared.placement);
         placement.executor.as_mut().map(|ex| ex.release_all())
+    }
+    fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
+        if forks.is_empty() {
+            return 0;
+        }
+        let mut placement = lock_placement(&self.shared.placement);
+        placement
+            .executor
+            .as_mut()
+            .map_or(0, |ex| ex.undo_inherited(forks))
     }
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
         self.shared.tasks.store(tasks);
@@ -150,6 +160,9 @@ impl TaskPlacement for Live<'_, '_> {
     }
     fn release_all(&mut self) -> Option<usize> {
         self.placement.release_all()
+    }
+    fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
+        self.placement.undo_inherited(forks)
     }
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
         self.placement.publish_tasks(tasks)

@@ -73,6 +73,7 @@ pub struct Metrics {
     pub let_go_waiting: Counter,
     pub detector_errors: Counter,
     pub early_samples: Counter,
+    pub inherited_pins_undone: Counter,
     /// Mirrors the executor's count of failed journal writes.
     pub journal_errors: Counter,
     monitor_source: Family<SourceLabel, Gauge>,
@@ -106,6 +107,7 @@ impl Metrics {
             let_go_waiting: Counter::default(),
             detector_errors: Counter::default(),
             early_samples: Counter::default(),
+            inherited_pins_undone: Counter::default(),
             journal_errors: Counter::default(),
             monitor_source: Family::default(),
             moves_allowed: Gauge::default(),
@@ -158,6 +160,11 @@ impl Metrics {
             "early_samples",
             "Block-tracking samples started before their period because a thread quiet for seconds issued block I/O",
             m.early_samples.clone(),
+        );
+        r.register(
+            "inherited_pins_undone",
+            "Threads and processes started by a task the daemon pinned, born with its pin and set back to that task's own mask",
+            m.inherited_pins_undone.clone(),
         );
         r.register(
             "journal_errors",
@@ -291,6 +298,7 @@ impl Metrics {
         store(&self.let_go_waiting, engine.let_go_waiting);
         store(&self.detector_errors, engine.detector_errors);
         store(&self.early_samples, engine.early_samples);
+        store(&self.inherited_pins_undone, engine.inherited_pins_undone);
         let verdicts = engine.guard_verdicts;
         for (pays, n) in [("true", verdicts.pays), ("false", verdicts.holds)] {
             store(

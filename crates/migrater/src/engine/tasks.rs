@@ -133,7 +133,21 @@ impl Engine {
         // through its grace keeps what was learnt of it.
         if self.fresh {
             for i in found {
-                self.homes.observe(i.task.tid, &i.task.completion);
+                let was = self.homes.home(i.task.tid);
+                let home = self.homes.observe(i.task.tid, &i.task.completion);
+                if home != was && next.iter().any(|e| e.tid == i.task.tid) {
+                    let c = &i.task.completion;
+                    info!(
+                        tid = i.task.tid,
+                        comm = %i.comm,
+                        ?was,
+                        ?home,
+                        on_cpu = c.cpu,
+                        completions = c.count,
+                        remote = c.remote,
+                        "where its requests complete changed"
+                    );
+                }
             }
             self.homes.retain(|tid| {
                 found.iter().any(|i| i.task.tid == tid) || next.iter().any(|e| e.tid == tid)

@@ -6,7 +6,7 @@ use super::*;
 use crate::planner::Reason;
 use crate::sampling::Schedule;
 use std::collections::{BTreeMap, BTreeSet};
-use task_detector::{CompletionSite, IoTask};
+use task_detector::{CompletionSite, ForkSample, IoTask};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
@@ -38,6 +38,9 @@ struct Fake {
     doorbell: bool,
     /// The partners the next polls report.
     partners: Vec<task_detector::Partner>,
+    /// The forks the next poll reports (once), and every fork handed to `undo_inherited`.
+    forks: Vec<ForkSample>,
+    forks_seen: Vec<ForkSample>,
 }
 
 impl Fake {
@@ -89,6 +92,7 @@ impl BlockTracking for Fake {
             tasks: self.window.clone(),
             cpus: Vec::new(),
             partners: self.partners.clone(),
+            forks: std::mem::take(&mut self.forks),
         })
     }
 }
@@ -128,6 +132,14 @@ impl TaskPlacement for Fake {
         self.released.extend(self.managed.keys().copied());
         self.managed.clear();
         (!self.dry_run).then_some(n)
+    }
+    fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
+        self.forks_seen.extend_from_slice(forks);
+        // Set back: the children of the tasks pinned now.
+        forks
+            .iter()
+            .filter(|f| self.managed.get(&f.parent).is_some_and(|p| p.is_some()))
+            .count()
     }
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
         self.published = tasks;
@@ -897,4 +909,35 @@ fn an_excluded_partner_or_an_io_bound_one_is_not_kept_as_a_partner() {
         "an I/O-bound partner is placed by its own rule: {:?}",
         f.anchors
     );
+}
+
+#[test]
+fn the_children_a_pinned_task_started_are_handed_to_the_placement_at_the_next_poll() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)), "pinned to vCPU 1");
+    let fork = |child, parent| ForkSample {
+        child,
+        child_tgid: child,
+        parent,
+        mask: 0b10,
+    };
+    f.forks = vec![fork(20, 10), fork(30, 77)];
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(
+        f.forks_seen,
+        [fork(20, 10), fork(30, 77)],
+        "every fork, once"
+    );
+    assert_eq!(
+        e.snapshot().inherited_pins_undone,
+        1,
+        "the pinned task's child only"
+    );
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.forks_seen.len(), 2);
+    assert_eq!(e.snapshot().inherited_pins_undone, 1);
 }

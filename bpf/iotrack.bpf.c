@@ -277,6 +277,12 @@ static __always_inline void merged(__u64 key)
 		thread_done(tid, bpf_ktime_get_ns(), 0);
 }
 
+/* SCHED_NORMAL, SCHED_BATCH, SCHED_IDLE. */
+static __always_inline bool fair(unsigned int policy)
+{
+	return policy == 0 || policy == 3 || policy == 5;
+}
+
 /* `current` wakes `p`: counted when both are user threads and one of them issued block I/O
  * (the map stays small). A wake-up from interrupt context counts the interrupted task as
  * the waker; user space takes as partners only threads that wake each other both ways. */
@@ -291,6 +297,12 @@ static __always_inline void woken(struct task_struct *p)
 		return;
 	struct task_struct *cur = (struct task_struct *)bpf_get_current_task();
 	if ((BPF_CORE_READ(cur, flags) | BPF_CORE_READ(p, flags)) & PF_KTHREAD)
+		return;
+	/* Fair-class threads only: a real-time thread's timer that fires while the I/O thread
+	 * runs charges the I/O thread as its waker, so two threads that never talk would
+	 * look like partners (a testbed's absorber did), and a real-time thread is never ours
+	 * to place beside another. */
+	if (!fair(BPF_CORE_READ(cur, policy)) || !fair(BPF_CORE_READ(p, policy)))
 		return;
 	if (!bpf_map_lookup_elem(&threads, &waker) && !bpf_map_lookup_elem(&threads, &wakee))
 		return;

@@ -542,8 +542,9 @@ impl AffinityExecutor {
     /// and nothing would ever give it back (a server started by a task we kept would stay
     /// on one vCPU for good). A child is set to its parent's own mask when it still has
     /// the mask it was born with (CPUs 0-63: `ForkSample::mask`) and its parent is managed
-    /// or was lately; a child that changed its mask since, or that we manage ourselves, is
-    /// left alone. Grandchildren follow their parent. Returns how many were set back.
+    /// or was lately; a child that changed its mask since is left alone, and one we took
+    /// over already gets its parent's mask as the one to restore (`adopt_own_mask`).
+    /// Grandchildren follow their parent. Returns how many were set back.
     pub fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
         let now = Instant::now();
         self.origins
@@ -566,6 +567,10 @@ impl AffinityExecutor {
                     continue;
                 };
                 if self.tasks.contains_key(&f.child) {
+                    if self.adopt_own_mask(f, own) {
+                        self.origins.insert(f.child, (own, now));
+                        undone += 1;
+                    }
                     continue;
                 }
                 let pid = Pid::from_raw(f.child as i32);
@@ -598,6 +603,51 @@ impl AffinityExecutor {
             pending = rest;
         }
         undone
+    }
+
+    /// A child we took over before its fork was reported: we journaled the pin it
+    /// inherited as its own mask, and would restore that pin. Its own is its parent's:
+    /// that becomes what we restore (journal first) and what we may place it on; where we
+    /// never moved it, its mask too. Returns whether it was corrected.
+    fn adopt_own_mask(&mut self, f: &ForkSample, own: CpuSet) -> bool {
+        let Some(m) = self.tasks.get(&f.child) else {
+            return false;
+        };
+        let original = cpus_of(&m.original);
+        let born: Vec<usize> = (0..64).filter(|&c| f.mask & (1 << c) != 0).collect();
+        if m.external || original != born || m.original == own {
+            return false;
+        }
+        let own_list = cpus_of(&own);
+        let mut allowed = own_list.clone();
+        let tgid = self.journal.get(f.child).map_or(f.child_tgid, |e| e.tgid);
+        if let Some(limit) = self.cpuset_cpus(tgid, f.child) {
+            allowed.retain(|c| limit.contains(c));
+        }
+        if allowed.is_empty() {
+            return false;
+        }
+        if let Err(e) = self.journal.update_original(f.child, &own_list, &allowed) {
+            self.health.failed(&e);
+            return false;
+        }
+        let Some(m) = self.tasks.get_mut(&f.child) else {
+            return false;
+        };
+        if m.placed.is_none() {
+            if let Err(e) = sched_setaffinity(Pid::from_raw(f.child as i32), &own) {
+                debug!(tid = f.child, "setting back an inherited pin: {e}");
+                return false;
+            }
+        }
+        m.original = own;
+        m.allowed = allowed;
+        debug!(
+            tid = f.child,
+            parent = f.parent,
+            "taken over with a pin it inherited from a task of ours: its own mask is its parent's"
+        );
+        true
     }
 
     /// Releases every task (on exit); returns how many got their original mask back.

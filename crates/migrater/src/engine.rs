@@ -267,6 +267,8 @@ pub struct Engine {
     homes: CompletionHomes,
     /// Tasks kept with their completions: when the classifier last found each.
     kept_found_ns: HashMap<u32, u64>,
+    /// Managed tasks said once not to be keepable with their completions.
+    unkept: HashSet<u32>,
     /// Kept tasks waiting on their vCPU's run queue, and the ones let go for it.
     waiting: waiting::Waiting,
     /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
@@ -297,6 +299,7 @@ impl Engine {
             anchored: Vec::new(),
             homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
             kept_found_ns: HashMap::new(),
+            unkept: HashSet::new(),
             waiting: waiting::Waiting::default(),
             partners: HashMap::new(),
             snap: EngineSnapshot::default(),

@@ -120,6 +120,21 @@ impl AffinityJournal {
         self.edit(tid, |e| e.last_set = Some(mask.to_vec()))
     }
 
+    /// Corrects what `tid`'s original mask was (`AffinityExecutor::undo_inherited`: a
+    /// child taken over with the pin it inherited from a task of ours); a no-op for unknown
+    /// tids or no change.
+    pub fn update_original(
+        &mut self,
+        tid: u32,
+        original: &[usize],
+        allowed: &[usize],
+    ) -> Result<()> {
+        self.edit(tid, |e| {
+            e.original = original.to_vec();
+            e.allowed = allowed.to_vec();
+        })
+    }
+
     /// Notes the slice we are about to give `tid` (`None`: its own is back); a no-op for
     /// unknown tids or no change.
     pub fn update_slice(&mut self, tid: u32, slice: Option<SliceChange>) -> Result<()> {

@@ -160,6 +160,15 @@ impl Engine {
                 continue;
             };
             if !e.allowed.contains(&cpu) {
+                if self.unkept.insert(e.tid) {
+                    info!(
+                        tid = e.tid,
+                        comm = %e.comm,
+                        cpu,
+                        allowed = ?e.allowed,
+                        "its requests complete on vCPU {cpu}, outside the CPUs it may use: not kept"
+                    );
+                }
                 continue;
             }
             let task = FoundTask {
@@ -172,6 +181,14 @@ impl Engine {
                 .anchor(&[task], &[cpu], Reason::Completion)
                 .contains(&e.tid)
             {
+                if self.unkept.insert(e.tid) {
+                    info!(
+                        tid = e.tid,
+                        comm = %e.comm,
+                        cpu,
+                        "could not be kept on vCPU {cpu}: its mask was changed by someone else, or it is gone"
+                    );
+                }
                 continue;
             }
             if !self.anchored.iter().any(|a| a.tid == e.tid) {
@@ -197,6 +214,7 @@ impl Engine {
         }
         self.kept_found_ns
             .retain(|tid, _| homed.iter().any(|h| h.tid == *tid));
+        self.unkept.retain(|tid| next.iter().any(|e| e.tid == *tid));
         homed
     }
 
@@ -341,7 +359,10 @@ impl Engine {
         for verdict in admission::admit(&found, &self.current, ex) {
             let (info, allowed, priority) = match verdict {
                 Admission::Keep { managed, now } => {
-                    (now, managed.allowed.clone(), managed.priority)
+                    // Asked again: the executor may have corrected what it may use (a pin
+                    // it inherited from a task of ours, `undo_inherited`).
+                    let allowed = act.manage(now).unwrap_or_else(|_| managed.allowed.clone());
+                    (now, allowed, managed.priority)
                 }
                 Admission::New(info) => {
                     let t = &info.task;

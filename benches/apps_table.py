@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Markdown table of one or more apps*.json (benches/apps.rs): per schedule x application,
 the median of each mode, the daemon against vanilla and against the best oracle (ratio of
-medians [95% bootstrap]), its lowest run against that oracle's median, the spread, the time
+medians [95% bootstrap]), its lowest run against that oracle's median, how many of its runs
+fell below the vanilla run of the same repetition, the daemon's CPU, the time
 to half rate (every mode's, from the application's own per-second figures) and the build.
 Usage:
     apps_table.py apps-a.json [apps-b.json ...]
@@ -32,8 +33,8 @@ def num(x):
 
 
 def main(paths):
-    print("| schedule | application | reps | vanilla | vmigrater | best oracle (which) | vmigrater / vanilla | vmigrater / best oracle | lowest run / best oracle | ½ rate after, s (vanilla / vmigrater / oracle) | build |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| schedule | application | reps | vanilla | vmigrater | best oracle (which) | vmigrater / vanilla | vmigrater / best oracle | lowest run / best oracle | runs below their vanilla run | daemon CPU, % | ½ rate after, s (vanilla / vmigrater / oracle) | build |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in paths:
         r = json.load(open(p))
         for sched, apps in r["cells"].items():
@@ -50,9 +51,20 @@ def main(paths):
                     for x in (va, vm, o)
                 )
                 reps = len(vm.get("runs", []))
+                by_rep = {}
+                cpu = []
+                for run in r["runs"]:
+                    if run["app_name"] != app or run["schedule"] != sched:
+                        continue
+                    by_rep.setdefault(run["rep"], {})[run["mode"]] = run["value"]
+                    if run["mode"] == "vmigrater" and run.get("daemon"):
+                        cpu.append(run["daemon"]["cpu_pct_of_one_cpu"])
+                pairs = [x for x in by_rep.values() if "vmigrater" in x and "vanilla" in x]
+                below = f"{sum(x['vmigrater'] < x['vanilla'] for x in pairs)} of {len(pairs)}"
+                cpu = f"{statistics.median(cpu):.2f}" if cpu else "–"
                 print(f"| {SCHEDS.get(sched, sched)} | {NAMES.get(app, app)} | {reps} | {num(va.get('median'))} | "
                       f"{num(vm.get('median'))} | {num(o.get('median')) if bo else '–'} ({bo or '–'}) | "
-                      f"{est(vm.get('vs_vanilla'))} | {est(vm.get('vs_best_oracle'))} | {low} | {half} | {r.get('commit', '?')} |")
+                      f"{est(vm.get('vs_vanilla'))} | {est(vm.get('vs_best_oracle'))} | {low} | {below} | {cpu} | {half} | {r.get('commit', '?')} |")
 
 
 if __name__ == "__main__":

@@ -53,7 +53,9 @@ pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
 fn classifier_config(cfg: &Config) -> ClassifierConfig {
     ClassifierConfig {
         window_ns: cfg.detector.window_ms * 1_000_000,
-        max_window_ns: cfg.detector.window_ms * 10_000_000,
+        // A sample (250 ms) at the default window: a server in lock-step with deschedules
+        // issues a request every period or two.
+        max_window_ns: cfg.detector.window_ms * 50_000_000,
         ..ClassifierConfig::default()
     }
 }

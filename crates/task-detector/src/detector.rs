@@ -103,7 +103,16 @@ pub struct Detector<'obj> {
     /// Wake-ups per (waker, wakee) in the current sample, and each thread's tgid.
     wakes: HashMap<(u32, u32), u64>,
     tgids: HashMap<u32, u32>,
+    /// When each thread was last found I/O-bound (real clock): its partners are still
+    /// looked for a while after (`RECENT_IO_NS`).
+    recent_io: HashMap<u32, u64>,
 }
+
+/// How long a thread found I/O-bound still has its partners looked for: a backend whose
+/// client waits on another vCPU spends its time waiting for the client, reads as no
+/// longer I/O-bound, and only the partner beside it brings its rate (and itself) back. The
+/// daemon keeps such a task a few seconds more (`KEEP_GRACE`), and finds its partner then.
+const RECENT_IO_NS: u64 = 10_000_000_000;
 
 impl<'obj> Detector<'obj> {
     pub fn new(tracker: IoTracker<'obj>, cfg: ClassifierConfig) -> Self {
@@ -120,6 +129,7 @@ impl<'obj> Detector<'obj> {
             untracked_cpu: HashMap::new(),
             wakes: HashMap::new(),
             tgids: HashMap::new(),
+            recent_io: HashMap::new(),
         }
     }
 
@@ -319,13 +329,19 @@ impl<'obj> Detector<'obj> {
         })
     }
 
-    /// The partners of `tasks` in this sample, with their /proc identity (exited and
-    /// kernel threads left out).
+    /// The partners of `tasks`, and of the threads found I/O-bound lately, in this sample,
+    /// with their /proc identity (exited and kernel threads left out).
     fn partners_of(&mut self, tasks: &[IoTaskInfo]) -> Vec<Partner> {
-        if self.wakes.is_empty() || tasks.is_empty() {
+        if self.wakes.is_empty() || (tasks.is_empty() && self.recent_io.is_empty()) {
             return Vec::new();
         }
-        let io: Vec<u32> = tasks.iter().map(|t| t.task.tid).collect();
+        let now = vcpu_clock();
+        for t in tasks {
+            self.recent_io.insert(t.task.tid, now);
+        }
+        self.recent_io
+            .retain(|_, at| now.saturating_sub(*at) < RECENT_IO_NS);
+        let io: Vec<u32> = self.recent_io.keys().copied().collect();
         crate::partners::partners(&io, &self.wakes)
             .into_iter()
             .filter_map(|(of, tid, wakes)| {

@@ -137,8 +137,14 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
+/// The CPUs online, not this process's mask: the daemon may keep the benchmark itself on
+/// one CPU while it starts a server (available_parallelism() then says 1, and the server
+/// was started pinned to CPU 0, out of the daemon's reach).
 fn ncpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
+    nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .map_or(1, |n| n.max(1) as usize)
 }
 
 fn pg_bin() -> Result<PathBuf> {

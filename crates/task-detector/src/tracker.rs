@@ -302,48 +302,29 @@ impl<'obj> IoTracker<'obj> {
 
     /// The threads born narrowed since the last call, and the map emptied.
     pub fn take_forks(&mut self) -> Result<Vec<ForkSample>> {
-        let map = &self.skel.maps.forks;
-        let mut out = Vec::new();
-        let mut keys = Vec::new();
-        for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
-            let child: u32 = read_pod(&k)?;
-            let val: types::fork_seen = read_pod(&v)?;
-            out.push(ForkSample {
+        drain(&self.skel.maps.forks, |child: u32, f: types::fork_seen| {
+            ForkSample {
                 child,
-                child_tgid: val.child_tgid,
-                parent: val.parent,
-                mask: val.mask,
-            });
-            keys.push(k);
-        }
-        for k in keys {
-            let _ = map.delete(&k);
-        }
-        Ok(out)
+                child_tgid: f.child_tgid,
+                parent: f.parent,
+                mask: f.mask,
+            }
+        })
     }
 
     /// The wake-ups counted since the last call, and the map emptied: counts are per
     /// read. A wake-up counted between the read and the delete of its pair is lost.
     pub fn take_wakes(&mut self) -> Result<Vec<WakeSample>> {
-        let map = &self.skel.maps.wakes;
-        let mut out = Vec::new();
-        let mut keys = Vec::new();
-        for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
-            let key: types::wake_pair = read_pod(&k)?;
-            let val: types::wake_stats = read_pod(&v)?;
-            out.push(WakeSample {
+        drain(
+            &self.skel.maps.wakes,
+            |key: types::wake_pair, val: types::wake_stats| WakeSample {
                 waker: key.waker,
                 waker_tgid: val.waker_tgid,
                 wakee: key.wakee,
                 wakee_tgid: val.wakee_tgid,
                 wakes: val.wakes,
-            });
-            keys.push(k);
-        }
-        for k in keys {
-            let _ = map.delete(&k);
-        }
-        Ok(out)
+            },
+        )
     }
 
     /// Stops tracking: every hook returns at once (a flag, not a detach: detaching
@@ -567,6 +548,24 @@ fn pod_bytes<T: Copy>(v: &T) -> &[u8] {
 }
 
 /// Copies a map value into its generated `#[repr(C)]` type.
+/// Every entry of a hash map the programs fill, read in batches, then deleted.
+fn drain<K, V, T>(map: &impl MapCore, each: impl Fn(K, V) -> T) -> Result<Vec<T>>
+where
+    K: Copy + Default,
+    V: Copy + Default,
+{
+    let mut out = Vec::new();
+    let mut keys = Vec::new();
+    for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
+        out.push(each(read_pod(&k)?, read_pod(&v)?));
+        keys.push(k);
+    }
+    for k in keys {
+        let _ = map.delete(&k);
+    }
+    Ok(out)
+}
+
 fn read_pod<T: Copy + Default>(bytes: &[u8]) -> Result<T> {
     anyhow::ensure!(
         bytes.len() >= std::mem::size_of::<T>(),

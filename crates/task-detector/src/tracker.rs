@@ -248,13 +248,17 @@ impl<'obj> IoTracker<'obj> {
         !self.paused
     }
 
-    fn set_paused(&mut self, paused: bool) -> Result<()> {
-        let bss = self
-            .skel
+    /// The programs' mmapped .bss (their flags and the doorbell).
+    fn bss(&mut self) -> Result<&mut types::bss> {
+        self.skel
             .maps
             .bss_data
             .as_deref_mut()
-            .context("the block I/O BPF object has no mmapped .bss")?;
+            .context("the block I/O BPF object has no mmapped .bss")
+    }
+
+    fn set_paused(&mut self, paused: bool) -> Result<()> {
+        let bss = self.bss()?;
         // SAFETY: a valid, aligned u32 in the mmapped .bss the programs read concurrently;
         // a volatile store so the write is not elided or torn.
         unsafe { std::ptr::write_volatile(std::ptr::addr_of_mut!(bss.paused), u32::from(paused)) };
@@ -266,7 +270,7 @@ impl<'obj> IoTracker<'obj> {
     /// (bpf/iotrack.bpf.c `doorbell`): something may have just become I/O-bound. Reading
     /// clears it.
     pub fn take_doorbell(&mut self) -> bool {
-        let Some(bss) = self.skel.maps.bss_data.as_deref_mut() else {
+        let Ok(bss) = self.bss() else {
             return false;
         };
         // SAFETY: a valid, aligned u32 in the mmapped .bss the programs write concurrently;
@@ -289,12 +293,7 @@ impl<'obj> IoTracker<'obj> {
             .flatten()
             .unwrap_or(0)
             .max(0) as u32;
-        let bss = self
-            .skel
-            .maps
-            .bss_data
-            .as_deref_mut()
-            .context("the block I/O BPF object has no mmapped .bss")?;
+        let bss = self.bss()?;
         // SAFETY: a valid, aligned u32 in the mmapped .bss the programs read concurrently.
         unsafe { std::ptr::write_volatile(std::ptr::addr_of_mut!(bss.all_cpus), online) };
         Ok(())

@@ -1127,13 +1127,14 @@ fn under_hard_irq_deschedules_the_reader_is_kept_with_its_completion_vcpu() {
     assert!(log.contains("a short scheduler slice"), "{log}");
 }
 
-/// Issue 33: with the default sampled tracking (250 ms every 2.5 s), a thread that starts
-/// reading between samples rings the block programs' doorbell and is kept with its
-/// completions at the next poll, not at the next period. Six new readers, each started at
-/// another phase of the sampling period, under anti-phase hard-IRQ deschedules; the
-/// median time from a reader's start to its mask reading the completion vCPU must be
-/// under 500 ms (before the doorbell it was uniform over the 2.25 s between samples:
-/// median ~1 s). The figure itself is the apps benchmark's (`time_to_help_s`).
+/// Issue 33: with sampled tracking, a thread that starts reading between samples rings the
+/// block programs' doorbell and is kept with its completions at the next poll, not at the
+/// next period. The period is stretched to 20 s here so that the two outcomes lie far
+/// apart on a noisy machine: through the doorbell a reader is kept in a few hundred
+/// milliseconds, without it after ~10 s on average (and the 6 s limit per reader). Six
+/// new readers under anti-phase hard-IRQ deschedules; the median time from a reader's start
+/// to its mask reading the completion vCPU must be under 2 s. How fast it is at the
+/// default period is the apps benchmark's figure (`time_to_help_s`), not this test's.
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_new_reader_is_kept_within_a_poll_of_its_first_request_between_samples() {
@@ -1155,8 +1156,11 @@ fn a_new_reader_is_kept_within_a_poll_of_its_first_request_between_samples() {
         .plan(&[0, 1], Duration::from_secs(60))
         .expect("plan");
     let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
-    let mut daemon =
-        Daemon::start_with_config(tempfile::tempdir().expect("tempdir"), "", &["--no-metrics"]);
+    let mut daemon = Daemon::start_with_config(
+        tempfile::tempdir().expect("tempdir"),
+        "[detector]\nsample_ms = 250\nsample_every_ms = 20000\n",
+        &["--no-metrics"],
+    );
     daemon.wait_for(Duration::from_secs(15), "moves allowed", |s| {
         s["moves_allowed"] == true
     });
@@ -1179,7 +1183,7 @@ fn a_new_reader_is_kept_within_a_poll_of_its_first_request_between_samples() {
     let median = (sorted[2] + sorted[3]) / 2;
     eprintln!("time from a reader's start to its keeping: {waits:?}, median {median:?}");
     assert!(
-        median < Duration::from_millis(500),
+        median < Duration::from_secs(2),
         "new readers kept after {waits:?} (median {median:?}); log:\n{log}"
     );
 }

@@ -40,7 +40,7 @@ use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::stats::{self, Estimate};
-use vmigrater_testbed::{require_root, workload};
+use vmigrater_testbed::{ncpus, require_root, workload};
 
 const MODES: [&str; 7] = [
     "vanilla",
@@ -172,10 +172,6 @@ fn parse_args() -> Result<Settings> {
 
 fn f(v: &Value) -> f64 {
     v.as_f64().unwrap_or(f64::NAN)
-}
-
-fn ncpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// The steal report judged against the plan up to `until_ns` (the run stops the program

@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 use steal_emulator::{monotonic_ns, Emulator, Pattern, StealRecord};
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::SystemCpu;
-use vmigrater_testbed::{require_root, workload, workspace_bin};
+use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
 const MODES: [&str; 3] = ["no_sharing", "vanilla", "vmigrater"];
 /// (name in the report, `--pattern` of the workload, throughput metric).
@@ -175,10 +175,6 @@ fn min(v: &[f64]) -> f64 {
 
 fn max(v: &[f64]) -> f64 {
     v.iter().copied().fold(f64::NAN, f64::max)
-}
-
-fn ncpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// One round of one mode of one workload.

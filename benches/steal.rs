@@ -56,7 +56,7 @@ use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
-use vmigrater_testbed::{require_root, workload, workspace_bin};
+use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
 const MODES: [&str; 9] = [
     "vanilla",
@@ -243,10 +243,6 @@ fn parse_args() -> Result<Settings> {
         "--modes: vmigrater_parent needs --parent-bin PATH (the other build's vmigrater)"
     );
     Ok(s)
-}
-
-fn ncpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 fn f(v: &Value) -> f64 {

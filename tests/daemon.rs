@@ -12,14 +12,10 @@ use steal_emulator::{Emulator, Pattern};
 use vmigrater_testbed::signals::{
     journal_of_a_pinned_task, run_within, spawn_daemon, wait_signals_blocked, Guarded,
 };
-use vmigrater_testbed::{assert_cpus, assert_root, workload, workspace_bin};
+use vmigrater_testbed::{assert_cpus, assert_root, ncpus, workload, workspace_bin};
 
 fn cpus_of(tid: u32) -> Vec<usize> {
     os_layer::get_cpus(tid).expect("sched_getaffinity")
-}
-
-fn online_cpus() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 /// A 256 MiB file on the real disk (O_DIRECT needs a real filesystem, not tmpfs).
@@ -400,7 +396,7 @@ fn metrics_expose_vcpu_and_build_figures() {
         "0:11500:11500:0".parse().expect("pattern"),
         "1:11500:11500:11500".parse().expect("pattern"),
     ];
-    let emu = Emulator::start(&cycle[..online_cpus().min(2)], 50).expect("steal emulator");
+    let emu = Emulator::start(&cycle[..ncpus().min(2)], 50).expect("steal emulator");
     let daemon = Daemon::start(&["--metrics-addr", "127.0.0.1:19979"]);
     // 100 ms is 8 ms past a whole number of cycles, so deadlines walk through the cycle and
     // land in a stolen burst about half the time: ~10 detections in 2 s.
@@ -687,7 +683,7 @@ fn reports_reach_the_host_end_of_the_channel() {
     }
     let hello = hello.expect("no hello");
     assert_eq!(hello.version, proto::PROTOCOL_VERSION);
-    assert_eq!(hello.vcpus as usize, online_cpus());
+    assert_eq!(hello.vcpus as usize, ncpus());
     assert!(reports.len() >= 5, "only {} reports in 10 s", reports.len());
     assert!(
         reports.windows(2).all(|w| w[1].seq == w[0].seq + 1),
@@ -695,7 +691,7 @@ fn reports_reach_the_host_end_of_the_channel() {
     );
     assert!(reports
         .iter()
-        .all(|r| r.vcpus.len() == online_cpus() && r.period_ms == 50));
+        .all(|r| r.vcpus.len() == ncpus() && r.period_ms == 50));
     let welcome = proto::Message::Welcome(proto::Welcome {
         version: 1,
         host_slice_us: None,
@@ -957,7 +953,7 @@ fn a_full_or_read_only_state_dir_never_leaves_a_task_pinned() {
 fn a_host_hold_anchors_the_io_bound_task_on_the_held_vcpu() {
     assert_root();
     assert_cpus(2);
-    host_hold_anchors(online_cpus() - 1);
+    host_hold_anchors(ncpus() - 1);
 }
 
 /// The host holds `held_cpu`.
@@ -1341,7 +1337,7 @@ fn a_corrupt_journal_is_named_and_kept_aside() {
 fn a_stop_signal_at_any_moment_of_start_up_restores_and_exits_0() {
     assert_root();
     assert_cpus(2);
-    let all: Vec<usize> = (0..online_cpus()).collect();
+    let all: Vec<usize> = (0..ncpus()).collect();
     let sleeper = Guarded(Command::new("sleep").arg("1000").spawn().unwrap());
     let tid = sleeper.id();
     let delays_ms = [0, 1, 2, 5, 10, 20, 50, 100, 200, 400, 800, 1500];

@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::stats;
+use crate::{ncpus, stats};
 
 /// Where the applications' data lives when `VMIGRATER_APPS_DIR` does not say: outside
 /// target/, so that `cargo clean` does not drop a 1.5 GB database built in minutes.
@@ -137,16 +137,6 @@ fn unix_now() -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// The CPUs online, not this process's mask: the daemon may keep the benchmark itself on
-/// one CPU while it starts a server (available_parallelism() then says 1, and the server
-/// was started pinned to CPU 0, out of the daemon's reach).
-fn ncpus() -> usize {
-    nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
-        .ok()
-        .flatten()
-        .map_or(1, |n| n.max(1) as usize)
-}
-
 fn pg_bin() -> Result<PathBuf> {
     let mut versions: Vec<PathBuf> = std::fs::read_dir("/usr/lib/postgresql")
         .context("PostgreSQL is not installed (apt-get install postgresql)")?
@@ -244,14 +234,17 @@ impl Drop for MemCgroup {
 /// A command that joins `cg` before it execs (so that every process it starts is in the
 /// group), pinned to `cpu` when asked or else free on every CPU (as a service manager
 /// starts it, whatever mask this process has), as `user` when given (setpriv keeps one
-/// process).
+/// process). It is killed when the benchmark dies (a server left behind would serve the
+/// next benchmark's requests from its cache, or hold its port).
 fn command(cg: &MemCgroup, cpu: Option<usize>, user: Option<&str>, prog: &Path) -> Command {
     let mut c = Command::new("/bin/sh");
     c.arg("-c")
         .arg("echo $$ > \"$0\" && exec \"$@\"")
         .arg(cg.procs_file());
     if let Some(u) = user {
+        // A change of user clears the parent-death signal: setpriv sets it again.
         c.args(["setpriv", "--reuid", u, "--regid", u, "--init-groups"]);
+        c.args(["--pdeathsig", "SIGKILL"]);
     }
     c.arg(prog);
     let all = ncpus();
@@ -259,11 +252,12 @@ fn command(cg: &MemCgroup, cpu: Option<usize>, user: Option<&str>, prog: &Path) 
     for c in cpu.map_or(0..all, |c| c..c + 1) {
         let _ = set.set(c);
     }
-    // SAFETY: sched_setaffinity is a plain syscall on the child itself, safe after fork;
-    // the set is built before the fork.
+    // SAFETY: sched_setaffinity and prctl are plain syscalls on the child itself, safe
+    // after fork; the set is built before the fork.
     unsafe {
         c.pre_exec(move || {
             nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)?;
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)?;
             Ok(())
         });
     }

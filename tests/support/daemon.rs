@@ -1,10 +1,12 @@
 //! The daemon under test in the benchmarks: the release `vmigrater run` with a given
 //! configuration, in a private state directory (never /run/vmigrater), its info log (and
 //! the classifier's reasons, at debug) kept there, no metrics endpoint. Stopped with
-//! SIGTERM so it restores every mask, also when a benchmark fails half-way (drop).
+//! SIGTERM so it restores every mask, also when a benchmark fails half-way (drop) or is
+//! killed (the parent-death signal).
 
 use anyhow::{Context, Result};
 use serde_json::Value;
+use std::os::unix::process::CommandExt;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -31,14 +33,27 @@ impl BenchDaemon {
         let config_path = state_dir.path().join("vmigrater.toml");
         std::fs::write(&config_path, config)?;
         let log = std::fs::File::create(state_dir.path().join("daemon.log"))?;
-        let child = Command::new(bin)
+        let mut cmd = Command::new(bin);
+        // A benchmark killed half-way takes its daemon with it (SIGTERM: every mask restored),
+        // so that the next "vanilla" run is not measured beside a daemon nobody stops. The
+        // signal follows the thread that starts the daemon: the benchmarks' main thread.
+        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+        unsafe {
+            cmd.pre_exec(|| {
+                nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM)?;
+                Ok(())
+            });
+        }
+        let child = cmd
             .arg("--config")
             .arg(&config_path)
             // The classifier says at debug why a task stopped being I/O-bound: one line
-            // per such decision, kept with the others.
+            // per such decision, kept with the others. VMIGRATER_BENCH_LOG replaces the
+            // filter for a diagnostic run (`task_detector::classifier=trace`: every window).
             .args([
                 "--log",
-                "info,task_detector::classifier=debug",
+                &std::env::var("VMIGRATER_BENCH_LOG")
+                    .unwrap_or_else(|_| "info,task_detector::classifier=debug".into()),
                 "run",
                 "--no-metrics",
                 "--state-dir",

@@ -15,6 +15,16 @@ pub mod workload;
 
 use std::path::PathBuf;
 
+/// The CPUs online, not this process's mask: the daemon may keep a benchmark's own process
+/// on one CPU while it starts a server or plans a schedule (`available_parallelism()` then
+/// says 1: a server was once started pinned to CPU 0, out of the daemon's reach).
+pub fn ncpus() -> usize {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .map_or(1, |n| n.max(1) as usize)
+}
+
 /// True when running as root; otherwise prints a loud line. For the benchmarks, which
 /// have no harness to report a skip: a skip must never look like a result in the log.
 pub fn require_root(what: &str) -> bool {

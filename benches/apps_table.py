@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """Markdown table of one or more apps*.json (benches/apps.rs): per schedule x application,
 the median of each mode, the daemon against vanilla and against the best oracle (ratio of
-medians [95% bootstrap]), its lowest run against that oracle's median, how many of its runs
-fell below the vanilla run of the same repetition, the daemon's CPU, the time
-to half rate (every mode's, from the application's own per-second figures) and the build.
+medians and paired ratio, each [95% bootstrap]), its lowest run against that oracle's
+median, how many of its runs fell below the vanilla run of the same repetition, the
+run-to-run spread, the daemon's time to its first keep and its CPU; the builds and the
+repetitions head the table.
 Usage:
     apps_table.py apps-a.json [apps-b.json ...]
 """
@@ -33,12 +34,17 @@ def num(x):
 
 
 def main(paths):
-    print("| schedule | application | reps | vanilla | vmigrater | best oracle (which) | vmigrater / vanilla | vmigrater / best oracle | lowest run / best oracle | runs below their vanilla run | daemon CPU, % | ½ rate after, s (vanilla / vmigrater / oracle) | build |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    builds = sorted({json.load(open(p)).get("commit", "?") for p in paths})
+    reps = sorted({len(c["modes"].get("vmigrater", {}).get("runs", []))
+                   for p in paths for apps in json.load(open(p))["cells"].values() for c in apps.values()})
+    print(f"Build {', '.join(builds)}; {', '.join(map(str, reps))} interleaved repetitions per cell.\n")
+    print("| schedule | application | vanilla | vmigrater | best oracle (which) | vmigrater / vanilla: medians; paired | vmigrater / best oracle: medians; paired | lowest run / best oracle | runs below their vanilla run | spread max/min, vanilla → vmigrater | first keep after the first request, s: median (max) | daemon CPU, % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for p in paths:
         r = json.load(open(p))
         for sched, apps in r["cells"].items():
-            for app, c in apps.items():
+            order = list(NAMES)
+            for app, c in sorted(apps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
                 m = c["modes"]
                 vm, va = m.get("vmigrater", {}), m.get("vanilla", {})
                 bo = c.get("best_oracle")
@@ -46,25 +52,28 @@ def main(paths):
                 low = "–"
                 if bo and o.get("median") and vm.get("runs"):
                     low = f"{min(vm['runs']) / o['median']:.2f}×"
-                half = " / ".join(
-                    "–" if x.get("time_to_half_rate_s_median") is None else f"{x['time_to_half_rate_s_median']:.1f}"
-                    for x in (va, vm, o)
-                )
-                reps = len(vm.get("runs", []))
                 by_rep = {}
-                cpu = []
+                cpu, help_s = [], []
                 for run in r["runs"]:
                     if run["app_name"] != app or run["schedule"] != sched:
                         continue
                     by_rep.setdefault(run["rep"], {})[run["mode"]] = run["value"]
-                    if run["mode"] == "vmigrater" and run.get("daemon"):
-                        cpu.append(run["daemon"]["cpu_pct_of_one_cpu"])
+                    d = run.get("daemon")
+                    if run["mode"] == "vmigrater" and d:
+                        cpu.append(d["cpu_pct_of_one_cpu"])
+                        if d.get("time_to_help_s") is not None:
+                            help_s.append(d["time_to_help_s"])
                 pairs = [x for x in by_rep.values() if "vmigrater" in x and "vanilla" in x]
                 below = f"{sum(x['vmigrater'] < x['vanilla'] for x in pairs)} of {len(pairs)}"
                 cpu = f"{statistics.median(cpu):.2f}" if cpu else "–"
-                print(f"| {SCHEDS.get(sched, sched)} | {NAMES.get(app, app)} | {reps} | {num(va.get('median'))} | "
+                helped = f"{statistics.median(help_s):.2f} ({max(help_s):.2f})" if help_s else "–"
+                spread = " → ".join(f"{x['spread_max_over_min']:.2f}" if x.get("spread_max_over_min") else "–"
+                                     for x in (va, vm))
+                print(f"| {SCHEDS.get(sched, sched)} | {NAMES.get(app, app)} | {num(va.get('median'))} | "
                       f"{num(vm.get('median'))} | {num(o.get('median')) if bo else '–'} ({bo or '–'}) | "
-                      f"{est(vm.get('vs_vanilla'))} | {est(vm.get('vs_best_oracle'))} | {low} | {below} | {cpu} | {half} | {r.get('commit', '?')} |")
+                      f"{est(vm.get('vs_vanilla'))}; {est(vm.get('paired_vs_vanilla'))} | "
+                      f"{est(vm.get('vs_best_oracle'))}; {est(vm.get('paired_vs_best_oracle'))} | "
+                      f"{low} | {below} | {spread} | {helped} | {cpu} |")
 
 
 if __name__ == "__main__":

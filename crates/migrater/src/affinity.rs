@@ -577,10 +577,7 @@ impl AffinityExecutor {
                 let Ok(current) = sched_getaffinity(pid) else {
                     continue;
                 };
-                let cpus = cpus_of(&current);
-                let as_born = cpus.iter().all(|&c| c < 64)
-                    && cpus.iter().fold(0u64, |m, &c| m | 1 << c) == f.mask;
-                if !as_born || current == own {
+                if cpus_of(&current) != f.born_cpus() || current == own {
                     continue;
                 }
                 match sched_setaffinity(pid, &own) {
@@ -613,9 +610,7 @@ impl AffinityExecutor {
         let Some(m) = self.tasks.get(&f.child) else {
             return false;
         };
-        let original = cpus_of(&m.original);
-        let born: Vec<usize> = (0..64).filter(|&c| f.mask & (1 << c) != 0).collect();
-        if m.external || original != born || m.original == own {
+        if m.external || cpus_of(&m.original) != f.born_cpus() || m.original == own {
             return false;
         }
         let own_list = cpus_of(&own);

@@ -61,6 +61,13 @@ pub struct ForkSample {
     pub mask: u64,
 }
 
+impl ForkSample {
+    /// Its allowed CPUs at birth, in order.
+    pub fn born_cpus(&self) -> Vec<usize> {
+        (0..64).filter(|&c| self.mask & (1 << c) != 0).collect()
+    }
+}
+
 /// One vCPU's I/O completions (ISACS E_n and the Eq. 1 EMA).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CpuIoSample {
@@ -547,22 +554,16 @@ fn pod_bytes<T: Copy>(v: &T) -> &[u8] {
 }
 
 /// Copies a map value into its generated `#[repr(C)]` type.
-/// Every entry of a hash map the programs fill, read in batches, then deleted.
+/// Every entry of a hash map the programs fill, read and deleted in batches (one syscall
+/// a batch, not one more per entry).
 fn drain<K, V, T>(map: &impl MapCore, each: impl Fn(K, V) -> T) -> Result<Vec<T>>
 where
     K: Copy + Default,
     V: Copy + Default,
 {
-    let mut out = Vec::new();
-    let mut keys = Vec::new();
-    for (k, v) in map.lookup_batch(BATCH, MapFlags::ANY, MapFlags::ANY)? {
-        out.push(each(read_pod(&k)?, read_pod(&v)?));
-        keys.push(k);
-    }
-    for k in keys {
-        let _ = map.delete(&k);
-    }
-    Ok(out)
+    map.lookup_and_delete_batch(BATCH, MapFlags::ANY, MapFlags::ANY)?
+        .map(|(k, v)| Ok(each(read_pod(&k)?, read_pod(&v)?)))
+        .collect()
 }
 
 fn read_pod<T: Copy + Default>(bytes: &[u8]) -> Result<T> {

@@ -551,11 +551,27 @@ fn main() -> Result<()> {
         s.reps,
         n as f64 * (s.secs + s.warmup.as_secs_f64() + 12.0) / 60.0
     );
+    let name = s
+        .tag
+        .as_ref()
+        .map_or("apps".to_string(), |t| format!("apps-{t}"));
+    let path = s.out.join(format!("{name}.json"));
+    let partial_path = s.out.join(format!("{name}.partial.json"));
     let mut raw = Vec::new();
     let mut cells = Map::new();
     for ((sname, spec), sched) in s.schedules.iter().zip(&schedules) {
         let mut per_app = Map::new();
         for &app in &s.apps {
+            let t0 = std::time::Instant::now();
+            let bytes = apps
+                .settle_storage(app)
+                .with_context(|| format!("settling {}'s storage", app.name()))?;
+            eprintln!(
+                "{sname:<7} {:<13} storage settled: {:.1} GB read in {:.1} s",
+                app.name(),
+                bytes as f64 / 1e9,
+                t0.elapsed().as_secs_f64()
+            );
             let mut runs = Vec::new();
             for rep in 0..s.reps {
                 for k in 0..s.modes.len() {
@@ -591,39 +607,19 @@ fn main() -> Result<()> {
             }
             per_app.insert(app.name(), summarise(&runs, &s.modes));
             raw.extend(runs);
+            // What is done so far survives a benchmark stopped in a later cell.
+            let mut so_far = cells.clone();
+            so_far.insert(sname.clone(), Value::Object(per_app.clone()));
+            let partial = report(&build, &s, &map, completion, &so_far, &raw);
+            std::fs::write(
+                &partial_path,
+                serde_json::to_string_pretty(&partial)? + "\n",
+            )?;
         }
         cells.insert(sname.clone(), Value::Object(per_app));
     }
-    let report = json!({
-        "benchmark": "apps",
-        "commit": build,
-        "setup": {
-            "cpus": ncpus(),
-            "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
-            "accounting": s.accounting,
-            "schedules": s.schedules.iter().map(|(n, spec)| json!({"name": n, "spec": spec})).collect::<Vec<_>>(),
-            "apps": s.apps.iter().map(|a| json!({"name": a.name(), "metric": a.metric()})).collect::<Vec<_>>(),
-            "modes": s.modes,
-            "oracles": ORACLES,
-            "hogs": "one CPU hog pinned on every CPU from the application's start, every mode",
-            "cold": "page cache dropped before each run; server started under the schedule; memory cgroup (pg 160 MB, nginx and backup 64 MB)",
-            "completion_cpu": completion,
-            "completion_map": map,
-            "reps": s.reps,
-            "seconds_per_run": s.secs,
-            "daemon_warmup_s": s.warmup.as_secs_f64(),
-            "steal_tolerance": STEAL_TOLERANCE,
-            "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
-            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-        },
-        "cells": cells,
-        "runs": raw,
-    });
-    let name = s
-        .tag
-        .as_ref()
-        .map_or("apps".to_string(), |t| format!("apps-{t}"));
-    let path = s.out.join(format!("{name}.json"));
+    let report = report(&build, &s, &map, completion, &cells, &raw);
+    let _ = std::fs::remove_file(&partial_path);
     std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
     print_table(&cells, &s);
     println!("\nwrote {}", path.display());
@@ -639,4 +635,40 @@ fn main() -> Result<()> {
         other => eprintln!("WARNING: no chart ({other:?}); the numbers above stand"),
     }
     Ok(())
+}
+
+fn report(
+    build: &str,
+    s: &Settings,
+    map: &CompletionMap,
+    completion: usize,
+    cells: &Map<String, Value>,
+    raw: &[Value],
+) -> Value {
+    json!({
+        "benchmark": "apps",
+        "commit": build,
+        "setup": {
+            "cpus": ncpus(),
+            "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
+            "accounting": s.accounting,
+            "schedules": s.schedules.iter().map(|(n, spec)| json!({"name": n, "spec": spec})).collect::<Vec<_>>(),
+            "apps": s.apps.iter().map(|a| json!({"name": a.name(), "metric": a.metric()})).collect::<Vec<_>>(),
+            "modes": s.modes,
+            "oracles": ORACLES,
+            "hogs": "one CPU hog pinned on every CPU from the application's start, every mode",
+            "cold": "page cache dropped before each run; server started under the schedule; memory cgroup (pg 160 MB, nginx and backup 64 MB)",
+            "storage_settled": "each application's files read once before its repetitions (the host's cache, which the guest cannot drop, in one state for every run)",
+            "completion_cpu": completion,
+            "completion_map": map,
+            "reps": s.reps,
+            "seconds_per_run": s.secs,
+            "daemon_warmup_s": s.warmup.as_secs_f64(),
+            "steal_tolerance": STEAL_TOLERANCE,
+            "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
+            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        },
+        "cells": cells,
+        "runs": raw,
+    })
 }

@@ -197,7 +197,6 @@ fn controller(
     stop: &AtomicBool,
     started: SyncSender<Result<u64>>,
 ) -> Result<StealReport> {
-    make_realtime();
     let mut storage = MaybeUninit::uninit();
     let mut open = match IrqstealSkelBuilder::default()
         .open(&mut storage)
@@ -278,6 +277,12 @@ fn controller(
             }
         },
     };
+    // Real-time only once the absorbers are in place: each turns SCHED_FIFO on its CPU
+    // before it says so over a channel, and a receiver of higher priority on that CPU
+    // that spins (yields) for a send in progress never lets the sender finish. That hung
+    // a benchmark for 20 minutes (the controller at priority 2 yielding on CPU 1, the
+    // absorber there at priority 1 runnable and never run).
+    make_realtime();
     for &(cpu, tid) in absorbers.iter().flat_map(|a| a.tids.iter()) {
         // SAFETY: cpu < MAX_CPUS (checked at start); the program reads it at its next
         // sample, and reads 0 (no absorber) until then.

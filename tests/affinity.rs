@@ -1,7 +1,7 @@
 //! Real-kernel tests of the affinity executor and its journal: real threads of this test
 //! process, real `sched_setaffinity`, real `/proc`. Needs root (it changes masks through
-//! the same privileged path the daemon uses, and creates a cpuset); without root each
-//! test prints a loud SKIPPED line and returns.
+//! the same privileged path the daemon uses, and creates a cpuset); built by another user
+//! the tests are reported ignored, and run by another user they fail (`assert_root`).
 
 use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
 use migrater::journal::{AffinityJournal, JournalEntry, JournalError, SliceChange};

@@ -1,6 +1,7 @@
 //! The `vmigrater` binary on the real kernel: migration under emulated descheduling, mask
 //! restoration on SIGTERM and after kill -9, `check`, config errors, dry-run and metrics.
-//! Run as root (CI is); without root every test prints a loud SKIPPED line.
+//! Run as root (CI is); built by another user the tests are reported ignored, and run by
+//! another user they fail (`assert_root`).
 
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;

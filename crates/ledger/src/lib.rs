@@ -224,7 +224,20 @@ fn parent_dir(path: &Path) -> Option<&Path> {
     path.parent().filter(|p| !p.as_os_str().is_empty())
 }
 
-fn read<E: DeserializeOwned>(path: &Path, format: &Format<E>) -> Result<Option<Vec<E>>> {
+/// The file's entries, one per thread. Only a hand-edited or damaged file names a thread
+/// twice (ours are written from a map); the first entry is kept, since for a thread that
+/// was changed twice it is the one that holds what the thread had before us.
+fn read<E: Keyed + DeserializeOwned>(path: &Path, format: &Format<E>) -> Result<Option<Vec<E>>> {
+    Ok(read_all(path, format)?.map(|entries| {
+        let mut seen = std::collections::HashSet::new();
+        entries
+            .into_iter()
+            .filter(|e| seen.insert(e.tid()))
+            .collect()
+    }))
+}
+
+fn read_all<E: DeserializeOwned>(path: &Path, format: &Format<E>) -> Result<Option<Vec<E>>> {
     let bytes = match fs::read(path) {
         Ok(b) => b,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
@@ -336,6 +349,33 @@ mod tests {
             .map(|e| e.unwrap().file_name())
             .collect();
         assert_eq!(names, ["ledger.json"]);
+    }
+
+    #[test]
+    fn a_thread_named_twice_is_read_once_with_its_first_entry() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ledger.json");
+        fs::write(
+            &path,
+            r#"{"version":1,"entries":[{"tid":7,"original":1},{"tid":8,"original":2},{"tid":7,"original":9}]}"#,
+        )
+        .unwrap();
+        let first = [
+            Change {
+                tid: 7,
+                original: 1,
+            },
+            Change {
+                tid: 8,
+                original: 2,
+            },
+        ];
+        assert_eq!(
+            Ledger::<Change>::previous(&path, &FORMAT).unwrap().unwrap(),
+            first
+        );
+        let l = Ledger::open(&path, &FORMAT).unwrap();
+        assert_eq!(l.entries().cloned().collect::<Vec<_>>(), first);
     }
 
     #[test]

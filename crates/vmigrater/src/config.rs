@@ -446,8 +446,18 @@ impl Config {
                 Invalid::new(&e.key, format!("{}, or 0 to leave slices alone", e.message))
             })?;
         }
+        for name in &mg.exclude_comm {
+            comm_fits("migration.exclude_comm", name, "")?;
+        }
         in_range("channel.period_ms", self.channel.period_ms, 10, 60_000)?;
         for (i, rule) in self.priorities.iter().enumerate() {
+            if let Some(name) = &rule.comm {
+                comm_fits(
+                    "priority.comm",
+                    name,
+                    &format!(" (priority rule #{})", i + 1),
+                )?;
+            }
             if rule.comm.is_none() && rule.pid.is_none() && rule.cgroup.is_none() {
                 return Err(Invalid::new(
                     "priority",
@@ -474,6 +484,22 @@ impl Config {
     pub fn default_toml() -> String {
         toml::to_string_pretty(&Config::default()).expect("defaults serialise")
     }
+}
+
+/// The kernel keeps a task's command in 16 bytes with its NUL (TASK_COMM_LEN): a longer
+/// name, or an empty one, would never match, and the rule would silently do nothing.
+fn comm_fits(key: &str, name: &str, which: &str) -> std::result::Result<(), Invalid> {
+    const COMM_MAX: usize = 15;
+    if name.is_empty() || name.len() > COMM_MAX {
+        return Err(Invalid::new(
+            key,
+            format!(
+                "{key}{which}: \"{name}\" can never match a command: the kernel keeps 1 to \
+                 {COMM_MAX} bytes of one (`ps -o comm` shows them)"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// The lab oracle's keys: a parseable schedule, and both keys whenever the source is "oracle".
@@ -525,6 +551,32 @@ mod tests {
             .to_string();
         assert!(err.starts_with("t.toml:3:"), "{err}");
         assert!(err.contains("anchor"), "{err}");
+    }
+
+    #[test]
+    fn a_command_the_kernel_cannot_hold_is_refused_naming_its_line() {
+        let err = format!(
+            "{:#}",
+            Config::parse(
+                "[migration]\nguard = true\nexclude_comm = [\"fio\", \"postgres-backend\"]\n",
+                "t.toml"
+            )
+            .unwrap_err()
+        );
+        assert!(err.starts_with("t.toml:3: "), "{err}");
+        assert!(err.contains("\"postgres-backend\""), "{err}");
+        let err = format!(
+            "{:#}",
+            Config::parse("[[priority]]\ncomm = \"\"\npriority = 5\n", "t.toml").unwrap_err()
+        );
+        assert!(err.starts_with("t.toml:2: "), "{err}");
+        assert!(err.contains("priority rule #1"), "{err}");
+        // 15 bytes is what the kernel keeps, and is accepted.
+        Config::parse(
+            "[migration]\nexclude_comm = [\"postgres-backen\"]\n",
+            "t.toml",
+        )
+        .unwrap();
     }
 
     #[test]

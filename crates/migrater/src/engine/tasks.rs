@@ -428,7 +428,9 @@ impl Engine {
         for (tid, comm) in leaving.chain(unanchored) {
             if let Some(outcome) = act.release(tid) {
                 released += 1;
-                let why = if self.waiting.lets_go(tid, now) {
+                let why = if self.cfg.exclude_comm.iter().any(|c| c == comm) {
+                    "its command is excluded (migration.exclude_comm)"
+                } else if self.waiting.lets_go(tid, now) {
                     "let go while it waits for its vCPU"
                 } else if moves_allowed {
                     "task no longer I/O-bound"

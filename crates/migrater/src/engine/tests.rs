@@ -655,7 +655,13 @@ fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_t
     vm.run(&mut e, &mut f, 1, |_| 0);
     assert_eq!(f.published_tids(), [11]);
     assert!(f.released.is_empty(), "kept, not handed back");
-    assert!(f.anchors.len() >= managed_before);
+    assert!(
+        f.anchors[managed_before..]
+            .iter()
+            .all(|a| *a == (10, 1, Reason::Completion)),
+        "kept on vCPU 1 and nothing else anchored: {:?}",
+        &f.anchors[managed_before..]
+    );
     // No longer I/O-bound: handed back like any managed task, after the grace.
     f.window = vec![io_task(11)];
     vm.run(&mut e, &mut f, KEEP_GRACE.as_secs() + 1, |_| 0);

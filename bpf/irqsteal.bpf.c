@@ -112,10 +112,13 @@ int steal(struct bpf_perf_event_data *ctx)
 	/* ~20 ns per iteration: the bound is far beyond IS_MAX_SPIN_NS, and a loop that runs
 	 * out early only steals less. */
 	bpf_loop(1 << 23, spin, &sp, 0);
-	c->stolen_ns += sp.now - now;
+	/* The spin's last clock read lands past `until` (by an iteration, or by however long
+	 * this machine's own host kept the vCPU then): the window ends at `until`. */
+	__u64 spun = (sp.now < sp.until ? sp.now : sp.until) - now;
+	c->stolen_ns += spun;
 	/* Without IRQ time accounting the kernel charges the spin to the task interrupted:
 	 * user space may keep an absorber running there so that no guest task is charged. */
 	if (c->absorber_tid && tid == c->absorber_tid)
-		c->absorbed_ns += sp.now - now;
+		c->absorbed_ns += spun;
 	return 0;
 }

@@ -35,6 +35,9 @@ pub struct Vm {
     pub qmp: PathBuf,
     pub serial: PathBuf,
     cmd: Option<BufReader<UnixStream>>,
+    /// Commands that timed out: the guest still runs them and will print their output and
+    /// `@@END` later, which the next command must not take for its own.
+    unanswered: usize,
 }
 
 impl Vm {
@@ -116,6 +119,7 @@ impl Vm {
             qmp,
             serial,
             cmd: None,
+            unanswered: 0,
         })
     }
 
@@ -213,14 +217,36 @@ impl Vm {
         let name = self.name.clone();
         let port = self.cmd.as_mut().context("wait_ready first")?;
         port.get_mut().set_read_timeout(Some(timeout))?;
+        // The late answers of commands that timed out come first (the guest runs its
+        // commands in order): skipped, so that this command reads its own.
+        while self.unanswered > 0 {
+            let mut l = String::new();
+            let n = port.read_line(&mut l).with_context(|| {
+                format!(
+                    "{name}: still no answer to {} earlier command(s) within {timeout:?}",
+                    self.unanswered
+                )
+            })?;
+            if n == 0 {
+                bail!("{name}: command port closed");
+            }
+            if l.starts_with("@@END ") {
+                self.unanswered -= 1;
+            }
+        }
         port.get_mut().write_all(format!("{line}\n").as_bytes())?;
         let mut out = String::new();
         let t0 = Instant::now();
         loop {
             let mut l = String::new();
-            let n = port
-                .read_line(&mut l)
-                .with_context(|| format!("{name}: no answer to `{line}` within {timeout:?}"))?;
+            let n = match port.read_line(&mut l) {
+                Ok(n) => n,
+                Err(e) => {
+                    self.unanswered += 1;
+                    return Err(anyhow::Error::new(e)
+                        .context(format!("{name}: no answer to `{line}` within {timeout:?}")));
+                }
+            };
             if n == 0 {
                 bail!("{name}: command port closed during `{line}`");
             }
@@ -229,6 +255,7 @@ impl Vm {
             }
             out.push_str(&l);
             if t0.elapsed() > timeout {
+                self.unanswered += 1;
                 bail!("{name}: `{line}` still running after {timeout:?}");
             }
         }

@@ -810,7 +810,9 @@ fn sigterm_is_prompt_whatever_the_detectors_periods() {
 
 /// The move guard on the real kernel: with the two CPUs stolen in anti-phase, moving the
 /// reader to the running CPU raises its I/O rate (the contention benchmark's 1.59x), so
-/// the guard's first probe must find that moves pay and keep them.
+/// the guard's probes must find that moves pay and keep them. One probe judges a few
+/// epochs of a noisy emulated machine and has held once in a while (twice in local full
+/// runs, 173 moves made in one): the second probe, after the 30 s hold, must then pay.
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn the_move_guard_keeps_moves_that_pay() {
@@ -834,6 +836,14 @@ fn the_move_guard_keeps_moves_that_pay() {
         "guard: pays {} holds {}, moves allowed {}, migrations {}",
         s["guard_pays"], s["guard_holds"], s["moves_allowed"], s["migrations"]
     );
+    let s = if s["guard_pays"] == 1 {
+        s
+    } else {
+        eprintln!("NOTE: the first probe held; the second, after the 30 s hold, must pay");
+        daemon.wait_for(Duration::from_secs(60), "the guard's second verdict", |s| {
+            s["guard_pays"].as_u64().unwrap_or(0) + s["guard_holds"].as_u64().unwrap_or(0) >= 2
+        })
+    };
     assert_eq!(s["guard_pays"], 1, "moves that pay were stopped: {s:#}");
     assert_eq!(s["moves_allowed"], true);
     // The verdict is published before that round's tasks are (managing one journals

@@ -31,7 +31,7 @@ use anyhow::{Context, Result};
 use irq_steal::{Accounting, IrqSteal, Plan, Schedule, StealReport};
 use os_layer::time::{monotonic_ns, sleep_until};
 use serde_json::{json, Map, Value};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
@@ -624,16 +624,7 @@ fn main() -> Result<()> {
     print_table(&cells, &s);
     println!("\nwrote {}", path.display());
     let png = s.out.join(format!("{name}.png"));
-    let plot = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/plot_apps.py");
-    match Command::new("/usr/bin/python3")
-        .arg(&plot)
-        .arg(&path)
-        .arg(&png)
-        .status()
-    {
-        Ok(st) if st.success() => println!("wrote {}", png.display()),
-        other => eprintln!("WARNING: no chart ({other:?}); the numbers above stand"),
-    }
+    vmigrater_testbed::plot("plot_apps.py", &path, &png);
     Ok(())
 }
 

@@ -663,18 +663,6 @@ fn main() -> Result<()> {
     println!("\nwrote {}", path.display());
 
     let png = out_dir.join("contention.png");
-    let plot = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/plot_contention.py");
-    match Command::new("/usr/bin/python3")
-        .arg(&plot)
-        .arg(&path)
-        .arg(&png)
-        .status()
-    {
-        Ok(st) if st.success() => println!("wrote {}", png.display()),
-        other => eprintln!(
-            "WARNING: no chart ({other:?}); the numbers above stand. Install python3-matplotlib for {}",
-            png.display()
-        ),
-    }
+    vmigrater_testbed::plot("plot_contention.py", &path, &png);
     Ok(())
 }

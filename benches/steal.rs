@@ -850,13 +850,6 @@ fn main() -> Result<()> {
     print_off_plan(&report);
     println!("\nwrote {}", path.display());
     let png = s.out.join("steal.png");
-    let plot = Path::new(env!("CARGO_MANIFEST_DIR")).join("benches/plot_steal.py");
-    match Command::new("/usr/bin/python3").arg(&plot).arg(&path).arg(&png).status() {
-        Ok(st) if st.success() => println!("wrote {}", png.display()),
-        other => eprintln!(
-            "WARNING: no chart ({other:?}); the numbers above stand. Install python3-matplotlib for {}",
-            png.display()
-        ),
-    }
+    vmigrater_testbed::plot("plot_steal.py", &path, &png);
     Ok(())
 }

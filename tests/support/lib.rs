@@ -15,6 +15,26 @@ pub mod workload;
 
 use std::path::PathBuf;
 
+/// Draws `json` into `png` with `benches/<script>`; a missing chart is a warning, never
+/// an error: the numbers printed and written stand without it.
+pub fn plot(script: &str, json: &std::path::Path, png: &std::path::Path) {
+    let plot = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("benches")
+        .join(script);
+    match std::process::Command::new("/usr/bin/python3")
+        .arg(&plot)
+        .arg(json)
+        .arg(png)
+        .status()
+    {
+        Ok(st) if st.success() => println!("wrote {}", png.display()),
+        other => eprintln!(
+            "WARNING: no chart ({other:?}); the numbers above stand. Install python3-matplotlib for {}",
+            png.display()
+        ),
+    }
+}
+
 /// The CPUs online, not this process's mask: the daemon may keep a benchmark's own process
 /// on one CPU while it starts a server or plans a schedule (`available_parallelism()` then
 /// says 1: a server was once started pinned to CPU 0, out of the daemon's reach).

@@ -553,7 +553,6 @@ fn pod_bytes<T: Copy>(v: &T) -> &[u8] {
     unsafe { std::slice::from_raw_parts((v as *const T).cast::<u8>(), std::mem::size_of::<T>()) }
 }
 
-/// Copies a map value into its generated `#[repr(C)]` type.
 /// Every entry of a hash map the programs fill, read and deleted in batches (one syscall
 /// a batch, not one more per entry).
 fn drain<K, V, T>(map: &impl MapCore, each: impl Fn(K, V) -> T) -> Result<Vec<T>>
@@ -566,6 +565,7 @@ where
         .collect()
 }
 
+/// Copies a map value into its generated `#[repr(C)]` type.
 fn read_pod<T: Copy + Default>(bytes: &[u8]) -> Result<T> {
     anyhow::ensure!(
         bytes.len() >= std::mem::size_of::<T>(),

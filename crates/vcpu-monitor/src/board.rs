@@ -7,7 +7,10 @@
 //! demand word (a futex), so that demand turning active wakes every sleeper at once
 //! instead of after a long idle period.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicU32, AtomicU64,
+    Ordering::{Acquire, Relaxed},
+};
 
 use crate::config::MonitorConfig;
 
@@ -65,6 +68,11 @@ pub(crate) struct Slot {
     /// In the guest's idle loop (kernel source only): halted, not descheduled, and free
     /// to take work the moment it is given some.
     pub idle: std::sync::atomic::AtomicBool,
+    /// When a source that copies its state in batches (the kernel one) last copied this
+    /// slot; 0 for sleepers, which write `last_seen_ns` live. A copy is as of its own
+    /// time: judged against a later clock, a vCPU seen every tick would look out for as
+    /// long as the copy is old (up to the idle period while nothing is managed).
+    pub published_ns: AtomicU64,
 }
 
 const DEMAND_IDLE: u32 = 0;
@@ -146,10 +154,15 @@ impl VcpuBoard {
     }
 
     fn read(s: &Slot, now_ns: u64) -> VcpuSnapshot {
+        // Acquire pairs with the copy's Release: the state read is at least that copy's.
+        let judged_at = match s.published_ns.load(Acquire) {
+            0 => now_ns,
+            at => at.min(now_ns),
+        };
         let last_seen = s.last_seen_ns.load(Relaxed);
         let period = s.period_ns.load(Relaxed);
         let threshold = s.gap_threshold_ns.load(Relaxed);
-        let overdue = now_ns.saturating_sub(last_seen + period);
+        let overdue = judged_at.saturating_sub(last_seen + period);
         let active = overdue <= threshold || s.idle.load(Relaxed);
         let slice_start = s.slice_start_ns.load(Relaxed);
         let est = s.est_slice_ns.load(Relaxed);
@@ -225,6 +238,21 @@ mod tests {
         assert_eq!(s.inactive_for_ns, 200_001);
         let s = b.cpu_snapshot(3, 1_005 * MS).unwrap();
         assert_eq!(s.inactive_for_ns, 5 * MS - 300_000);
+    }
+
+    #[test]
+    fn a_copied_slot_is_judged_at_its_copy_not_at_the_reader_clock() {
+        let b = board();
+        let s = b.slot(3).unwrap();
+        // Copied 0.1 ms after the vCPU was last seen: running then, whenever it is read.
+        s.published_ns.store(1_000 * MS + 100_000, Relaxed);
+        let late = b.cpu_snapshot(3, 1_900 * MS).unwrap();
+        assert!(late.active, "a copy 900 ms old still says running");
+        // Copied once it was overdue: out, by as much as it was at the copy.
+        s.published_ns.store(1_002 * MS, Relaxed);
+        let s = b.cpu_snapshot(3, 1_900 * MS).unwrap();
+        assert!(!s.active);
+        assert_eq!(s.inactive_for_ns, 2 * MS - 300_000);
     }
 
     #[test]

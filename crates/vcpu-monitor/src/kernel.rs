@@ -19,7 +19,10 @@ use libbpf_rs::{Link, RingBufferBuilder};
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
-use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
+use std::sync::atomic::{
+    AtomicBool,
+    Ordering::{Relaxed, Release},
+};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -554,6 +557,7 @@ impl BoardView<'_> {
             slot.inactive_total_ns.store(st.inactive_ns, Relaxed);
             slot.covered_total_ns.store(st.covered_ns, Relaxed);
             slot.last_inactive_ns.store(st.last_gap_ns, Relaxed);
+            slot.published_ns.store(now, Release);
         }
     }
 }

@@ -198,7 +198,8 @@ pub struct EngineSnapshot {
     pub kept_with_completions: Vec<KeptTask>,
     /// Kept tasks let go because they waited on their vCPU's run queue, cumulative.
     pub let_go_waiting: u64,
-    /// Samples started before their period by the doorbell, cumulative.
+    /// Samples started before their period, cumulative: by the doorbell, or as a
+    /// follow-up of a sample that placed tasks.
     pub early_samples: u64,
     /// Threads that inherited a pin from a task we pinned, set back, cumulative.
     pub inherited_pins_undone: u64,
@@ -273,6 +274,11 @@ pub struct Engine {
     waiting: waiting::Waiting,
     /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
     partners: HashMap<u32, (Partner, u64)>,
+    /// Follow-up samples (see `sampling::FOLLOW_UPS`): whether this sample placed a
+    /// task or set back an inherited pin, the next one's time, and how many in a row.
+    placed_in_sample: bool,
+    follow_up_at_ns: Option<u64>,
+    follow_ups: u32,
     snap: EngineSnapshot,
 }
 
@@ -302,6 +308,9 @@ impl Engine {
             unkept: HashSet::new(),
             waiting: waiting::Waiting::default(),
             partners: HashMap::new(),
+            placed_in_sample: false,
+            follow_up_at_ns: None,
+            follow_ups: 0,
             snap: EngineSnapshot::default(),
             cfg,
         }
@@ -401,6 +410,7 @@ impl Engine {
                     "threads started by pinned tasks had inherited the pin: set back to their parents' own masks"
                 );
                 self.snap.inherited_pins_undone += undone as u64;
+                self.placed_in_sample = true;
             }
             self.found = out.tasks;
             for p in out.partners {

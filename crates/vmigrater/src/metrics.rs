@@ -158,7 +158,7 @@ impl Metrics {
         );
         r.register(
             "early_samples",
-            "Block-tracking samples started before their period because a thread quiet for seconds issued block I/O",
+            "Block-tracking samples started before their period: a thread quiet for seconds issued block I/O, or the last sample placed a task",
             m.early_samples.clone(),
         );
         r.register(

@@ -101,6 +101,13 @@ impl Engine {
         } else {
             candidates
         };
+        let placed = next
+            .iter()
+            .any(|e| !self.current.iter().any(|c| c.tid == e.tid))
+            || anchored_now
+                .iter()
+                .any(|a| !self.anchored.iter().any(|b| b.tid == a.tid));
+        self.placed_in_sample |= placed && act.tracking();
         act.publish_tasks(Arc::new(free));
         self.current = Arc::new(next);
         self.anchored = anchored_now;

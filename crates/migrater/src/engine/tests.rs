@@ -565,6 +565,48 @@ fn the_doorbell_starts_a_whole_sample_between_periods() {
     assert_eq!(f.pauses, 2);
 }
 
+/// From a pause, how long (ms, in 50 ms polls) until the next sample starts.
+fn ms_to_next_sample(e: &mut Engine, f: &mut Fake, vm: &mut Vm) -> u64 {
+    let (resumes, mut waited) = (f.resumes, 0);
+    while f.resumes == resumes && waited < 10_000 {
+        vm.step(e, f, 50 * MS, 0);
+        waited += 50;
+    }
+    waited
+}
+
+#[test]
+fn a_sample_that_places_a_task_is_followed_by_another_a_sample_later_at_most_four_in_a_row() {
+    let mut e = Engine::new(
+        EngineConfig {
+            schedule: Some(Schedule {
+                length: Duration::from_millis(250),
+                every: Duration::from_millis(2_500),
+            }),
+            ..config()
+        },
+        1_000 * S,
+    );
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    let mut gaps = Vec::new();
+    // Each sample finds one task: a new one is placed, the same one again is not.
+    for tid in [20, 21, 22, 23, 24, 25, 25, 26, 26] {
+        f.window = vec![io_task(tid)];
+        vm.step(&mut e, &mut f, 100 * MS, 0);
+        assert!(f.managed.contains_key(&tid));
+        vm.step(&mut e, &mut f, 200 * MS, 0);
+        assert!(!f.tracking, "the sample ended");
+        gaps.push(ms_to_next_sample(&mut e, &mut f, &mut vm));
+    }
+    assert_eq!(
+        gaps,
+        [250, 250, 250, 250, 2_200, 2_200, 2_200, 250, 2_200],
+        "four follow-ups, then the period until a sample places nothing"
+    );
+    assert_eq!(e.snapshot().early_samples, 5);
+}
+
 #[test]
 fn a_sample_runs_on_while_a_task_is_half_way_in_up_to_twice_its_length() {
     let sampled = || EngineConfig {

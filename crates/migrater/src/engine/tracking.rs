@@ -156,9 +156,10 @@ impl Engine {
         act: &mut impl BlockTracking,
     ) -> Duration {
         let into = Duration::from_nanos(now.saturating_sub(self.sample_start_ns));
+        let follow_up = self.follow_up_at_ns.is_some_and(|at| now >= at);
         // Only a loop that would sample reads the doorbell; otherwise it stays rung for
         // when something can gain again.
-        let rung = wants && !act.tracking() && act.take_doorbell();
+        let rung = wants && !act.tracking() && (act.take_doorbell() || follow_up);
         match s.step(act.tracking(), into, rung) {
             sampling::Step::Track(left) => left,
             // A task half-way through the classifier's enter windows (one issuing a
@@ -168,6 +169,7 @@ impl Engine {
             sampling::Step::Pause => match act.pause() {
                 Ok(()) => {
                     debug!("sample over: block tracking paused");
+                    self.plan_follow_up(now, s);
                     let left = s.every.saturating_sub(into);
                     // From the pause on, the doorbell is looked at every poll.
                     if wants {
@@ -193,12 +195,18 @@ impl Engine {
             sampling::Step::Resume => {
                 if rung {
                     self.snap.early_samples += 1;
-                    debug!("a quiet thread issued block I/O: sampling now");
+                    if follow_up {
+                        debug!("the last sample placed tasks: sampling again");
+                    } else {
+                        debug!("a quiet thread issued block I/O: sampling now");
+                    }
                 } else {
                     // A ring from before this sample: the sample sees that thread now.
                     act.take_doorbell();
                 }
                 self.sample_start_ns = now;
+                self.follow_up_at_ns = None;
+                self.placed_in_sample = false;
                 match act.resume() {
                     Ok(()) => s.length,
                     Err(e) => {
@@ -209,5 +217,17 @@ impl Engine {
                 }
             }
         }
+    }
+
+    /// At a sample's end: one that placed tasks is followed by another a sample's length
+    /// later, up to `FOLLOW_UPS` in a row; one that placed none ends the run.
+    fn plan_follow_up(&mut self, now: u64, s: sampling::Schedule) {
+        if !self.placed_in_sample {
+            self.follow_ups = 0;
+        } else if self.follow_ups < sampling::FOLLOW_UPS {
+            self.follow_ups += 1;
+            self.follow_up_at_ns = Some(now + ns(s.length));
+        }
+        self.placed_in_sample = false;
     }
 }

@@ -492,18 +492,20 @@ fn a_host_hold_anchors_the_io_bound_tasks_and_its_end_hands_them_back() {
     assert_eq!(f.released, [10]);
 }
 
+/// The default sampled tracking: 250 ms of every 2.5 s.
+fn sampled() -> EngineConfig {
+    EngineConfig {
+        schedule: Some(Schedule {
+            length: Duration::from_millis(250),
+            every: Duration::from_millis(2_500),
+        }),
+        ..config()
+    }
+}
+
 #[test]
 fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
-    let mut e = Engine::new(
-        EngineConfig {
-            schedule: Some(Schedule {
-                length: Duration::from_millis(250),
-                every: Duration::from_millis(2_500),
-            }),
-            ..config()
-        },
-        1_000 * S,
-    );
+    let mut e = Engine::new(sampled(), 1_000 * S);
     let mut f = Fake::new();
     let mut vm = Vm::new();
     let nap = vm.step(&mut e, &mut f, 100 * MS, 0);
@@ -536,16 +538,7 @@ fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
 
 #[test]
 fn the_doorbell_starts_a_whole_sample_between_periods() {
-    let mut e = Engine::new(
-        EngineConfig {
-            schedule: Some(Schedule {
-                length: Duration::from_millis(250),
-                every: Duration::from_millis(2_500),
-            }),
-            ..config()
-        },
-        1_000 * S,
-    );
+    let mut e = Engine::new(sampled(), 1_000 * S);
     let mut f = Fake::new();
     let mut vm = Vm::new();
     vm.step(&mut e, &mut f, 100 * MS, 0);
@@ -577,16 +570,7 @@ fn ms_to_next_sample(e: &mut Engine, f: &mut Fake, vm: &mut Vm) -> u64 {
 
 #[test]
 fn a_sample_that_places_a_task_is_followed_by_another_a_sample_later_at_most_four_in_a_row() {
-    let mut e = Engine::new(
-        EngineConfig {
-            schedule: Some(Schedule {
-                length: Duration::from_millis(250),
-                every: Duration::from_millis(2_500),
-            }),
-            ..config()
-        },
-        1_000 * S,
-    );
+    let mut e = Engine::new(sampled(), 1_000 * S);
     let mut f = Fake::new();
     let mut vm = Vm::new();
     let mut gaps = Vec::new();
@@ -609,13 +593,6 @@ fn a_sample_that_places_a_task_is_followed_by_another_a_sample_later_at_most_fou
 
 #[test]
 fn a_sample_runs_on_while_a_task_is_half_way_in_up_to_twice_its_length() {
-    let sampled = || EngineConfig {
-        schedule: Some(Schedule {
-            length: Duration::from_millis(250),
-            every: Duration::from_millis(2_500),
-        }),
-        ..config()
-    };
     let mut e = Engine::new(sampled(), 1_000 * S);
     let mut f = Fake::new();
     f.entering = true;

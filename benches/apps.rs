@@ -25,7 +25,8 @@
 //! --apps LIST (pg_select_c1,pg_tpcb_c1,nginx_c4,backup; see apps.rs for all), --modes
 //! LIST, --out DIR, --seed N, --parent-bin PATH, --accounting absorbed|interrupted,
 //! --tag NAME (file name apps-NAME.json). Writes apps.json (raw runs, cells, the build's
-//! commit) and apps.png, and prints a table.
+//! commit) and apps.png, and prints a table. Environment: VMIGRATER_BENCH_LOG (the
+//! daemon's log filter), VMIGRATER_BENCH_KEEP_LOGS=DIR (each daemon's whole log there).
 
 use anyhow::{Context, Result};
 use irq_steal::{Accounting, IrqSteal, Plan, Schedule, StealReport};
@@ -315,7 +316,14 @@ fn run_once(
     if let (Some(d), Some(c0)) = (daemon, dcpu0) {
         let cpu_s = vmigrater_testbed::process_cpu_s(d.pid()) - c0;
         let st = d.status().unwrap_or(Value::Null);
+        let pid = d.pid();
         let log = d.stop()?;
+        // The JSON keeps 200 decision lines; a diagnostic run (a trace filter in
+        // VMIGRATER_BENCH_LOG) keeps every line here.
+        if let Some(dir) = std::env::var_os("VMIGRATER_BENCH_KEEP_LOGS") {
+            let path = PathBuf::from(dir).join(format!("{}-{mode}-{pid}.log", app.name()));
+            std::fs::write(&path, &log).with_context(|| format!("writing {}", path.display()))?;
+        }
         let first = run.as_ref().ok().map(|r| r.first_request_unix_s);
         daemon_json = json!({
             "cpu_pct_of_one_cpu": cpu_s / ((t1 - t0) as f64 / 1e9) * 100.0,

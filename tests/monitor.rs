@@ -260,8 +260,9 @@ fn detects_emulated_deschedules_and_measures_slices() {
         + 200 * MS;
 
     let (mut bursts, mut detected, mut false_gaps) = (0usize, 0usize, 0usize);
-    let (mut predict_errs, mut measured_errs) = (Vec::new(), Vec::new());
-    let mut cpu_predict_errs: Vec<(usize, u64)> = Vec::new();
+    // (cpu, |predicted - true slice|) at each detected deschedule.
+    let (mut cpu_predict_errs, mut measured_errs): (Vec<(usize, u64)>, _) =
+        (Vec::new(), Vec::new());
     let mut missed = Vec::new();
     for r in &truth {
         let gaps = rec.gaps(r.cpu);
@@ -282,7 +283,6 @@ fn detects_emulated_deschedules_and_measures_slices() {
                 continue;
             };
             let true_slice = next_a - iv.1;
-            predict_errs.push(hit.predicted_slice_ns.abs_diff(true_slice));
             cpu_predict_errs.push((r.cpu, hit.predicted_slice_ns.abs_diff(true_slice)));
             // Under load one reported gap can span two bursts (the sleeper never ran in
             // between); then there is no measured slice.
@@ -308,6 +308,7 @@ fn detects_emulated_deschedules_and_measures_slices() {
         }
         false_gaps += false_here.len();
     }
+    let predict_errs: Vec<u64> = cpu_predict_errs.iter().map(|e| e.1).collect();
     let snap = board.snapshot(monotonic_ns());
     let ms = |ns: u64| ns as f64 / 1e6;
     eprintln!(

@@ -334,8 +334,8 @@ impl Apps {
 
     /// Reads every file `app` uses once, then drops the guest's page cache. On a virtual
     /// disk the host keeps its own cache, which the guest cannot drop: read cold, the same
-    /// data set took 35 s, read again 1.5 s (on the 2-vCPU guest the benchmarks run on), and a benchmark
-    /// that started with the host's cache cold drifted upward run after run (in-phase
+    /// data set took 35 s, read again 1.5 s (on the 2-vCPU guest the benchmarks run on),
+    /// and a benchmark that started with the host's cache cold drifted upward run after run (in-phase
     /// select-only, vanilla 653 → 1,076 tps over eight repetitions). Settled once before
     /// the repetitions, every run meets the same storage; each still starts with the
     /// guest's cache empty. Returns the bytes read.

@@ -385,10 +385,23 @@ fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
     reader.stop().expect("reader");
     std::thread::sleep(Duration::from_millis(20));
     let done = sample_of(&mut tracker, tid).expect("reader in the map");
+    // What to read if this fails (it did once in CI with 24): whether the requests are
+    // still open in the table (their ends lost) or the count drifted from the table, and
+    // whether the kernel skipped runs of the programs.
+    let open_of_reader = tracker
+        .open_requests()
+        .expect("inflight")
+        .iter()
+        .filter(|r| r.1 == tid)
+        .count();
     assert!(
         done.in_flight <= 1,
-        "in flight after the reader stopped: {}",
-        done.in_flight
+        "in flight after the reader stopped: {} ({open_of_reader} of its requests open in \
+         the table; {} program runs skipped by the kernel; {} ios, {} completions)",
+        done.in_flight,
+        tracker.missed_runs(),
+        done.ios,
+        done.completions.total
     );
 }
 
@@ -522,8 +535,10 @@ fn a_pause_does_not_read_as_idleness() {
 }
 
 /// Pins this thread to `cpu` and reads `n` 4 KiB blocks of `file` (O_DIRECT, one at a
-/// time); returns how many of the disk's interrupts each CPU took meanwhile.
-fn reads_from(cpu: usize, file: &Path, n: u64) -> Vec<u64> {
+/// time); returns how many of the disk's interrupts each CPU took meanwhile, and how many
+/// 4 KiB blocks this thread fetched from the disk by the kernel's own count (the reads, plus
+/// any metadata the file system read on the way, such as an extent block).
+fn reads_from(cpu: usize, file: &Path, n: u64) -> (Vec<u64>, u64) {
     let me = nix::unistd::Pid::from_raw(0);
     let mask = nix::sched::sched_getaffinity(me).expect("own mask");
     let mut set = nix::sched::CpuSet::new();
@@ -539,13 +554,28 @@ fn reads_from(cpu: usize, file: &Path, n: u64) -> Vec<u64> {
     let skip = backing.as_ptr().align_offset(4096);
     let buf = &mut backing[skip..skip + 4096];
     let irqs0 = disk_irqs_per_cpu(file);
+    let fetched0 = own_read_bytes();
     for i in 0..n {
         f.read_exact_at(buf, (i * 7919 % 65536) * 4096)
             .expect("read");
     }
+    let fetched = own_read_bytes() - fetched0;
     let irqs1 = disk_irqs_per_cpu(file);
     nix::sched::sched_setaffinity(me, &mask).expect("restore own mask");
-    irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect()
+    let grew = irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect();
+    (grew, fetched.div_ceil(4096))
+}
+
+/// Bytes this thread has caused to be read from storage (`read_bytes` of its task's io
+/// accounting: counted at bio submission, direct I/O and metadata included).
+fn own_read_bytes() -> u64 {
+    let io = std::fs::read_to_string("/proc/thread-self/io").expect("/proc/thread-self/io");
+    io.lines()
+        .find_map(|l| l.strip_prefix("read_bytes: "))
+        .expect("read_bytes in /proc/thread-self/io")
+        .trim()
+        .parse()
+        .expect("read_bytes is a number")
 }
 
 /// Per CPU, how many interrupts of the disk that holds `file` were handled: the lines of
@@ -602,7 +632,7 @@ fn completions_are_recorded_on_the_vcpu_that_took_the_interrupt() {
     for cpu in 0..ncpu {
         let before = sample_of(&mut tracker, tid).map(|s| s.completions);
         let reads = 400u64;
-        let grew = reads_from(cpu, &file, reads);
+        let (grew, fetched) = reads_from(cpu, &file, reads);
         let after = sample_of(&mut tracker, tid)
             .expect("the reader in the map")
             .completions;
@@ -619,12 +649,14 @@ fn completions_are_recorded_on_the_vcpu_that_took_the_interrupt() {
         let irq_total: u64 = grew.iter().sum();
         eprintln!(
             "reader on CPU {cpu}: {done} completions, {remote} remote, last on CPU {}; \
-             disk interrupts per CPU {grew:?}",
+             disk interrupts per CPU {grew:?}; {fetched} blocks fetched by the kernel's count",
             after.last_cpu
         );
+        // A request counted once, and none lost: at most the blocks the kernel says this
+        // thread fetched (a read may bring an extent block with it), at least 95% of the reads.
         assert!(
-            done >= reads * 95 / 100 && done <= reads,
-            "{done} completions recorded for {reads} reads"
+            done >= reads * 95 / 100 && done <= fetched.max(reads),
+            "{done} completions recorded for {reads} reads ({fetched} blocks fetched)"
         );
         assert_eq!(
             after.last_cpu as usize, busiest,
@@ -656,7 +688,7 @@ fn the_queue_map_names_the_vcpu_whose_interrupts_grow() {
         "no disk mapped on this virtio machine"
     );
     for (&cpu, expected) in &completes {
-        let grew = reads_from(cpu, &file, 200);
+        let (grew, _) = reads_from(cpu, &file, 200);
         let busiest = (0..grew.len()).max_by_key(|&c| grew[c]).unwrap();
         assert!(
             expected.contains(&busiest),

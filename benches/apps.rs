@@ -14,7 +14,9 @@
 //! - `pinned`: the server's processes pinned to the disk's completion CPU from their start;
 //! - `pinned_all`: the server and its client (pgbench, wrk, md5sum) pinned there;
 //! - `sched_oracle`: every task of the application moved, just before each window change,
-//!   to the CPU that will run (the completion CPU while it runs), knowing the plan.
+//!   to the CPU that will run (the completion CPU while it runs), knowing the plan;
+//! - `steal_backoff`: the baseline proposed for Linux guests: every 100 ms the application
+//!   kept off the vCPUs stolen most in the last 100 ms (tests/support/backoff.rs).
 //!
 //! The best oracle of a cell is the oracle mode with the highest median there; the daemon
 //! is reported against it and against vanilla (ratio of medians and paired ratio, 95%
@@ -37,13 +39,14 @@ use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use vmigrater_testbed::apps::{self, App, AppRun, Apps, Placement};
+use vmigrater_testbed::backoff::{self, BackoffLog};
 use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{ncpus, require_root, workload};
 
-const MODES: [&str; 7] = [
+const MODES: [&str; 8] = [
     "vanilla",
     "vmigrater",
     "vmigrater_no_partners",
@@ -51,6 +54,7 @@ const MODES: [&str; 7] = [
     "pinned",
     "pinned_all",
     "sched_oracle",
+    "steal_backoff",
 ];
 const ORACLES: [&str; 3] = ["pinned", "pinned_all", "sched_oracle"];
 const DEFAULT_APPS: [&str; 4] = ["pg_select_c1", "pg_tpcb_c1", "nginx_c4", "backup"];
@@ -241,7 +245,7 @@ fn run_once(
     let cpus: Vec<usize> = (0..ncpus()).collect();
     let length = s.warmup + Duration::from_secs_f64(s.secs) + START_STOP_BUDGET;
     let plan = sched.plan(&cpus, length).context("planning the schedule")?;
-    plan.validate().context("the schedule's plan")?;
+    plan.validate_on(&cpus).context("the schedule's plan")?;
     apps::drop_caches()?;
     let steal = IrqSteal::start_with(&plan, s.accounting).context("starting irq-steal")?;
     let start_ns = steal.start_ns();
@@ -276,37 +280,42 @@ fn run_once(
     };
     let stop = AtomicBool::new(false);
     let log = OracleLog::default();
+    let backoff_log = BackoffLog::default();
     let t0 = monotonic_ns();
     let run: Result<AppRun> = std::thread::scope(|scope| {
         let mut oracle_thread = None;
         let mut on_start = |cg: &apps::MemCgroup| {
-            if mode != "sched_oracle" {
-                return;
-            }
             let tasks_file = cg.procs_file().with_file_name("tasks");
-            let (stop, log, plan, cpus) = (&stop, &log, &plan, &cpus);
-            oracle_thread = Some(scope.spawn(move || {
-                let view = OracleView {
-                    plan,
-                    start_ns,
-                    cpus,
-                    completion: Some(completion),
+            let tasks = move || -> Vec<u32> {
+                std::fs::read_to_string(&tasks_file)
+                    .unwrap_or_default()
+                    .lines()
+                    .filter_map(|l| l.trim().parse().ok())
+                    .collect()
+            };
+            let (stop, log, backoff_log, plan, cpus) = (&stop, &log, &backoff_log, &plan, &cpus);
+            oracle_thread =
+                match mode {
+                    "sched_oracle" => Some(scope.spawn(move || {
+                        let view = OracleView {
+                            plan,
+                            start_ns,
+                            cpus,
+                            completion: Some(completion),
+                        };
+                        oracle::run(&view, tasks, stop, log)
+                    })),
+                    "steal_backoff" => Some(scope.spawn(move || {
+                        backoff::run(plan, start_ns, cpus, tasks, stop, backoff_log)
+                    })),
+                    _ => None,
                 };
-                let tasks = || {
-                    std::fs::read_to_string(&tasks_file)
-                        .unwrap_or_default()
-                        .lines()
-                        .filter_map(|l| l.trim().parse().ok())
-                        .collect()
-                };
-                oracle::run(&view, tasks, stop, log)
-            }));
         };
         let r = apps.run(app, s.secs, &place, &mut on_start);
         stop.store(true, Ordering::Relaxed);
         if let Some(o) = oracle_thread {
             o.join()
-                .map_err(|_| anyhow::anyhow!("sched_oracle thread panicked"))??;
+                .map_err(|_| anyhow::anyhow!("{mode} thread panicked"))??;
         }
         r
     });
@@ -373,6 +382,7 @@ fn run_once(
         "hog_units_per_s_by_cpu": hog_rates.ok(),
         "daemon": daemon_json,
         "oracle": (mode == "sched_oracle").then(|| log.to_json()),
+        "backoff": (mode == "steal_backoff").then(|| backoff_log.to_json()),
         "steal": report,
         "steal_error": err,
         "steal_ok": err <= STEAL_TOLERANCE,
@@ -453,7 +463,7 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
             e["time_to_help_s_median"] = json!(stats::median(&tth));
             e["daemon_cpu_pct_median"] = json!(stats::median(&d("cpu_pct_of_one_cpu")));
         }
-        for other in ["vmigrater_parent", "vmigrater_no_partners"] {
+        for other in ["vmigrater_parent", "vmigrater_no_partners", "steal_backoff"] {
             if m == "vmigrater" && modes.contains(&other) {
                 e[format!("vs_{other}")] = est(stats::ratio_of_medians(&v, &vals(other, "value")));
                 e[format!("paired_vs_{other}")] = est(paired(m, other));

@@ -340,7 +340,7 @@ fn run_once(
     // The plan covers the warm-up, the workload, its start and exit.
     let length = s.warmup + Duration::from_millis(workload_ms) + Duration::from_millis(700);
     let plan = sched.plan(&cpus, length).context("planning the schedule")?;
-    plan.validate().context("the schedule's plan")?;
+    plan.validate_on(&cpus).context("the schedule's plan")?;
     let steal = IrqSteal::start_with(&plan, s.accounting).context("starting irq-steal")?;
     let start_ns = steal.start_ns();
     let daemon = match mode {

@@ -420,3 +420,103 @@ fn absorbed_windows_are_charged_to_no_fair_task() {
         c.stolen_ns
     );
 }
+
+/// A thread pinned to `cpu` that spins for `secs` at the given SCHED_FIFO priority.
+fn fifo_spinner(cpu: usize, priority: i32, secs: f64) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        os_layer::sched::pin_self(cpu).expect("pin");
+        os_layer::sched::set_self_policy(libc::SCHED_FIFO, priority).expect("SCHED_FIFO");
+        let t0 = Instant::now();
+        while t0.elapsed().as_secs_f64() < secs {
+            std::hint::spin_loop();
+        }
+    })
+}
+
+/// Three vCPUs per CPU (each CPU out 20 ms of every 30, both out together 10 of every 30)
+/// with a hog on each CPU: a plan the 60% bound refused, allowed now that its stretches
+/// are short and the machine runs somewhere two thirds of the time. The machine keeps
+/// answering: a normal thread that sleeps 1 ms at a time is never held back anywhere near
+/// the liveness bound, and the run steals what it asked.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn three_vcpus_per_cpu_steal_what_they_ask_and_the_machine_answers() {
+    assert_root();
+    assert_cpus(2);
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let hogs: Vec<_> = (0..2)
+        .map(|cpu| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                os_layer::sched::pin_self(cpu).expect("pin");
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::hint::spin_loop();
+                }
+            })
+        })
+        .collect();
+    let plan = "anti:30000:20000"
+        .parse::<Schedule>()
+        .unwrap()
+        .plan(&[0, 1], Duration::from_secs(3))
+        .expect("a 3:1 plan passes the bounds");
+    let steal = IrqSteal::start(&plan).expect("start");
+    let mut longest = Duration::ZERO;
+    while os_layer::monotonic_ns() < steal.start_ns() + plan.length_ns {
+        let t = Instant::now();
+        std::thread::sleep(Duration::from_millis(1));
+        longest = longest.max(t.elapsed());
+    }
+    let report = steal
+        .stop()
+        .expect("the run ends without a liveness failure");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for h in hogs {
+        h.join().unwrap();
+    }
+    eprint!("longest 1 ms sleep: {longest:?}\n{report}");
+    assert!(report.within(0.05), "{report}");
+    assert!(
+        longest < irq_steal::ANSWER_WITHIN / 2,
+        "a normal thread waited {longest:?} for a CPU at 3:1"
+    );
+}
+
+/// When no normal task can run (a real-time spinner on every CPU, below the controller), the
+/// controller stops stealing within the liveness bound and the run fails saying so.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_machine_that_stops_answering_stops_the_run() {
+    assert_root();
+    assert_cpus(2);
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let plan = "anti:30000:20000"
+        .parse::<Schedule>()
+        .unwrap()
+        .plan(&[0, 1], Duration::from_secs(4))
+        .unwrap();
+    let steal = IrqSteal::start_with(&plan, irq_steal::Accounting::Interrupted).expect("start");
+    os_layer::sleep_until(steal.start_ns() + 300 * MS);
+    // Below the controller (priority 2), above every normal task; 1.2 s, bounded by the
+    // spinners' own clock. The kernel's real-time throttling leaves fair tasks 50 ms of
+    // every second at most: never within the bound.
+    let spinners: Vec<_> = (0..2).map(|cpu| fifo_spinner(cpu, 1, 1.2)).collect();
+    for s in spinners {
+        s.join().unwrap();
+    }
+    let stopped_by = (os_layer::monotonic_ns() - steal.start_ns()) as f64 / 1e9;
+    let e = format!("{:#}", steal.stop().expect_err("the run must fail"));
+    eprintln!("{e}");
+    assert!(e.contains("the machine stopped answering"), "{e}");
+    let at: f64 = e
+        .split("(at ")
+        .nth(1)
+        .and_then(|r| r.split(" s of the run").next())
+        .and_then(|t| t.parse().ok())
+        .expect("the error says when");
+    assert!(
+        at > 0.3 && at < stopped_by,
+        "stealing stopped at {at} s, not while the spinners held the CPUs (0.3 to {stopped_by:.2} s)"
+    );
+}

@@ -4,6 +4,7 @@
 //! Nothing here may pretend to be the kernel: workloads do real I/O and burn real CPU.
 
 pub mod apps;
+pub mod backoff;
 pub mod completion;
 pub mod daemon;
 pub mod host;

@@ -18,7 +18,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags};
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
@@ -31,6 +31,10 @@ const MAX_CPUS: usize = 1024;
 pub const SAMPLE_PERIOD_NS: u64 = 250_000;
 /// How often the controller refreshes the heartbeat (the program gives up at 100 ms).
 const HEARTBEAT_EVERY: Duration = Duration::from_millis(10);
+/// A normal task of this process that has not run for this long says the machine stopped
+/// answering (the controller, real-time, still runs): stealing stops and the run fails.
+/// Ten times the longest window a plan may hold.
+pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 /// Between attaching and the plan's t = 0, so that every CPU starts on the same clock.
 const LEAD_NS: u64 = 20_000_000;
 
@@ -89,6 +93,7 @@ pub struct IrqSteal {
     start_ns: u64,
     stop: Arc<AtomicBool>,
     no_idle: Option<NoIdle>,
+    alive: Option<JoinHandle<()>>,
     controller: Option<JoinHandle<Result<StealReport>>>,
 }
 
@@ -102,11 +107,11 @@ impl IrqSteal {
 
     /// `start`, with the windows' time charged as `accounting` says.
     pub fn start_with(plan: &Plan, accounting: Accounting) -> Result<IrqSteal> {
-        plan.validate().context("refusing the plan")?;
+        let online = os_layer::Root::real().online_cpus()?;
+        plan.validate_on(&online).context("refusing the plan")?;
         if !nix::unistd::geteuid().is_root() {
             bail!("irq-steal needs root (BPF, perf events on whole CPUs, a sysctl)");
         }
-        let online = os_layer::Root::real().online_cpus()?;
         for c in &plan.cpus {
             if !online.contains(&c.cpu) || c.cpu >= MAX_CPUS {
                 bail!(
@@ -118,24 +123,37 @@ impl IrqSteal {
         let cpus: Vec<usize> = plan.cpus.iter().map(|c| c.cpu).collect();
         let no_idle = NoIdle::start(&cpus)?;
         let stop = Arc::new(AtomicBool::new(false));
+        let last_ran = Arc::new(AtomicU64::new(os_layer::monotonic_ns()));
+        let alive = {
+            let (stop, last_ran) = (stop.clone(), last_ran.clone());
+            std::thread::Builder::new()
+                .name("irq-steal-alive".into())
+                .spawn(move || answer(&stop, &last_ran))
+                .context("starting the irq-steal liveness thread")?
+        };
         let (tx, rx) = sync_channel(1);
         let controller = {
             let (plan, stop) = (plan.clone(), stop.clone());
             std::thread::Builder::new()
                 .name("irq-steal".into())
-                .spawn(move || controller(&plan, accounting, &stop, tx))
+                .spawn(move || controller(&plan, accounting, &stop, &last_ran, tx))
                 .context("starting the irq-steal controller thread")?
         };
+        let mut run = IrqSteal {
+            start_ns: 0,
+            stop,
+            no_idle: Some(no_idle),
+            alive: Some(alive),
+            controller: None,
+        };
         match rx.recv() {
-            Ok(Ok(start_ns)) => Ok(IrqSteal {
-                start_ns,
-                stop,
-                no_idle: Some(no_idle),
-                controller: Some(controller),
-            }),
+            Ok(Ok(start_ns)) => {
+                run.start_ns = start_ns;
+                run.controller = Some(controller);
+                Ok(run)
+            }
             Ok(Err(e)) => {
                 let _ = controller.join();
-                drop(no_idle);
                 Err(e)
             }
             Err(_) => Err(match controller.join() {
@@ -176,6 +194,19 @@ impl Drop for IrqSteal {
                 eprintln!("irq-steal: stopping: {e:#}");
             }
         }
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(a) = self.alive.take() {
+            let _ = a.join();
+        }
+    }
+}
+
+/// The liveness thread: a normal task (the policy of whoever started the run) that says
+/// every 10 ms that it ran, until the run stops.
+fn answer(stop: &AtomicBool, last_ran: &AtomicU64) {
+    while !stop.load(Ordering::Relaxed) {
+        last_ran.store(os_layer::monotonic_ns(), Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -195,6 +226,7 @@ fn controller(
     plan: &Plan,
     accounting: Accounting,
     stop: &AtomicBool,
+    last_ran: &AtomicU64,
     started: SyncSender<Result<u64>>,
 ) -> Result<StealReport> {
     let mut storage = MaybeUninit::uninit();
@@ -295,9 +327,16 @@ fn controller(
     }
     let _ = started.send(Ok(start_ns));
     let mut next = os_layer::monotonic_ns();
+    let mut unanswered = None;
     while !stop.load(Ordering::Relaxed) {
+        let now = os_layer::monotonic_ns();
+        let silent = now.saturating_sub(last_ran.load(Ordering::Relaxed));
+        if silent > ANSWER_WITHIN.as_nanos() as u64 {
+            unanswered = Some((silent, now.saturating_sub(start_ns)));
+            break;
+        }
         // SAFETY: as above.
-        unsafe { heartbeat.write_volatile(os_layer::monotonic_ns()) };
+        unsafe { heartbeat.write_volatile(now) };
         next += HEARTBEAT_EVERY.as_nanos() as u64;
         os_layer::sleep_until(next.max(os_layer::monotonic_ns()));
     }
@@ -326,5 +365,14 @@ fn controller(
             .collect(),
     };
     throttle.restore()?;
+    if let Some((silent_ns, at_ns)) = unanswered {
+        bail!(
+            "the machine stopped answering: no normal task of this process ran for {} ms \
+             (at {:.3} s of the run); stealing stopped there, {} ms of windows stolen in all",
+            silent_ns / 1_000_000,
+            at_ns as f64 / 1e9,
+            report.cpus.iter().map(|c| c.stolen_ns).sum::<u64>() / 1_000_000
+        );
+    }
     Ok(report)
 }

@@ -4,7 +4,8 @@
 //!
 //! - `plan`: the one representation of a schedule (per-CPU windows) and its safety bounds;
 //! - `schedule`: the named schedule families, their text form, and their plans;
-//! - `kernel`: the run itself (bpf/irqsteal.bpf.c on per-CPU perf clock events);
+//! - `kernel`: the run itself (bpf/irqsteal.bpf.c on per-CPU perf clock events), stopped
+//!   when the machine stops answering (no normal task ran for `ANSWER_WITHIN`);
 //! - `absorber`: who is charged a window's time (the task interrupted, or nobody);
 //! - `throttle`: perf throttling off for the run, restored whatever happens;
 //! - `report`: what each CPU stole against what it was asked.
@@ -22,8 +23,11 @@ pub mod schedule;
 pub mod throttle;
 
 pub use absorber::Accounting;
-pub use kernel::{IrqSteal, SAMPLE_PERIOD_NS};
-pub use plan::{CpuPlan, Plan, Window, MAX_OUT_PERCENT, MAX_WINDOWS_PER_CPU, MAX_WINDOW_NS};
+pub use kernel::{IrqSteal, ANSWER_WITHIN, SAMPLE_PERIOD_NS};
+pub use plan::{
+    CpuPlan, Plan, Window, MAX_ALL_OUT_NS, MAX_ALL_OUT_PERCENT, MAX_OUT_PERCENT,
+    MAX_SHORT_OUT_PERCENT, MAX_WINDOWS_PER_CPU, MAX_WINDOW_NS, SHORT_STRETCH_NS,
+};
 pub use report::{CpuSteal, StealReport};
 pub use schedule::{Dist, Schedule};
 pub use throttle::{read_perf_cpu_time_max_percent, PERF_CPU_TIME_MAX_PERCENT};

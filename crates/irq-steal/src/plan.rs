@@ -23,10 +23,8 @@ pub const MAX_OUT_PERCENT: u64 = 60;
 pub const MAX_SHORT_OUT_PERCENT: u64 = 80;
 /// The longest stretch (adjacent windows joined) of a CPU out more than `MAX_OUT_PERCENT`.
 pub const SHORT_STRETCH_NS: u64 = 20_000_000;
-/// With every CPU of the machine in the plan: the longest stretch all of them are out
-/// together, and the most of any second they may be (the machine runs somewhere at least
-/// half of every second, and never stops for longer than this).
-pub const MAX_ALL_OUT_NS: u64 = 20_000_000;
+/// With a CPU out more than `MAX_OUT_PERCENT` and every CPU of the machine in the plan:
+/// the most of any second all of them may be out together.
 pub const MAX_ALL_OUT_PERCENT: u64 = 50;
 const SECOND_NS: u64 = 1_000_000_000;
 
@@ -147,12 +145,19 @@ impl Plan {
         Ok(())
     }
 
-    /// `validate`, and with every one of the machine's `online` CPUs in the plan: the
-    /// machine is never out whole for longer than `MAX_ALL_OUT_NS` at a stretch, nor more
-    /// than `MAX_ALL_OUT_PERCENT` of any second (the time when all CPUs are out together).
+    /// `validate`, and when a CPU takes the short stretches' larger share (out more than
+    /// `MAX_OUT_PERCENT` of some second) and every one of the machine's `online` CPUs is in
+    /// the plan: all of them out together at most `MAX_ALL_OUT_PERCENT` of any second, so
+    /// the machine runs somewhere at least half of the time (and never stops longer than
+    /// that CPU's stretches, 20 ms). Plans within `MAX_OUT_PERCENT` on every CPU are what
+    /// the testbed always ran (two CPUs of a Xen-like plan may be out together 30 ms).
     pub fn validate_on(&self, online: &[usize]) -> Result<()> {
         self.validate()?;
-        if online.is_empty() || online.iter().any(|&cpu| self.cpu(cpu).is_none()) {
+        let raised = self
+            .cpus
+            .iter()
+            .any(|c| over_in_a_second(&c.windows, SECOND_NS / 100 * MAX_OUT_PERCENT).is_some());
+        if !raised || online.is_empty() || online.iter().any(|&cpu| self.cpu(cpu).is_none()) {
             return Ok(());
         }
         let mut all = self.cpus[0].windows.clone();
@@ -160,18 +165,11 @@ impl Plan {
             all = intersect(&all, &c.windows);
         }
         let all = join_adjacent(&all);
-        if let Some(w) = all.iter().find(|w| w.len_ns() > MAX_ALL_OUT_NS) {
-            bail!(
-                "every CPU would be out together during {w}: {:.3} ms, more than the {} ms \
-                 the machine may stop at a stretch",
-                w.len_ns() as f64 / 1e6,
-                MAX_ALL_OUT_NS / 1_000_000
-            );
-        }
         if let Some((k, out)) = over_in_a_second(&all, SECOND_NS / 100 * MAX_ALL_OUT_PERCENT) {
             bail!(
                 "every CPU would be out together {:.1}% of the second before {:.3} ms, more \
-                 than the {MAX_ALL_OUT_PERCENT}% allowed",
+                 than the {MAX_ALL_OUT_PERCENT}% allowed when a CPU is out over \
+                 {MAX_OUT_PERCENT}%",
                 out as f64 / SECOND_NS as f64 * 100.0,
                 all[k].end_ns as f64 / 1e6
             );
@@ -430,14 +428,12 @@ mod tests {
             e.contains("every CPU would be out together") && e.contains("50% allowed"),
             "{e}"
         );
-        // One joint stretch of 25 ms (each CPU alone within its own bounds).
+        // 2:1 as the testbed always ran it (Xen-like: each CPU well within 60%): the
+        // CPUs may be out together for 25 ms.
         let p = two_cpus(&[(100, 125)], &[(95, 130)], 1000);
-        let e = p.validate_on(&[0, 1]).unwrap_err().to_string();
-        assert!(
-            e.contains("25.000 ms") && e.contains("20 ms the machine may stop"),
-            "{e}"
-        );
-        // The same plan on a machine with a third CPU, which always runs: allowed.
+        p.validate_on(&[0, 1]).unwrap();
+        // 3:1 in phase on a machine with a third CPU, which always runs: allowed.
+        let p = two_cpus(&periodic(30, 20, 0, 60), &periodic(30, 20, 0, 60), 1800);
         p.validate_on(&[0, 1, 2]).unwrap();
     }
 

@@ -3,10 +3,10 @@
 //! and keeps the heartbeat fresh from a controller thread until stopped; then reads what
 //! each CPU stole.
 //!
-//! Owns the BPF object, the perf events and the heartbeat. Must never start without a
-//! validated plan, and never outlive its owner: the links detach when the controller
-//! thread ends (stop, drop, or the process's death closes them), and the program itself
-//! stops stealing when the heartbeat goes stale.
+//! Owns the BPF object, the perf events, the heartbeat and the liveness thread. Must never
+//! start without a validated plan, and never outlive its owner: the links detach when the
+//! controller thread ends (stop, drop, or the process's death closes them, or a liveness
+//! failure ends it), and the program itself stops stealing when the heartbeat goes stale.
 
 use crate::absorber::{Absorbers, Accounting, ABSORBER_PRIORITY};
 use crate::bpf_skel::IrqstealSkelBuilder;
@@ -94,6 +94,7 @@ pub struct IrqSteal {
     stop: Arc<AtomicBool>,
     no_idle: Option<NoIdle>,
     alive: Option<JoinHandle<()>>,
+    silenced: Arc<AtomicBool>,
     controller: Option<JoinHandle<Result<StealReport>>>,
 }
 
@@ -124,11 +125,12 @@ impl IrqSteal {
         let no_idle = NoIdle::start(&cpus)?;
         let stop = Arc::new(AtomicBool::new(false));
         let last_ran = Arc::new(AtomicU64::new(os_layer::monotonic_ns()));
+        let silenced = Arc::new(AtomicBool::new(false));
         let alive = {
-            let (stop, last_ran) = (stop.clone(), last_ran.clone());
+            let (stop, last_ran, silenced) = (stop.clone(), last_ran.clone(), silenced.clone());
             std::thread::Builder::new()
                 .name("irq-steal-alive".into())
-                .spawn(move || answer(&stop, &last_ran))
+                .spawn(move || answer(&stop, &silenced, &last_ran))
                 .context("starting the irq-steal liveness thread")?
         };
         let (tx, rx) = sync_channel(1);
@@ -144,6 +146,7 @@ impl IrqSteal {
             stop,
             no_idle: Some(no_idle),
             alive: Some(alive),
+            silenced,
             controller: None,
         };
         match rx.recv() {
@@ -166,6 +169,15 @@ impl IrqSteal {
     /// CLOCK_MONOTONIC ns of the plan's t = 0 (the clock of `bpf_ktime_get_ns`).
     pub fn start_ns(&self) -> u64 {
         self.start_ns
+    }
+
+    /// Makes the liveness thread stop saying that it ran, as when the machine stops
+    /// answering: for tests of the controller's answer (starving a normal task on purpose
+    /// depends on when the kernel's fair server lets it run, which is not the test's to
+    /// choose).
+    #[doc(hidden)]
+    pub fn silence_liveness(&self) {
+        self.silenced.store(true, Ordering::Relaxed);
     }
 
     /// Detaches, restores the sysctl and reports what each CPU stole.
@@ -201,11 +213,16 @@ impl Drop for IrqSteal {
     }
 }
 
-/// The liveness thread: a normal task (the policy of whoever started the run) that says
-/// every 10 ms that it ran, until the run stops.
-fn answer(stop: &AtomicBool, last_ran: &AtomicU64) {
+/// The liveness thread: a normal task (SCHED_OTHER, whatever policy the run's starter
+/// has) that says every 10 ms that it ran, until the run stops.
+fn answer(stop: &AtomicBool, silenced: &AtomicBool, last_ran: &AtomicU64) {
+    if let Err(e) = os_layer::sched::set_self_policy(libc::SCHED_OTHER, 0) {
+        eprintln!("irq-steal: the liveness thread keeps its starter's policy ({e})");
+    }
     while !stop.load(Ordering::Relaxed) {
-        last_ran.store(os_layer::monotonic_ns(), Ordering::Relaxed);
+        if !silenced.load(Ordering::Relaxed) {
+            last_ran.store(os_layer::monotonic_ns(), Ordering::Relaxed);
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
 }

@@ -283,7 +283,7 @@ fn run_once(
     let backoff_log = BackoffLog::default();
     let t0 = monotonic_ns();
     let run: Result<AppRun> = std::thread::scope(|scope| {
-        let mut oracle_thread = None;
+        let mut placer = None;
         let mut on_start = |cg: &apps::MemCgroup| {
             let tasks_file = cg.procs_file().with_file_name("tasks");
             let tasks = move || -> Vec<u32> {
@@ -294,7 +294,7 @@ fn run_once(
                     .collect()
             };
             let (stop, log, backoff_log, plan, cpus) = (&stop, &log, &backoff_log, &plan, &cpus);
-            oracle_thread =
+            placer =
                 match mode {
                     "sched_oracle" => Some(scope.spawn(move || {
                         let view = OracleView {
@@ -313,7 +313,7 @@ fn run_once(
         };
         let r = apps.run(app, s.secs, &place, &mut on_start);
         stop.store(true, Ordering::Relaxed);
-        if let Some(o) = oracle_thread {
+        if let Some(o) = placer {
             o.join()
                 .map_err(|_| anyhow::anyhow!("{mode} thread panicked"))??;
         }

@@ -432,17 +432,8 @@ fn three_vcpus_per_cpu_steal_what_they_ask_and_the_machine_answers() {
     assert_root();
     assert_cpus(2);
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let hogs: Vec<_> = (0..2)
-        .map(|cpu| {
-            let stop = stop.clone();
-            std::thread::spawn(move || {
-                os_layer::sched::pin_self(cpu).expect("pin");
-                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    std::hint::spin_loop();
-                }
-            })
-        })
+        .map(|cpu| vmigrater_testbed::workload::spawn_hog(Some(cpu)).expect("hog"))
         .collect();
     let plan = "anti:30000:20000"
         .parse::<Schedule>()
@@ -459,9 +450,8 @@ fn three_vcpus_per_cpu_steal_what_they_ask_and_the_machine_answers() {
     let report = steal
         .stop()
         .expect("the run ends without a liveness failure");
-    stop.store(true, std::sync::atomic::Ordering::Relaxed);
     for h in hogs {
-        h.join().unwrap();
+        h.stop().expect("hog");
     }
     eprint!("longest 1 ms sleep: {longest:?}\n{report}");
     assert!(report.within(0.05), "{report}");

@@ -287,6 +287,53 @@ pub fn changed_keys<T: serde::Serialize>(
         .partition(|k| live(k))
 }
 
+/// A configuration that a running program takes up again at SIGHUP, in part.
+pub trait Reloadable: serde::Serialize + Sized {
+    /// The systemd unit whose restart takes up the other keys.
+    const UNIT: &'static str;
+    /// The keys (`section.key`, as `changed_keys` names them) a running program takes up.
+    const LIVE_KEYS: &'static [&'static str];
+    /// When they take effect, as the log says after "applied" (" from the next period");
+    /// empty when at once.
+    const APPLIED_WHEN: &'static str = "";
+    /// `self` with the live keys of `new`: what a reload puts into effect.
+    fn with_live_keys(&self, new: &Self) -> Self;
+}
+
+/// SIGHUP: `load` reads and validates the configuration again. A bad one changes nothing
+/// (its error is logged, naming file and line); of a good one, the changed keys that need
+/// a restart are named, and `running` with the changed live keys applied is returned
+/// (`None` when no live key changed).
+pub fn reload<C: Reloadable>(running: &C, load: &dyn Fn() -> Result<C>) -> Option<C> {
+    let new = match load() {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!(
+                "SIGHUP: the new configuration is invalid, the running one stays: {e:#}"
+            );
+            return None;
+        }
+    };
+    let (live, restart) = changed_keys(running, &new, |k| C::LIVE_KEYS.contains(&k));
+    if !restart.is_empty() {
+        tracing::warn!(
+            keys = %restart.join(", "),
+            "SIGHUP: changed keys that take effect only after a restart (systemctl restart {})",
+            C::UNIT
+        );
+    }
+    if live.is_empty() {
+        info!("SIGHUP: configuration reloaded, no live key changed");
+        return None;
+    }
+    info!(
+        keys = %live.join(", "),
+        "SIGHUP: configuration reloaded, applied{}",
+        C::APPLIED_WHEN
+    );
+    Some(running.with_live_keys(&new))
+}
+
 /// The stop signal of a daemon's threads. Every sleep of a long-lived thread is a `nap`
 /// on it, so that shutdown takes the same time whatever the configured periods and
 /// back-offs are: `set` wakes every napper at once.
@@ -581,6 +628,37 @@ mod tests {
         let (live, restart) = changed_keys(&old, &new, |k| k == "list");
         assert_eq!(live, ["list"]);
         assert_eq!(restart, ["a", "t.c"]);
+    }
+
+    #[test]
+    fn a_reload_applies_only_changed_live_keys_and_a_bad_file_changes_nothing() {
+        #[derive(serde::Serialize, Clone, Debug, PartialEq)]
+        struct R {
+            live: u32,
+            fixed: u32,
+        }
+        impl Reloadable for R {
+            const UNIT: &'static str = "test";
+            const LIVE_KEYS: &'static [&'static str] = &["live"];
+            fn with_live_keys(&self, new: &Self) -> Self {
+                R {
+                    live: new.live,
+                    ..self.clone()
+                }
+            }
+        }
+        let running = R { live: 1, fixed: 1 };
+        assert_eq!(reload(&running, &|| anyhow::bail!("f.toml:1: bad")), None);
+        assert_eq!(
+            reload(&running, &|| Ok(R { live: 1, fixed: 2 })),
+            None,
+            "only a restart key changed: nothing to apply"
+        );
+        assert_eq!(
+            reload(&running, &|| Ok(R { live: 5, fixed: 2 })),
+            Some(R { live: 5, fixed: 1 }),
+            "the live key applied, the restart key left as it runs"
+        );
     }
 
     #[test]

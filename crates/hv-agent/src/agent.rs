@@ -24,27 +24,29 @@ use crate::placement::{self, Placed};
 use crate::status::{AgentStatus, Source, VcpuStatus, VmStatus};
 use crate::weights::{self, Setting, VcpuFigures};
 
-/// The keys a running agent takes up at SIGHUP (at its next period): the ones each
-/// period's plan and observation read. The others shape the backend, the journal, the
-/// guests' channels and rate limits, the credit period, the sockets or the VM list at
-/// start, and need a restart.
-pub const LIVE_KEYS: [&str; 5] = [
-    "share",
-    "max_nice_delta",
-    "io_boost_nice",
-    "observe_schedstat",
-    "observe_kicks",
-];
-
-/// `running` with the live keys of `new`: what a reload puts into effect.
-pub fn with_live_keys(running: &Config, new: &Config) -> Config {
-    let mut next = running.clone();
-    next.share = new.share;
-    next.max_nice_delta = new.max_nice_delta;
-    next.io_boost_nice = new.io_boost_nice;
-    next.observe_schedstat = new.observe_schedstat;
-    next.observe_kicks = new.observe_kicks;
-    next
+/// At SIGHUP a running agent takes up, at its next period, the keys each period's plan
+/// and observation read. The others shape the backend, the journal, the guests' channels
+/// and rate limits, the credit period, the sockets or the VM list at start, and need a
+/// restart.
+impl control::Reloadable for Config {
+    const UNIT: &'static str = "vmigrater-hv-agent";
+    const APPLIED_WHEN: &'static str = " from the next period";
+    const LIVE_KEYS: &'static [&'static str] = &[
+        "share",
+        "max_nice_delta",
+        "io_boost_nice",
+        "observe_schedstat",
+        "observe_kicks",
+    ];
+    fn with_live_keys(&self, new: &Self) -> Self {
+        let mut next = self.clone();
+        next.share = new.share;
+        next.max_nice_delta = new.max_nice_delta;
+        next.io_boost_nice = new.io_boost_nice;
+        next.observe_schedstat = new.observe_schedstat;
+        next.observe_kicks = new.observe_kicks;
+        next
+    }
 }
 
 /// How often VMs without known threads are resolved again, and libvirt rescanned.
@@ -623,7 +625,7 @@ impl Agent {
     }
 
     /// Runs periods until `stop`, then restores every change. A configuration put in
-    /// `reloaded` (live keys only changed, see `with_live_keys`) is taken up between
+    /// `reloaded` (live keys only changed, see `control::Reloadable`) is taken up between
     /// periods.
     pub fn run(mut self, stop: &control::Stop, reloaded: &Mutex<Option<Config>>) {
         info!(
@@ -694,12 +696,14 @@ mod tests {
             "t.toml",
         )
         .unwrap();
-        let (live, restart) = control::changed_keys(&running, &new, |k| LIVE_KEYS.contains(&k));
-        let mut sorted = LIVE_KEYS.to_vec();
+        use control::Reloadable;
+        let (live, restart) =
+            control::changed_keys(&running, &new, |k| Config::LIVE_KEYS.contains(&k));
+        let mut sorted = Config::LIVE_KEYS.to_vec();
         sorted.sort_unstable();
         assert_eq!(live, sorted, "every live key changed in this file");
         assert_eq!(restart, ["balance_io", "period_ms"]);
-        let next = with_live_keys(&running, &new);
+        let next = running.with_live_keys(&new);
         let (applied, left) = control::changed_keys(&running, &next, |_| true);
         assert_eq!(applied, sorted, "with_live_keys and LIVE_KEYS disagree");
         assert!(left.is_empty());

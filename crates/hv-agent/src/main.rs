@@ -155,35 +155,17 @@ fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()>
     }
 }
 
-/// SIGHUP: the configuration read and validated again; a bad one changes nothing, a good
-/// one has its live keys handed to the period loop and the others named.
+/// SIGHUP: a good configuration's live keys are handed to the period loop
+/// (`control::reload`).
 fn reload(
     running: &mut Config,
     load: &dyn Fn() -> Result<Config>,
     to_loop: &Mutex<Option<Config>>,
 ) {
-    let new = match load() {
-        Ok(c) => c,
-        Err(e) => {
-            warn!("SIGHUP: the new configuration is invalid, the running one stays: {e:#}");
-            return;
-        }
-    };
-    let (live, restart) =
-        control::changed_keys(&*running, &new, |k| hv_agent::agent::LIVE_KEYS.contains(&k));
-    if !restart.is_empty() {
-        warn!(
-            keys = %restart.join(", "),
-            "SIGHUP: changed keys that take effect only after a restart (systemctl restart vmigrater-hv-agent)"
-        );
+    if let Some(next) = control::reload(running, load) {
+        *running = next;
+        *to_loop.lock().unwrap_or_else(PoisonError::into_inner) = Some(running.clone());
     }
-    if live.is_empty() {
-        info!("SIGHUP: configuration reloaded, no live key changed");
-        return;
-    }
-    *running = hv_agent::agent::with_live_keys(running, &new);
-    *to_loop.lock().unwrap_or_else(PoisonError::into_inner) = Some(running.clone());
-    info!(keys = %live.join(", "), "SIGHUP: configuration reloaded, applied from the next period");
 }
 
 /// The period loop on its own thread; the main thread serves the status socket and

@@ -10,15 +10,15 @@
 use std::collections::HashSet;
 use task_detector::IoTaskInfo;
 
-use crate::hook::TaskEntry;
+use crate::hook::{TaskEntry, TaskId};
 
 /// What the user and the daemon itself exclude from management.
 #[derive(Clone, Copy, Debug)]
 pub struct Exclusions<'a> {
     pub own_pid: u32,
     pub comm: &'a [String],
-    /// (tid, start time) of tasks whose mask someone else changed after us.
-    pub hands_off: &'a HashSet<(u32, u64)>,
+    /// Tasks whose mask someone else changed after us.
+    pub hands_off: &'a HashSet<TaskId>,
 }
 
 /// A verdict for one I/O-bound task.
@@ -54,7 +54,12 @@ pub fn admit<'a>(
 ) -> Vec<Admission<'a>> {
     eligible(found, ex.own_pid, ex.comm)
         .into_iter()
-        .filter(|i| !ex.hands_off.contains(&(i.task.tid, i.start_time)))
+        .filter(|i| {
+            !ex.hands_off.contains(&TaskId {
+                tid: i.task.tid,
+                start_time: i.start_time,
+            })
+        })
         .map(|i| {
             match current
                 .iter()
@@ -155,7 +160,8 @@ mod tests {
             found(12, 12, "fio", 1),
         ];
         let current = [managed(10, 1, vec![1])];
-        let hands_off = HashSet::from([(11, 1), (12, 7)]);
+        let id = |tid, start_time| TaskId { tid, start_time };
+        let hands_off = HashSet::from([id(11, 1), id(12, 7)]);
         let ex = Exclusions {
             own_pid: 99,
             comm: &[],

@@ -14,7 +14,6 @@
 mod partners;
 mod tasks;
 mod tracking;
-mod waiting;
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
@@ -25,10 +24,9 @@ use vcpu_monitor::{Demand, VcpuSnapshot};
 use crate::affinity::Outcome;
 use crate::completion::{CompletionHomes, Home, HomeConfig};
 use crate::guard::{Contention, GuardConfig, MoveGuard};
-use crate::hook::{FoundTask, TaskEntry};
+use crate::hook::{FoundTask, TaskEntry, TaskId};
 use crate::planner::Reason;
 use crate::sampling::{CompletionEstimate, Schedule};
-use waiting::WAIT_SPAN;
 
 /// How often the contention gate judges the vCPUs' out time.
 pub const CONTENTION_WINDOW: Duration = Duration::from_secs(2);
@@ -72,9 +70,6 @@ pub struct EngineConfig {
     /// Whether tasks whose completions land on one fixed vCPU are kept there (else every
     /// managed task is the planner's).
     pub follow_completions: bool,
-    /// Whether a kept task found waiting on its vCPU's run queue most of a span gets its
-    /// own mask back for a while (`engine::waiting`).
-    pub let_go_waiting: bool,
     /// Whether the threads a kept task wakes and is woken by are kept beside it
     /// (`engine::partners`).
     pub keep_partners: bool,
@@ -102,18 +97,7 @@ pub struct Observation {
     /// Each vCPU's steal time as the host reports it, `(cpu, ns)` cumulative; empty where
     /// it is not read. It may lag the board by a read period.
     pub steal_ns: Vec<(usize, u64)>,
-    /// Run-queue figures of the tasks the last step kept with their completions
-    /// (`EngineSnapshot::kept_with_completions`); empty where they cannot be read.
-    pub kept_runs: Vec<RunWait>,
     pub host: HostHints,
-}
-
-/// A thread's cumulative time on a CPU and runnable waiting for one (schedstat).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RunWait {
-    pub tid: u32,
-    pub run_ns: u64,
-    pub wait_ns: u64,
 }
 
 /// The block programs of the detector.
@@ -136,8 +120,8 @@ pub trait BlockTracking {
 
 /// The placement: the affinity executor (journaled) and the set the monitor threads move.
 pub trait TaskPlacement {
-    /// Tasks whose mask someone else changed after us: (tid, start time).
-    fn hands_off(&self) -> HashSet<(u32, u64)>;
+    /// Tasks whose mask someone else changed after us.
+    fn hands_off(&self) -> HashSet<TaskId>;
     /// Takes a task over (journals its mask); returns the CPUs it may run on.
     fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>>;
     /// The user's priority for a task.
@@ -162,9 +146,14 @@ pub trait TaskPlacement {
     fn set_demand(&mut self, demand: Demand);
 }
 
-/// Everything the step acts through.
-pub trait Actuator: BlockTracking + TaskPlacement {}
-impl<T: BlockTracking + TaskPlacement> Actuator for T {}
+/// Everything the step acts through: the block programs and the placement, each reached
+/// as itself (a test's fake may be both).
+pub trait Actuator {
+    type Blocks: BlockTracking;
+    type Placement: TaskPlacement;
+    fn blocks(&mut self) -> &mut Self::Blocks;
+    fn placement(&mut self) -> &mut Self::Placement;
+}
 
 /// Probes of the move guard concluded, by verdict.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -196,8 +185,6 @@ pub struct EngineSnapshot {
     pub detector_errors: u64,
     /// Tasks kept on the vCPU that takes their completions.
     pub kept_with_completions: Vec<KeptTask>,
-    /// Kept tasks let go because they waited on their vCPU's run queue, cumulative.
-    pub let_go_waiting: u64,
     /// Samples started before their period, cumulative: by the doorbell, or as a
     /// follow-up of a sample that placed tasks.
     pub early_samples: u64,
@@ -231,7 +218,6 @@ impl Default for EngineSnapshot {
             early_samples: 0,
             inherited_pins_undone: 0,
             kept_with_completions: Vec::new(),
-            let_go_waiting: 0,
         }
     }
 }
@@ -270,8 +256,6 @@ pub struct Engine {
     kept_found_ns: HashMap<u32, u64>,
     /// Managed tasks said once not to be keepable with their completions.
     unkept: HashSet<u32>,
-    /// Kept tasks waiting on their vCPU's run queue, and the ones let go for it.
-    waiting: waiting::Waiting,
     /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
     partners: HashMap<u32, (Partner, u64)>,
     /// Follow-up samples (see `sampling::FOLLOW_UPS`): whether this sample placed a
@@ -306,7 +290,6 @@ impl Engine {
             homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
             kept_found_ns: HashMap::new(),
             unkept: HashSet::new(),
-            waiting: waiting::Waiting::default(),
             partners: HashMap::new(),
             placed_in_sample: false,
             follow_up_at_ns: None,
@@ -328,11 +311,6 @@ impl Engine {
         self.guard.is_some() || self.cfg.schedule.is_some()
     }
 
-    /// Whether the step needs `Observation::kept_runs`: only the let-go rule reads them.
-    pub fn judges_waits(&self) -> bool {
-        self.cfg.follow_completions && self.cfg.let_go_waiting
-    }
-
     pub fn snapshot(&self) -> &EngineSnapshot {
         &self.snap
     }
@@ -341,13 +319,14 @@ impl Engine {
     pub fn step(&mut self, obs: Observation, act: &mut impl Actuator) -> Duration {
         let now = obs.now_ns;
         self.judge_contention(now, &obs.vcpus, &obs.steal_ns);
-        let (wants_tracking, mut nap_limit) = self.steer_tracking(now, obs.host.agent_answers, act);
+        let (wants_tracking, mut nap_limit) =
+            self.steer_tracking(now, obs.host.agent_answers, act.blocks());
         if !wants_tracking {
             // Paused for want of contention: look again a window later.
             nap_limit = nap_limit.min(CONTENTION_WINDOW);
         }
-        self.snap.block_tracking = act.tracking();
-        self.snap.block_attached = act.attached();
+        self.snap.block_tracking = act.blocks().tracking();
+        self.snap.block_attached = act.blocks().attached();
         let disk = obs.disk_completed.filter(|_| self.reads_disk());
         let Some(io_seen) = self.read_window(now, disk, act) else {
             return self.cfg.idle;
@@ -355,25 +334,18 @@ impl Engine {
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let progress = disk.unwrap_or(self.last_completions);
-        self.judge_waits(now, &obs);
         let decided = self.decide_tasks(now, progress, &obs.host.held, act);
         // On hold nothing is decided per window: the guard needs only an epoch's count.
-        let nap = if act.tracking() && (decided.active || io_seen) && decided.moves_allowed {
+        let tracking = act.blocks().tracking();
+        let nap = if tracking && (decided.active || io_seen) && decided.moves_allowed {
             self.cfg.window
-        } else if !act.tracking()
-            && (!self.contended || self.guard.as_ref().is_none_or(|g| !g.probing()))
+        } else if !tracking && (!self.contended || self.guard.as_ref().is_none_or(|g| !g.probing()))
         {
             // Paused with nothing to measure (a guard probe needs contention too): wake
             // for the next sample or contention check only, not every guard epoch.
             nap_limit
         } else {
             self.cfg.idle
-        };
-        // Kept tasks are judged on their run-queue wait every span, sampled or not.
-        let nap = if self.snap.kept_with_completions.is_empty() || !self.judges_waits() {
-            nap
-        } else {
-            nap.min(WAIT_SPAN)
         };
         nap.min(nap_limit)
     }
@@ -386,8 +358,8 @@ impl Engine {
         disk: Option<u64>,
         act: &mut impl Actuator,
     ) -> Option<bool> {
-        if act.tracking() {
-            let out = match act.poll() {
+        if act.blocks().tracking() {
+            let out = match act.blocks().poll() {
                 Ok(out) => out,
                 Err(e) => {
                     self.snap.detector_errors += 1;
@@ -403,7 +375,7 @@ impl Engine {
                 _ => out.cpus.clone(),
             };
             self.sampled_cpus = out.cpus;
-            let undone = act.undo_inherited(&out.forks);
+            let undone = act.placement().undo_inherited(&out.forks);
             if undone > 0 {
                 tracing::info!(
                     undone,
@@ -420,7 +392,7 @@ impl Engine {
             Some(io_seen)
         } else {
             self.fresh = false;
-            if let Some(d) = disk.filter(|_| act.attached()) {
+            if let Some(d) = disk.filter(|_| act.blocks().attached()) {
                 self.snap.cpu_io = self.estimate.update(&self.sampled_cpus, d);
             }
             Some(false)

@@ -28,6 +28,32 @@ pub struct TaskEntry {
     pub allowed: Vec<usize>,
 }
 
+/// A task as the daemon tells it apart: a tid may be reused by another task, its start
+/// time (clock ticks since boot, `/proc/<tid>/stat` field 22) may not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskId {
+    pub tid: u32,
+    pub start_time: u64,
+}
+
+impl TaskEntry {
+    pub fn id(&self) -> TaskId {
+        TaskId {
+            tid: self.tid,
+            start_time: self.start_time,
+        }
+    }
+}
+
+impl FoundTask {
+    pub fn id(&self) -> TaskId {
+        TaskId {
+            tid: self.tid,
+            start_time: self.start_time,
+        }
+    }
+}
+
 /// An I/O-bound task the detector found, whether or not it may be moved: what anchoring
 /// and the host's per-vCPU figures need of it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -82,8 +108,8 @@ pub struct Placement {
     pub executor: Option<AffinityExecutor>,
     pub simulated: HashMap<u32, usize>,
     pub latencies: LatencyRing,
-    /// Tasks whose mask someone else changed: never managed again (tid, start_time).
-    pub hands_off: HashSet<(u32, u64)>,
+    /// Tasks whose mask someone else changed: never managed again.
+    pub hands_off: HashSet<TaskId>,
 }
 
 /// The placement for a thread that must get it. A panic elsewhere while it was held
@@ -237,7 +263,7 @@ pub fn anchor_on_held(
     let own: Vec<FoundTask> = tasks
         .iter()
         .copied()
-        .filter(|t| !placement.hands_off.contains(&(t.tid, t.start_time)))
+        .filter(|t| !placement.hands_off.contains(&t.id()))
         .collect();
     let now: Vec<Placed> = own
         .iter()
@@ -309,7 +335,7 @@ fn apply(shared: &Shared, placement: &mut Placement, start_time: Option<u64>, mv
         }
         Outcome::External => {
             if let Some(start_time) = start_time {
-                placement.hands_off.insert((tid, start_time));
+                placement.hands_off.insert(TaskId { tid, start_time });
             }
             debug!(tid, "mask changed by someone else: no longer managed");
         }

@@ -77,8 +77,7 @@ impl ProcReader {
 
     /// Cumulative on-CPU ns, field 1 of <root>/<tgid>/task/<tid>/schedstat.
     pub fn cpu_ns(&self, tgid: u32, tid: u32) -> Option<u64> {
-        let text = std::fs::read_to_string(self.task_dir(tgid, tid).join("schedstat")).ok()?;
-        text.split_whitespace().next()?.parse().ok()
+        os_layer::SchedStat::read(&self.task_dir(tgid, tid).join("schedstat")).map(|s| s.run_ns)
     }
 }
 

@@ -245,11 +245,6 @@ pub struct MigrationSection {
     /// vCPUs, for a hypervisor that delivers a descheduled vCPU's interrupts elsewhere or
     /// a steal emulator that does not hold them.
     pub follow_completions: bool,
-    /// Give a kept task its own mask back for a while when it spends most of the time its
-    /// vCPU runs waiting on that vCPU's run queue (pinned, the kernel cannot move it to a
-    /// vCPU with less to run). Off by default: on the hard-IRQ testbed tasks let go read
-    /// slower than tasks left kept (benches/RESULTS.md, the let-go ablation).
-    pub let_go_waiting: bool,
     /// The scheduler slice of a task kept with its completions (fair tasks whose own is
     /// longer; Linux 6.12+): a short one lets it run first when it wakes beside a CPU-bound
     /// task on that vCPU. Its own slice is journaled and given back when it is no longer
@@ -271,7 +266,6 @@ impl Default for MigrationSection {
             guard: true,
             guard_epoch_ms: 1_000,
             follow_completions: true,
-            let_go_waiting: false,
             kept_slice_us: 100,
             keep_partners: true,
         }
@@ -333,6 +327,20 @@ impl PriorityRule {
         self.comm.as_deref().is_none_or(|c| c == comm)
             && self.pid.is_none_or(|p| p == tgid)
             && self.cgroup.as_deref().is_none_or(|c| cgroup.contains(c))
+    }
+}
+
+/// At SIGHUP a running daemon takes up the keys its detector loop reads at every step.
+/// Everything else is built into threads, BPF programs, sockets or the monitor's hook at
+/// start-up, and needs a restart.
+impl control::Reloadable for Config {
+    const UNIT: &'static str = "vmigrater";
+    const LIVE_KEYS: &'static [&'static str] = &["migration.exclude_comm", "priority"];
+    fn with_live_keys(&self, new: &Self) -> Self {
+        let mut next = self.clone();
+        next.migration.exclude_comm = new.migration.exclude_comm.clone();
+        next.priorities = new.priorities.clone();
+        next
     }
 }
 
@@ -551,6 +559,59 @@ mod tests {
             .to_string();
         assert!(err.starts_with("t.toml:3:"), "{err}");
         assert!(err.contains("anchor"), "{err}");
+    }
+
+    #[test]
+    fn a_reload_puts_into_effect_exactly_the_live_keys() {
+        use control::Reloadable;
+        let running = Config::default();
+        let bad = || Config::parse("[monitor]\nperiod_us = 1\n", "bad.toml");
+        assert!(
+            control::reload(&running, &bad).is_none(),
+            "a bad file applies nothing"
+        );
+        let text = "[monitor]\nperiod_us = 500\n\n[migration]\nexclude_comm = [\"fio\"]\n\n\
+                    [[priority]]\ncomm = \"db\"\npriority = 5\n";
+        let good = || Config::parse(text, "good.toml");
+        let (live, restart) = control::changed_keys(&running, &good().unwrap(), |k| {
+            Config::LIVE_KEYS.contains(&k)
+        });
+        assert_eq!(
+            live,
+            Config::LIVE_KEYS,
+            "every live key changed in this file"
+        );
+        assert_eq!(restart, ["monitor.period_us"]);
+        let next = control::reload(&running, &good).expect("live keys changed");
+        assert_eq!(next.migration.exclude_comm, ["fio"]);
+        assert_eq!(next.priority_of("db", 1, ""), 5);
+        let (applied, left) = control::changed_keys(&running, &next, |_| true);
+        assert_eq!(
+            applied,
+            Config::LIVE_KEYS,
+            "with_live_keys and LIVE_KEYS disagree"
+        );
+        assert!(
+            left.is_empty(),
+            "a key that needs a restart must not look applied: {left:?}"
+        );
+        assert!(
+            control::reload(&next, &good).is_none(),
+            "nothing live changed"
+        );
+    }
+
+    #[test]
+    fn the_removed_let_go_key_is_refused_naming_its_line() {
+        // Measured a loser and removed: a config that turned it on must be told it is gone.
+        let err = Config::parse(
+            "[migration]\nguard = true\nlet_go_waiting = true\n",
+            "t.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(err.starts_with("t.toml:3:"), "{err}");
+        assert!(err.contains("let_go_waiting"), "{err}");
     }
 
     #[test]

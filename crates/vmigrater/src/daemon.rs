@@ -1,6 +1,6 @@
 //! `vmigrater run`: wires monitor → detector → engine together, serves metrics and status,
 //! and on SIGTERM/SIGINT/SIGQUIT hands every task back with its original mask; SIGHUP
-//! reloads the configuration (`reload`). Owns start-up order (the instance lock, then crash
+//! reloads the configuration (`control::reload`). Owns start-up order (the instance lock, then crash
 //! recovery, before anything can be moved) and shutdown order (stop moving, then restore).
 //! The signals were blocked in `main` before this runs, so one sent at any moment of
 //! start-up waits for the control plane and takes the same shutdown path. It must never
@@ -88,7 +88,6 @@ fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> Eng
             Home::Unknown
         },
         follow_completions: cfg.migration.follow_completions,
-        let_go_waiting: cfg.migration.let_go_waiting,
         keep_partners: cfg.migration.keep_partners,
     }
 }
@@ -117,45 +116,6 @@ fn completion_prior(cpus: &[usize]) -> Home {
         Home::Unknown => info!("where requests complete is learned per task from the block programs"),
     }
     home
-}
-
-/// The configuration keys a running daemon takes up at SIGHUP: the ones the detector's
-/// loop reads at every step. Everything else is built into threads, BPF programs,
-/// sockets or the monitor's hook at start-up, and needs a restart.
-pub const LIVE_KEYS: [&str; 2] = ["migration.exclude_comm", "priority"];
-
-fn is_live(key: &str) -> bool {
-    LIVE_KEYS.contains(&key)
-}
-
-/// SIGHUP: `load` reads and validates the configuration again (file, then flags). A bad
-/// one leaves the running configuration as it is; a good one has its live keys applied,
-/// and the changed keys that need a restart are named.
-pub fn reload(current: &ArcSwap<Config>, load: &dyn Fn() -> Result<Config>) {
-    let new = match load() {
-        Ok(c) => c,
-        Err(e) => {
-            warn!("SIGHUP: the new configuration is invalid, the running one stays: {e:#}");
-            return;
-        }
-    };
-    let running = current.load_full();
-    let (live, restart) = control::changed_keys(&*running, &new, is_live);
-    if !restart.is_empty() {
-        warn!(
-            keys = %restart.join(", "),
-            "SIGHUP: changed keys that take effect only after a restart (systemctl restart vmigrater)"
-        );
-    }
-    if live.is_empty() {
-        info!("SIGHUP: configuration reloaded, no live key changed");
-        return;
-    }
-    let mut next = (*running).clone();
-    next.migration.exclude_comm = new.migration.exclude_comm;
-    next.priorities = new.priorities;
-    current.store(Arc::new(next));
-    info!(keys = %live.join(", "), "SIGHUP: configuration reloaded, applied");
 }
 
 /// Runs the daemon until a stop signal; `load` reads the configuration again at SIGHUP.
@@ -242,7 +202,12 @@ pub fn run(
     });
     let channel_thread = spawn_channel(&cfg, &running, &stop)?;
     let served = control_plane(&cfg, running, async {
-        let signal = control::until_stopped(&mut signals, || reload(&live_cfg, &*load)).await;
+        let signal = control::until_stopped(&mut signals, || {
+            if let Some(next) = control::reload(&*live_cfg.load_full(), &*load) {
+                live_cfg.store(Arc::new(next));
+            }
+        })
+        .await;
         info!("{signal}: shutting down");
     });
 
@@ -332,38 +297,4 @@ fn control_plane(
         move || for_metrics.encode_metrics(),
         shutdown,
     )
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_reload_applies_live_keys_only_and_a_bad_file_changes_nothing() {
-        let current = ArcSwap::from_pointee(Config::default());
-        let before = current.load_full();
-        reload(&current, &|| {
-            Config::parse("[monitor]\nperiod_us = 1\n", "bad.toml")
-        });
-        assert!(
-            Arc::ptr_eq(&before, &current.load_full()),
-            "a bad file changed it"
-        );
-
-        let text = "[monitor]\nperiod_us = 500\n\n[migration]\nexclude_comm = [\"fio\"]\n\n\
-                    [[priority]]\ncomm = \"db\"\npriority = 5\n";
-        reload(&current, &|| Config::parse(text, "good.toml"));
-        let now = current.load_full();
-        assert_eq!(now.migration.exclude_comm, ["fio"]);
-        assert_eq!(now.priority_of("db", 1, ""), 5);
-        assert_eq!(
-            now.monitor.period_us,
-            Config::default().monitor.period_us,
-            "a key that needs a restart must not look applied"
-        );
-
-        // Nothing live changed: the configuration in effect is left as it is.
-        reload(&current, &|| Config::parse(text, "good.toml"));
-        assert!(Arc::ptr_eq(&now, &current.load_full()));
-    }
 }

@@ -25,10 +25,10 @@ use crate::channel::ChannelStats;
 use crate::config::Config;
 use migrater::affinity::Outcome;
 use migrater::engine::{
-    BlockTracking, Engine, EngineConfig, EngineSnapshot, HostHints, KeptTask, Observation, RunWait,
+    Actuator, BlockTracking, Engine, EngineConfig, EngineSnapshot, HostHints, Observation,
     TaskPlacement,
 };
-use migrater::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry};
+use migrater::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry, TaskId};
 use migrater::planner::Reason;
 
 /// The placement as the engine acts on it: the executor (journaled; `None` in dry run,
@@ -44,7 +44,7 @@ pub struct LivePlacement<'a> {
 }
 
 impl TaskPlacement for LivePlacement<'_> {
-    fn hands_off(&self) -> HashSet<(u32, u64)> {
+    fn hands_off(&self) -> HashSet<TaskId> {
         lock_placement(&self.shared.placement).hands_off.clone()
     }
     fn manage(&mut self, info: &IoTaskInfo) -> Result<Vec<usize>> {
@@ -139,36 +139,14 @@ impl BlockTracking for Live<'_, '_> {
     }
 }
 
-impl TaskPlacement for Live<'_, '_> {
-    fn hands_off(&self) -> HashSet<(u32, u64)> {
-        self.placement.hands_off()
+impl<'a, 'obj> Actuator for Live<'a, 'obj> {
+    type Blocks = Self;
+    type Placement = LivePlacement<'a>;
+    fn blocks(&mut self) -> &mut Self {
+        self
     }
-    fn manage(&mut self, task: &IoTaskInfo) -> Result<Vec<usize>> {
-        self.placement.manage(task)
-    }
-    fn priority_of(&self, task: &IoTaskInfo) -> i32 {
-        self.placement.priority_of(task)
-    }
-    fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
-        self.placement.anchor(tasks, on, reason)
-    }
-    fn keep_short_slices(&mut self, kept: &[u32]) {
-        self.placement.keep_short_slices(kept)
-    }
-    fn release(&mut self, tid: u32) -> Option<Outcome> {
-        self.placement.release(tid)
-    }
-    fn release_all(&mut self) -> Option<usize> {
-        self.placement.release_all()
-    }
-    fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
-        self.placement.undo_inherited(forks)
-    }
-    fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
-        self.placement.publish_tasks(tasks)
-    }
-    fn set_demand(&mut self, demand: Demand) {
-        self.placement.set_demand(demand)
+    fn placement(&mut self) -> &mut LivePlacement<'a> {
+        &mut self.placement
     }
 }
 
@@ -245,21 +223,6 @@ impl DetectorThread {
     }
 }
 
-/// The run-queue figures of the tasks kept with their completions (a file each).
-fn kept_runs(kept: &[KeptTask]) -> Vec<RunWait> {
-    let root = os_layer::Root::real();
-    kept.iter()
-        .filter_map(|k| {
-            let s = os_layer::SchedStat::read(&root.task(k.tgid, k.tid).join("schedstat"))?;
-            Some(RunWait {
-                tid: k.tid,
-                run_ns: s.run_ns,
-                wait_ns: s.wait_ns,
-            })
-        })
-        .collect()
-}
-
 /// The detector loop (a normal-priority OS thread): observe, step, publish, nap.
 fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
     let board = &*s.board;
@@ -296,11 +259,6 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
                 None
             },
             steal_ns: steal.read(now),
-            kept_runs: if engine.judges_waits() {
-                kept_runs(&engine.snapshot().kept_with_completions)
-            } else {
-                Vec::new()
-            },
             host: HostHints {
                 held: s.channel.held_vcpus(now),
                 agent_answers: s.channel.replies.load(Ordering::Relaxed) > 0,

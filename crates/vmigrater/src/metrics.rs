@@ -70,7 +70,6 @@ pub struct Metrics {
     pub migrations: Family<MigrationLabel, Counter>,
     pub migration_latency: Histogram,
     pub releases: Counter,
-    pub let_go_waiting: Counter,
     pub detector_errors: Counter,
     pub early_samples: Counter,
     pub inherited_pins_undone: Counter,
@@ -104,7 +103,6 @@ impl Metrics {
             // 1 µs .. ~65 ms: sched_setaffinity is µs; the paper's migrations averaged 1.63 ms.
             migration_latency: Histogram::new(exponential_buckets(1e-6, 2.0, 17)),
             releases: Counter::default(),
-            let_go_waiting: Counter::default(),
             detector_errors: Counter::default(),
             early_samples: Counter::default(),
             inherited_pins_undone: Counter::default(),
@@ -145,11 +143,6 @@ impl Metrics {
             "releases",
             "Tasks handed back with their original mask (no longer I/O-bound, or exit)",
             m.releases.clone(),
-        );
-        r.register(
-            "tasks_let_go_waiting",
-            "Tasks kept with their completions handed back for a while because they waited on their vCPU's run queue most of the time",
-            m.let_go_waiting.clone(),
         );
         r.register(
             "detector_errors",
@@ -295,7 +288,6 @@ impl Metrics {
         self.managed_tasks.set(managed as i64);
         let store = |c: &Counter, v: u64| c.inner().store(v, Ordering::Relaxed);
         store(&self.releases, engine.releases);
-        store(&self.let_go_waiting, engine.let_go_waiting);
         store(&self.detector_errors, engine.detector_errors);
         store(&self.early_samples, engine.early_samples);
         store(&self.inherited_pins_undone, engine.inherited_pins_undone);

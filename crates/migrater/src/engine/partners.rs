@@ -8,7 +8,7 @@
 use tracing::info;
 
 use super::{Anchored, Engine, TaskPlacement, PARTNER_GRACE};
-use crate::hook::FoundTask;
+use crate::hook::{FoundTask, TaskId};
 use crate::planner::Reason;
 
 impl Engine {
@@ -45,7 +45,10 @@ impl Engine {
                 || kept.iter().any(|a: &Anchored| a.tid == p.tid)
                 || p.tgid == self.cfg.own_pid
                 || self.cfg.exclude_comm.contains(&p.comm)
-                || hands_off.contains(&(p.tid, p.start_time))
+                || hands_off.contains(&TaskId {
+                    tid: p.tid,
+                    start_time: p.start_time,
+                })
             {
                 continue;
             }

@@ -9,7 +9,7 @@ use task_detector::IoTaskInfo;
 use tracing::{debug, info};
 use vcpu_monitor::Demand;
 
-use super::{Actuator, Anchored, Engine, TaskPlacement, KEEP_GRACE};
+use super::{Actuator, Anchored, BlockTracking, Engine, TaskPlacement, KEEP_GRACE};
 use crate::admission::{self, Admission};
 use crate::completion::Home;
 use crate::guard::Burden;
@@ -61,19 +61,19 @@ impl Engine {
         let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
         self.snap.moves_allowed = moves_allowed;
         let next = if moves_allowed {
-            let mut next = self.admit(now, &found, act);
-            self.carry_kept(now, &mut next, act);
+            let mut next = self.admit(&found, act.placement());
+            self.carry_kept(now, &mut next, act.placement());
             next
         } else {
             Vec::new()
         };
-        let homed = self.keep_with_completions(now, &found, &next, act);
+        let homed = self.keep_with_completions(now, &found, &next, act.placement());
         let managed: Vec<u32> = next.iter().map(|e| e.tid).collect();
-        let partners = self.keep_partners(now, &managed, act);
+        let partners = self.keep_partners(now, &managed, act.placement());
         let kept: Vec<u32> = homed.iter().chain(&partners).map(|h| h.tid).collect();
-        act.keep_short_slices(&kept);
+        act.placement().keep_short_slices(&kept);
         let mut anchored_now: Vec<Anchored> = if host_holds {
-            let on_held = act.anchor(&self.snap.found, held, Reason::Held);
+            let on_held = act.placement().anchor(&self.snap.found, held, Reason::Held);
             eligible
                 .iter()
                 .filter(|i| on_held.contains(&i.task.tid))
@@ -93,7 +93,7 @@ impl Engine {
             .collect();
         anchored_now.extend(homed);
         anchored_now.extend(partners);
-        self.release_left(now, &next, &anchored_now, moves_allowed, act);
+        self.release_left(&next, &anchored_now, moves_allowed, act.placement());
         let active = !free.is_empty();
         // On hold the I/O-bound tasks still exist; they are only left alone.
         self.snap.io_bound_tasks = if moves_allowed {
@@ -107,13 +107,13 @@ impl Engine {
             || anchored_now
                 .iter()
                 .any(|a| !self.anchored.iter().any(|b| b.tid == a.tid));
-        self.placed_in_sample |= placed && act.tracking();
-        act.publish_tasks(Arc::new(free));
+        self.placed_in_sample |= placed && act.blocks().tracking();
+        act.placement().publish_tasks(Arc::new(free));
         self.current = Arc::new(next);
         self.anchored = anchored_now;
         let demand = if active { Demand::Active } else { Demand::Idle };
         self.snap.demand = demand;
-        act.set_demand(demand);
+        act.placement().set_demand(demand);
         self.found = found;
         Decided {
             moves_allowed,
@@ -225,38 +225,6 @@ impl Engine {
         homed
     }
 
-    /// Lets go the kept tasks that waited on their vCPU's run queue most of a span
-    /// (`waiting`): the next admission skips them, so they are handed back.
-    pub(super) fn judge_waits(&mut self, now: u64, obs: &super::Observation) {
-        if !self.judges_waits() {
-            return;
-        }
-        // Out as the monitor saw it or as the host reports steal, whichever says more.
-        let vcpu_out = |cpu: usize| {
-            let seen = obs
-                .vcpus
-                .iter()
-                .find(|v| v.cpu == cpu)
-                .map_or(0, |v| v.inactive_total_ns);
-            let steal = obs.steal_ns.iter().find(|s| s.0 == cpu).map_or(0, |s| s.1);
-            seen.max(steal)
-        };
-        let kept = &self.snap.kept_with_completions;
-        for s in self.waiting.judge(now, kept, &obs.kept_runs, vcpu_out) {
-            info!(
-                tid = s.tid,
-                cpu = s.cpu,
-                waited = format!("{:.0}%", s.wait_share * 100.0),
-                ran = format!("{:.0}%", s.run_share * 100.0),
-                span_ms = s.span_ns / 1_000_000,
-                for_s = format!("{:.0}", s.for_ns as f64 / 1e9),
-                "kept on vCPU {} it waits for its turn most of the time: its own mask back for a while, the kernel may move it",
-                s.cpu
-            );
-        }
-        self.snap.let_go_waiting = self.waiting.count;
-    }
-
     /// Keeps managing the tasks kept with their completions that this window did not
     /// find, for `KEEP_GRACE` after it last did (unless someone else changed their mask).
     fn carry_kept(&mut self, now: u64, next: &mut Vec<TaskEntry>, act: &impl TaskPlacement) {
@@ -268,7 +236,6 @@ impl Engine {
             .current
             .iter()
             .filter(|e| !next.iter().any(|n| n.tid == e.tid))
-            .filter(|e| !self.waiting.lets_go(e.tid, now))
             .filter(|e| {
                 self.kept_found_ns
                     .get(&e.tid)
@@ -281,9 +248,8 @@ impl Engine {
         }
         // Someone else's mask, or a command the user now excludes (a reload): at once.
         let hands_off = act.hands_off();
-        carried.retain(|e| {
-            !hands_off.contains(&(e.tid, e.start_time)) && !self.cfg.exclude_comm.contains(&e.comm)
-        });
+        carried
+            .retain(|e| !hands_off.contains(&e.id()) && !self.cfg.exclude_comm.contains(&e.comm));
         for e in &carried {
             if self.fresh {
                 debug!(
@@ -345,12 +311,7 @@ impl Engine {
 
     /// This window's managed tasks: the ones managed before keep their entry, new ones
     /// are taken over (their mask journaled first).
-    fn admit(
-        &self,
-        now: u64,
-        found: &[IoTaskInfo],
-        act: &mut impl TaskPlacement,
-    ) -> Vec<TaskEntry> {
+    fn admit(&self, found: &[IoTaskInfo], act: &mut impl TaskPlacement) -> Vec<TaskEntry> {
         let hands_off = act.hands_off();
         let ex = admission::Exclusions {
             own_pid: self.cfg.own_pid,
@@ -358,12 +319,7 @@ impl Engine {
             hands_off: &hands_off,
         };
         let mut next = Vec::with_capacity(found.len());
-        let found: Vec<IoTaskInfo> = found
-            .iter()
-            .filter(|i| !self.waiting.lets_go(i.task.tid, now))
-            .cloned()
-            .collect();
-        for verdict in admission::admit(&found, &self.current, ex) {
+        for verdict in admission::admit(found, &self.current, ex) {
             let (info, allowed, priority) = match verdict {
                 Admission::Keep { managed, now } => {
                     // Asked again: the executor may have corrected what it may use (a pin
@@ -412,7 +368,6 @@ impl Engine {
     /// I/O-bound, moves on hold, or the host stopped holding.
     fn release_left(
         &mut self,
-        now: u64,
         next: &[TaskEntry],
         anchored_now: &[Anchored],
         moves_allowed: bool,
@@ -437,8 +392,6 @@ impl Engine {
                 released += 1;
                 let why = if self.cfg.exclude_comm.iter().any(|c| c == comm) {
                     "its command is excluded (migration.exclude_comm)"
-                } else if self.waiting.lets_go(tid, now) {
-                    "let go while it waits for its vCPU"
                 } else if moves_allowed {
                     "task no longer I/O-bound"
                 } else {

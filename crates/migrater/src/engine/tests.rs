@@ -1,7 +1,6 @@
 //! The engine driven by synthetic boards, detector windows and a fake clock, one test per
 //! behaviour. The fake actuator records what the engine asked of it.
 
-use super::waiting::LET_GO;
 use super::*;
 use crate::planner::Reason;
 use crate::sampling::Schedule;
@@ -41,6 +40,10 @@ struct Fake {
     /// The forks the next poll reports (once), and every fork handed to `undo_inherited`.
     forks: Vec<ForkSample>,
     forks_seen: Vec<ForkSample>,
+    /// Operations that fail: "poll", "pause", "resume", "detach".
+    failing: BTreeSet<&'static str>,
+    /// Tasks whose mask someone else changed.
+    hands_off: HashSet<TaskId>,
 }
 
 impl Fake {
@@ -54,6 +57,12 @@ impl Fake {
     fn published_tids(&self) -> Vec<u32> {
         self.published.iter().map(|t| t.tid).collect()
     }
+    fn fails(&self, op: &str) -> anyhow::Result<()> {
+        if self.failing.contains(op) {
+            anyhow::bail!("{op} failed (fake)");
+        }
+        Ok(())
+    }
 }
 
 impl BlockTracking for Fake {
@@ -64,17 +73,20 @@ impl BlockTracking for Fake {
         self.attached
     }
     fn pause(&mut self) -> anyhow::Result<()> {
+        self.fails("pause")?;
         self.pauses += 1;
         self.tracking = false;
         Ok(())
     }
     fn resume(&mut self) -> anyhow::Result<()> {
+        self.fails("resume")?;
         self.resumes += 1;
         self.tracking = true;
         self.attached = true;
         Ok(())
     }
     fn detach(&mut self) -> anyhow::Result<()> {
+        self.fails("detach")?;
         self.detaches += 1;
         self.tracking = false;
         self.attached = false;
@@ -87,6 +99,7 @@ impl BlockTracking for Fake {
         std::mem::take(&mut self.doorbell)
     }
     fn poll(&mut self) -> anyhow::Result<DetectorOutput> {
+        self.fails("poll")?;
         self.polls += 1;
         Ok(DetectorOutput {
             tasks: self.window.clone(),
@@ -97,9 +110,20 @@ impl BlockTracking for Fake {
     }
 }
 
+impl Actuator for Fake {
+    type Blocks = Fake;
+    type Placement = Fake;
+    fn blocks(&mut self) -> &mut Fake {
+        self
+    }
+    fn placement(&mut self) -> &mut Fake {
+        self
+    }
+}
+
 impl TaskPlacement for Fake {
-    fn hands_off(&self) -> HashSet<(u32, u64)> {
-        HashSet::new()
+    fn hands_off(&self) -> HashSet<TaskId> {
+        self.hands_off.clone()
     }
     fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>> {
         self.managed.entry(task.task.tid).or_insert(None);
@@ -198,7 +222,6 @@ fn config() -> EngineConfig {
         guard: None,
         completion_prior: crate::completion::Home::Unknown,
         follow_completions: true,
-        let_go_waiting: true,
         keep_partners: true,
     }
 }
@@ -214,11 +237,6 @@ struct Vm {
     disk: u64,
     held: Vec<usize>,
     agent_answers: bool,
-    /// Run-queue figures of tid 10 as the kernel would show them: ns run and waited per s.
-    run_per_s: u64,
-    wait_per_s: u64,
-    ran: u64,
-    waited: u64,
 }
 
 impl Vm {
@@ -232,10 +250,6 @@ impl Vm {
             disk: 0,
             held: Vec::new(),
             agent_answers: false,
-            run_per_s: 0,
-            wait_per_s: 0,
-            ran: 0,
-            waited: 0,
         }
     }
 
@@ -245,18 +259,11 @@ impl Vm {
         self.inactive += self.out_per_s * dt_ns / S;
         self.covered += self.covered_per_s * dt_ns / S;
         self.disk += rate_per_s * dt_ns / S;
-        self.ran += self.run_per_s * dt_ns / S;
-        self.waited += self.wait_per_s * dt_ns / S;
         let obs = Observation {
             now_ns: self.now,
             vcpus: vec![vcpu(0, self.inactive, self.covered), vcpu(1, 0, 0)],
             disk_completed: Some(self.disk),
             steal_ns: Vec::new(),
-            kept_runs: vec![RunWait {
-                tid: 10,
-                run_ns: self.ran,
-                wait_ns: self.waited,
-            }],
             host: HostHints {
                 held: self.held.clone(),
                 agent_answers: self.agent_answers,
@@ -613,6 +620,105 @@ fn a_sample_runs_on_while_a_task_is_half_way_in_up_to_twice_its_length() {
 }
 
 #[test]
+fn a_failed_poll_is_counted_and_leaves_the_managed_tasks_as_they_were() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.window = vec![io_task(10), io_task(11)];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.published_tids(), [10, 11]);
+    f.failing.insert("poll");
+    f.window = Vec::new();
+    for n in 1..=3 {
+        let nap = vm.step(&mut e, &mut f, 5 * MS, 0);
+        assert_eq!(e.snapshot().detector_errors, n);
+        assert_eq!(nap, config().idle, "a failed poll waits an idle poll");
+    }
+    assert_eq!(
+        f.published_tids(),
+        [10, 11],
+        "nothing decided on a failed poll"
+    );
+    assert!(f.released.is_empty(), "and nothing handed back for it");
+    // The programs answer again: what they see now is decided on.
+    f.failing.clear();
+    f.window = vec![io_task(10)];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.published_tids(), [10]);
+    assert_eq!(f.released, [11]);
+}
+
+#[test]
+fn a_failed_pause_or_detach_is_counted_and_tried_again_at_the_next_step() {
+    let mut e = Engine::new(
+        EngineConfig {
+            gate_on_contention: true,
+            detach_after: Some(Duration::from_secs(10)),
+            ..config()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.failing.extend(["pause", "detach"]);
+    // Nothing contended: the programs should pause, and detach after 10 s.
+    vm.run(&mut e, &mut f, 12, |_| 0);
+    assert!(f.tracking && f.attached, "neither switch took");
+    assert_eq!((f.pauses, f.detaches), (0, 0));
+    let errors = e.snapshot().detector_errors;
+    assert!(
+        errors >= 100,
+        "every step tries again: {errors} errors in 12 s of steps"
+    );
+    f.failing.remove("pause");
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert!(!f.tracking, "paused once pausing works");
+    assert!(f.attached);
+    f.failing.clear();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert!(
+        !f.attached,
+        "detached once detaching works, the quiet time already past"
+    );
+    assert_eq!(f.detaches, 1);
+}
+
+#[test]
+fn a_task_whose_mask_someone_else_changed_is_handed_off_and_never_taken_again() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.window = vec![io_task(10), io_task(11)];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.published_tids(), [10, 11]);
+    // Someone else set task 10's mask: it is theirs from now on.
+    f.hands_off.insert(TaskId {
+        tid: 10,
+        start_time: 1,
+    });
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(
+        f.published_tids(),
+        [11],
+        "no longer the monitor threads' to move"
+    );
+    assert_eq!(
+        f.released,
+        [10],
+        "the executor is asked, and decides what is left to restore"
+    );
+    vm.run(&mut e, &mut f, 2, |_| 0);
+    assert!(!f.managed.contains_key(&10), "never taken over again");
+    assert!(!f.anchors.iter().any(|a| a.0 == 10), "nor kept anywhere");
+    // A new task that reuses its tid (another start time) is a task like any other.
+    let mut again = io_task(10);
+    again.start_time = 2;
+    f.window = vec![again, io_task(11)];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.published_tids(), [10, 11]);
+}
+
+#[test]
 fn shutdown_hands_every_task_back_and_publishes_none() {
     let mut e = Engine::new(config(), 0);
     let mut f = Fake::new();
@@ -731,57 +837,6 @@ fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
     e.set_exclude_comm(vec!["fio".into()]);
     vm.step(&mut e, &mut f, 100 * MS, 0);
     assert_eq!(f.released, [10, 11]);
-}
-
-#[test]
-fn a_kept_task_that_waits_for_its_vcpu_is_let_go_for_a_while_then_kept_again() {
-    let mut e = Engine::new(config(), 0);
-    let mut f = Fake::new();
-    f.window = vec![io_task_completing_on(10, 1, 1.0)];
-    let mut vm = Vm::new();
-    // Reading at full rate: runs 25%, waits 40% of the time.
-    (vm.run_per_s, vm.wait_per_s) = (S / 4, 2 * S / 5);
-    vm.run(&mut e, &mut f, 2, |_| 0);
-    assert_eq!(f.managed.get(&10), Some(&Some(1)));
-    assert!(f.released.is_empty());
-    // A CPU hog there takes its turns: it waits 90%, runs 3%. Let go within two spans.
-    (vm.run_per_s, vm.wait_per_s) = (3 * S / 100, 9 * S / 10);
-    vm.run(&mut e, &mut f, 1, |_| 0);
-    assert_eq!(f.released, [10], "its own mask back");
-    assert!(f.short_slices.is_empty(), "and its own slice");
-    assert!(e.snapshot().kept_with_completions.is_empty());
-    assert!(f.published_tids().is_empty(), "not the planner's either");
-    assert_eq!(e.snapshot().let_go_waiting, 1);
-    // Still found I/O-bound, but left alone until LET_GO has passed...
-    (vm.run_per_s, vm.wait_per_s) = (S / 4, 2 * S / 5);
-    let anchors = f.anchors.len();
-    vm.run(&mut e, &mut f, LET_GO.as_secs() - 1, |_| 0);
-    assert_eq!(f.anchors.len(), anchors, "not kept meanwhile");
-    // ...then kept with its completions again.
-    vm.run(&mut e, &mut f, 2, |_| 0);
-    assert_eq!(f.managed.get(&10), Some(&Some(1)));
-    assert_eq!(e.snapshot().kept_with_completions.len(), 1);
-}
-
-#[test]
-fn with_let_go_off_a_kept_task_stays_however_long_it_waits() {
-    let mut e = Engine::new(
-        EngineConfig {
-            let_go_waiting: false,
-            ..config()
-        },
-        0,
-    );
-    let mut f = Fake::new();
-    f.window = vec![io_task_completing_on(10, 1, 1.0)];
-    let mut vm = Vm::new();
-    vm.run(&mut e, &mut f, 2, |_| 0);
-    assert_eq!(f.managed.get(&10), Some(&Some(1)));
-    (vm.run_per_s, vm.wait_per_s) = (3 * S / 100, 9 * S / 10);
-    vm.run(&mut e, &mut f, 3, |_| 0);
-    assert!(f.released.is_empty(), "released {:?}", f.released);
-    assert_eq!(e.snapshot().kept_with_completions.len(), 1);
-    assert_eq!(e.snapshot().let_go_waiting, 0);
 }
 
 #[test]

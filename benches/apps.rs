@@ -35,7 +35,6 @@ use irq_steal::{Accounting, IrqSteal, Plan, Schedule, StealReport};
 use os_layer::time::{monotonic_ns, sleep_until};
 use serde_json::{json, Map, Value};
 use std::path::PathBuf;
-use std::process::Command;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 use vmigrater_testbed::apps::{self, App, AppRun, Apps, Placement};
@@ -194,18 +193,6 @@ fn steal_error(report: &StealReport, plan: &Plan, until_ns: u64) -> f64 {
             }
         })
         .fold(0.0, f64::max)
-}
-
-/// The build of the daemon under test, as `git describe` names it.
-fn commit() -> String {
-    Command::new("git")
-        .args(["describe", "--always", "--dirty", "--abbrev=12"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
 }
 
 /// A CPU hog pinned on every CPU (threads of this process, stopped with the application).
@@ -559,7 +546,7 @@ fn main() -> Result<()> {
             map.cpus()
         );
     }
-    let build = commit();
+    let build = vmigrater_testbed::commit();
     let n = s.reps * s.modes.len() * s.apps.len() * schedules.len();
     eprintln!(
         "apps benchmark at {build}: {} schedules × {} apps × {} modes × {} reps, ~{:.0} min; completion CPU {completion}",

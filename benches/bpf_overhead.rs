@@ -102,6 +102,7 @@ fn main() -> Result<()> {
     let interval = bootstrap_ratio(&on, &off);
     let report = json!({
         "benchmark": "bpf_overhead",
+        "commit": vmigrater_testbed::commit(),
         "attach_mode": mode,
         "reads_per_round": n,
         "rounds": rounds,

@@ -639,6 +639,7 @@ fn main() -> Result<()> {
     });
     let report = json!({
         "benchmark": "contention",
+        "commit": vmigrater_testbed::commit(),
         "setup": {
             "cpus": ncpus(),
             "steal": format!("SCHED_FIFO {STEAL_PRIORITY} spinners: CPU0 10 ms busy / 10 ms idle phase 0, CPU1 the same with phase 10 ms"),

@@ -19,7 +19,6 @@ COLORS = {
     "vanilla": "#d9534f",
     "vmigrater": "#2a7ab0",
     "vmigrater_dry": "#8fb8d8",
-    "vmigrater_let_go": "#5b5ea6",
     "vmigrater_no_slice": "#7fa3bf",
     "pinned": "#5cb85c",
     "pinned_slice": "#2e8b57",

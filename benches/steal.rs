@@ -9,8 +9,6 @@
 //! - `vmigrater`: the release daemon with the default configuration (private state dir),
 //!   started before the run and warmed up under the same schedule;
 //! - `vmigrater_dry`: the same daemon with `--dry-run` (watching only: its cost);
-//! - `vmigrater_let_go`: the daemon with `migration.let_go_waiting = true` (a kept task
-//!   that waits on its vCPU's run queue is let go for a while: the rule's ablation);
 //! - `vmigrater_no_slice`: the daemon with `migration.kept_slice_us = 0` (kept tasks keep
 //!   their own scheduler slice: the short slice's ablation);
 //! - `vmigrater_parent`: another build of the daemon (`--parent-bin PATH`, e.g. this
@@ -58,11 +56,10 @@ use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
-const MODES: [&str; 9] = [
+const MODES: [&str; 8] = [
     "vanilla",
     "vmigrater",
     "vmigrater_dry",
-    "vmigrater_let_go",
     "vmigrater_no_slice",
     "vmigrater_parent",
     "pinned",
@@ -296,7 +293,6 @@ fn decisions(log: &str) -> Value {
         "kept_with_completions": count("kept there"),
         "guard_pays": count("pays=true"),
         "guard_holds": count("pays=false"),
-        "let_go_waiting": count("waits for its turn"),
         "lines": lines,
     })
 }
@@ -346,7 +342,6 @@ fn run_once(
     let daemon = match mode {
         "vmigrater" => Some(start_daemon("", false)?),
         "vmigrater_dry" => Some(start_daemon("", true)?),
-        "vmigrater_let_go" => Some(start_daemon("[migration]\nlet_go_waiting = true\n", false)?),
         "vmigrater_no_slice" => Some(start_daemon("[migration]\nkept_slice_us = 0\n", false)?),
         "vmigrater_parent" => {
             let bin = s
@@ -587,13 +582,12 @@ fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
                     json!(stats::fraction_at_least(&v, 0.6 * om));
             }
         }
-        // The ablations: the default daemon against one with the let-go rule on, and one
-        // that leaves kept tasks' slices alone.
-        for other in ["vmigrater_let_go", "vmigrater_no_slice"] {
-            if m == "vmigrater" && modes.contains(&other) {
-                e[format!("vs_{other}")] = est(stats::ratio_of_medians(&v, &vals(other, metric)));
-                e[format!("paired_vs_{other}")] = est(paired(m, other, metric));
-            }
+        // The short slice's ablation: the default daemon against one that leaves kept
+        // tasks' slices alone.
+        let other = "vmigrater_no_slice";
+        if m == "vmigrater" && modes.contains(&other) {
+            e[format!("vs_{other}")] = est(stats::ratio_of_medians(&v, &vals(other, metric)));
+            e[format!("paired_vs_{other}")] = est(paired(m, other, metric));
         }
         // A code change's A/B: this build against the other one.
         if m == "vmigrater" && modes.contains(&"vmigrater_parent") {
@@ -818,6 +812,7 @@ fn main() -> Result<()> {
 
     let report = json!({
         "benchmark": "steal",
+        "commit": vmigrater_testbed::commit(),
         "setup": {
             "cpus": ncpus(),
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
@@ -837,7 +832,7 @@ fn main() -> Result<()> {
             "steal_tolerance": STEAL_TOLERANCE,
             "max_retries": MAX_RETRIES,
             "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
-            "daemon_config": "defaults (empty config file; vmigrater_let_go: migration.let_go_waiting = true; vmigrater_no_slice: migration.kept_slice_us = 0), --no-metrics, private --state-dir",
+            "daemon_config": "defaults (empty config file; vmigrater_no_slice: migration.kept_slice_us = 0), --no-metrics, private --state-dir",
             "oracle_lead_us": oracle::LEAD.as_micros() as u64,
             "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
         },

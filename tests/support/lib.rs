@@ -121,6 +121,19 @@ pub fn bench_dir() -> PathBuf {
     )
 }
 
+/// The build under test, as `git describe` names it (`-dirty` when the tree has changes):
+/// recorded in every results file, so that a table says which code it measured.
+pub fn commit() -> String {
+    std::process::Command::new("git")
+        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// The calling thread's kernel thread id.
 pub fn gettid() -> u32 {
     nix::unistd::gettid().as_raw() as u32

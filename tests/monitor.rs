@@ -81,7 +81,7 @@ impl TickHook for Recorder {
             wakes.push((now_ns, s.hiccups, s.gap_threshold_ns, s.period_ns));
         }
         drop(wakes);
-        if let TickEvent::Resumed { inactive_ns } = event {
+        if let TickEvent::Resumed { inactive_ns, .. } = event {
             let predicted = board
                 .cpu_snapshot(cpu, now_ns)
                 .map_or(0, |s| s.est_slice_ns);

@@ -420,6 +420,7 @@ fn event_thread(
                 e.cpu as usize,
                 TickEvent::Resumed {
                     inactive_ns: e.inactive_ns,
+                    back_ns: e.ts,
                 },
                 board,
                 now,

@@ -23,8 +23,9 @@ use crate::{monotonic_ns, sleep_until};
 /// What a wake-up was, for the hook.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TickEvent {
-    /// This vCPU just came back from a gap of about `inactive_ns`.
-    Resumed { inactive_ns: u64 },
+    /// This vCPU came back from a gap of about `inactive_ns` at `back_ns` (monotonic):
+    /// the hook may run later than that, when its thread gets a CPU.
+    Resumed { inactive_ns: u64, back_ns: u64 },
     /// An on-time wake-up.
     Running,
 }
@@ -178,7 +179,10 @@ fn sleeper(
             match est.observe(next, woke) {
                 Observation::Resumed { inactive_ns } => {
                     last_gap_ns = woke;
-                    TickEvent::Resumed { inactive_ns }
+                    TickEvent::Resumed {
+                        inactive_ns,
+                        back_ns: woke,
+                    }
                 }
                 Observation::Running => TickEvent::Running,
             }

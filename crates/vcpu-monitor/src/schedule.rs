@@ -217,7 +217,15 @@ fn oracle_thread(
             slot.last_inactive_ns.store(s.out_ns, Relaxed);
         }
         for (cpu, inactive_ns) in resumed {
-            hook.on_tick(cpu, TickEvent::Resumed { inactive_ns }, board, now);
+            hook.on_tick(
+                cpu,
+                TickEvent::Resumed {
+                    inactive_ns,
+                    back_ns: now,
+                },
+                board,
+                now,
+            );
         }
         sleep_until(next.max(monotonic_ns() + 50_000));
     }

@@ -8,6 +8,7 @@ pub mod daemon;
 pub mod detect;
 pub mod instance;
 pub mod metrics;
+pub mod record;
 pub mod recovery;
 pub mod status;
 pub mod view;

@@ -5,7 +5,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use vmigrater::config::{Config, DEFAULT_CONFIG_PATH};
-use vmigrater::{check, daemon, status};
+use vmigrater::{check, daemon, record, status};
 
 /// `--version`. The lab reads it to know that a daemon build has its oracle source.
 #[cfg(feature = "lab-oracle")]
@@ -38,6 +38,9 @@ enum Command {
     Status(StatusArgs),
     /// Print the default configuration as TOML.
     DefaultConfig,
+    /// Record this guest's vCPU deschedules for a while, as the kernel monitor sees them,
+    /// in the replay form of the hard-IRQ testbed (`CPU START_US END_US` lines). Root.
+    Record(RecordArgs),
     /// Write man pages and shell completions under DIR (for packaging).
     #[command(hide = true)]
     GenDist { dir: PathBuf },
@@ -77,6 +80,16 @@ struct StatusArgs {
     /// State directory of the daemon to ask (default: the config's `state_dir`).
     #[arg(long)]
     state_dir: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct RecordArgs {
+    /// How long to record, in seconds.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..=86_400))]
+    secs: u64,
+    /// Write the trace to FILE instead of standard output.
+    #[arg(long, value_name = "FILE")]
+    out: Option<PathBuf>,
 }
 
 fn load_config(cli: &Cli) -> Result<Config> {
@@ -175,6 +188,11 @@ fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()>
             print!("{}", Config::default_toml());
             Ok(())
         }
+        Command::Record(args) => record::run(
+            &load_config(&cli)?,
+            std::time::Duration::from_secs(args.secs),
+            args.out.as_deref(),
+        ),
         Command::GenDist { dir } => control::dist::write(Cli::command(), dir).map(drop),
     }
 }

@@ -7,6 +7,8 @@ use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+use crate::config::{BackendKind, WeightKind};
+
 pub fn socket_path(state_dir: &Path) -> PathBuf {
     state_dir.join("status.sock")
 }
@@ -85,8 +87,8 @@ pub struct AgentStatus {
     pub version: String,
     pub pid: u32,
     pub uptime_s: f64,
-    pub backend: String,
-    pub weight: String,
+    pub backend: BackendKind,
+    pub weight: WeightKind,
     pub period_ms: u64,
     pub periods: u64,
     pub apply_errors: u64,
@@ -171,7 +173,7 @@ mod tests {
     fn json_round_trip_and_table() {
         let s = AgentStatus {
             version: "0.1.0".into(),
-            backend: "kvm-qemu".into(),
+            backend: BackendKind::KvmQemu,
             vms: vec![VmStatus {
                 name: "web".into(),
                 origin: "config".into(),

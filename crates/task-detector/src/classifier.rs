@@ -167,6 +167,159 @@ struct IoTaskFields {
     completion: CompletionSite,
 }
 
+/// The figures of a thread's window that just closed.
+struct Closed {
+    dt: u64,
+    ios: u64,
+    /// Time its vCPU was out during the window.
+    out: u64,
+    io_fraction: f64,
+    cpu_fraction: f64,
+    iops: f64,
+}
+
+impl ThreadState {
+    fn new(t: &ThreadObservation, now_ns: u64) -> Self {
+        ThreadState {
+            tgid: t.tgid,
+            base_ts: now_ns,
+            base_busy: t.busy_ns,
+            base_ios: t.ios,
+            base_cpu: t.cpu_ns,
+            base_out: (t.last_cpu, t.cpu_out_ns),
+            base_done: t.completions,
+            above: 0,
+            below: 0,
+            below_on_cpu: 0,
+            io_bound: false,
+            load: 0.0,
+            last: IoTaskFields::default(),
+            last_change_ts: now_ns,
+            last_busy: t.busy_ns,
+            last_ios: t.ios,
+        }
+    }
+
+    /// Closes the thread's window when it is due: its figures go to `last` and `load`,
+    /// and the next window starts now. `None` while the window stays open.
+    fn close_window(
+        &mut self,
+        t: &ThreadObservation,
+        now_ns: u64,
+        cfg: &ClassifierConfig,
+    ) -> Option<Closed> {
+        let dt = now_ns.saturating_sub(self.base_ts);
+        let ios = t.ios - self.base_ios;
+        let some_io = ios > 0 || t.busy_ns > self.base_busy;
+        // Time its vCPU was out (it may have been charged for it as on-CPU time): a
+        // window where it ran on two vCPUs is taken as it is.
+        let out = if self.base_out.0 == t.last_cpu {
+            t.cpu_out_ns.saturating_sub(self.base_out.1).min(dt)
+        } else {
+            0
+        };
+        // A window with enough requests closes on time; one with fewer stretches;
+        // one with no I/O at all closes after its vCPU ran a window: a request that
+        // completed while the vCPU was out leaves its task with nothing in flight and
+        // nowhere to run, and judging that time would read an I/O-bound task as idle.
+        let open = if ios >= cfg.min_ios_per_window {
+            dt < cfg.window_ns
+        } else {
+            some_io || dt - out < cfg.window_ns
+        };
+        if open && dt < cfg.max_window_ns {
+            return None;
+        }
+        let io_fraction = ((t.busy_ns - self.base_busy) as f64 / dt as f64).min(1.0);
+        let iops = ios as f64 * 1e9 / dt as f64;
+        let on_cpu = t.cpu_ns.saturating_sub(self.base_cpu);
+        let cpu_fraction = (on_cpu.saturating_sub(out) as f64 / dt as f64).min(1.0);
+        let done = t.completions.total.saturating_sub(self.base_done.total);
+        let remote = t.completions.remote.saturating_sub(self.base_done.remote);
+        self.last = IoTaskFields {
+            io_fraction,
+            cpu_fraction,
+            iops,
+            last_cpu: t.last_cpu,
+            completion: CompletionSite {
+                cpu: t.completions.last_cpu,
+                remote_fraction: if done == 0 {
+                    0.0
+                } else {
+                    (remote.min(done)) as f64 / done as f64
+                },
+                count: done,
+                remote: remote.min(done),
+            },
+        };
+        self.base_done = t.completions;
+        self.base_ts = now_ns;
+        self.base_busy = t.busy_ns;
+        self.base_ios = t.ios;
+        self.base_cpu = t.cpu_ns;
+        self.base_out = (t.last_cpu, t.cpu_out_ns);
+        self.load = if self.load == 0.0 {
+            io_fraction
+        } else {
+            cfg.load_alpha * io_fraction + (1.0 - cfg.load_alpha) * self.load
+        };
+        Some(Closed {
+            dt,
+            ios,
+            out,
+            io_fraction,
+            cpu_fraction,
+            iops,
+        })
+    }
+
+    /// The enter and exit windows over a closed window: I/O-bound after `enter_windows`
+    /// in a row that qualify, no longer after `exit_windows` in a row that do not.
+    fn judge(&mut self, tid: u32, w: &Closed, cfg: &ClassifierConfig) {
+        let cpu_ok = w.cpu_fraction <= cfg.max_cpu_fraction;
+        tracing::trace!(
+            tid,
+            dt_us = w.dt / 1000,
+            ios = w.ios,
+            io_fraction = format!("{:.2}", w.io_fraction),
+            cpu_fraction = format!("{:.2}", w.cpu_fraction),
+            out_us = w.out / 1000,
+            "window"
+        );
+        let rate_in = |limit: f64| limit > 0.0 && w.iops >= limit;
+        let enters = w.io_fraction >= cfg.enter_fraction || rate_in(cfg.enter_iops);
+        if enters && w.ios >= cfg.min_ios_per_window && cpu_ok {
+            self.above += 1;
+        } else {
+            self.above = 0;
+        }
+        let stays = w.io_fraction >= cfg.exit_fraction || rate_in(cfg.exit_iops);
+        if !stays || !cpu_ok {
+            self.below += 1;
+            self.below_on_cpu += u32::from(w.io_fraction >= cfg.exit_fraction);
+        } else {
+            self.below = 0;
+            self.below_on_cpu = 0;
+        }
+        if !self.io_bound && self.above >= cfg.enter_windows {
+            self.io_bound = true;
+            self.below = 0;
+            self.below_on_cpu = 0;
+        } else if self.io_bound && self.below >= cfg.exit_windows {
+            self.io_bound = false;
+            self.above = 0;
+            tracing::debug!(
+                tid,
+                windows = self.below,
+                on_cpu = self.below_on_cpu,
+                io_fraction = format!("{:.2}", w.io_fraction),
+                cpu_fraction = format!("{:.2}", w.cpu_fraction),
+                "no longer I/O-bound: windows below the exit fraction, or on a CPU"
+            );
+        }
+    }
+}
+
 pub struct IoClassifier {
     cfg: ClassifierConfig,
     threads: HashMap<u32, ThreadState>,
@@ -218,24 +371,10 @@ impl IoClassifier {
             if t.is_kernel || t.tid == 0 {
                 continue;
             }
-            let st = self.threads.entry(t.tid).or_insert_with(|| ThreadState {
-                tgid: t.tgid,
-                base_ts: now_ns,
-                base_busy: t.busy_ns,
-                base_ios: t.ios,
-                base_cpu: t.cpu_ns,
-                base_out: (t.last_cpu, t.cpu_out_ns),
-                base_done: t.completions,
-                above: 0,
-                below: 0,
-                below_on_cpu: 0,
-                io_bound: false,
-                load: 0.0,
-                last: IoTaskFields::default(),
-                last_change_ts: now_ns,
-                last_busy: t.busy_ns,
-                last_ios: t.ios,
-            });
+            let st = self
+                .threads
+                .entry(t.tid)
+                .or_insert_with(|| ThreadState::new(t, now_ns));
             if t.busy_ns != st.last_busy || t.ios != st.last_ios {
                 st.last_change_ts = now_ns;
                 st.last_busy = t.busy_ns;
@@ -246,101 +385,8 @@ impl IoClassifier {
                 self.threads.remove(&t.tid);
                 continue;
             }
-            let dt = now_ns.saturating_sub(st.base_ts);
-            let ios = t.ios - st.base_ios;
-            let some_io = ios > 0 || t.busy_ns > st.base_busy;
-            // Time its vCPU was out (it may have been charged for it as on-CPU time): a
-            // window where it ran on two vCPUs is taken as it is.
-            let out = if st.base_out.0 == t.last_cpu {
-                t.cpu_out_ns.saturating_sub(st.base_out.1).min(dt)
-            } else {
-                0
-            };
-            // A window with enough requests closes on time; one with fewer stretches;
-            // one with no I/O at all closes after its vCPU ran a window: a request that
-            // completed while the vCPU was out leaves its task with nothing in flight and
-            // nowhere to run, and judging that time would read an I/O-bound task as idle.
-            let open = if ios >= cfg.min_ios_per_window {
-                dt < cfg.window_ns
-            } else {
-                some_io || dt - out < cfg.window_ns
-            };
-            if open && dt < cfg.max_window_ns {
-                continue;
-            }
-            let io_fraction = ((t.busy_ns - st.base_busy) as f64 / dt as f64).min(1.0);
-            let iops = ios as f64 * 1e9 / dt as f64;
-            let on_cpu = t.cpu_ns.saturating_sub(st.base_cpu);
-            let cpu_fraction = (on_cpu.saturating_sub(out) as f64 / dt as f64).min(1.0);
-            let done = t.completions.total.saturating_sub(st.base_done.total);
-            let remote = t.completions.remote.saturating_sub(st.base_done.remote);
-            st.last = IoTaskFields {
-                io_fraction,
-                cpu_fraction,
-                iops,
-                last_cpu: t.last_cpu,
-                completion: CompletionSite {
-                    cpu: t.completions.last_cpu,
-                    remote_fraction: if done == 0 {
-                        0.0
-                    } else {
-                        (remote.min(done)) as f64 / done as f64
-                    },
-                    count: done,
-                    remote: remote.min(done),
-                },
-            };
-            st.base_done = t.completions;
-            st.base_ts = now_ns;
-            st.base_busy = t.busy_ns;
-            st.base_ios = t.ios;
-            st.base_cpu = t.cpu_ns;
-            st.base_out = (t.last_cpu, t.cpu_out_ns);
-            st.load = if st.load == 0.0 {
-                io_fraction
-            } else {
-                cfg.load_alpha * io_fraction + (1.0 - cfg.load_alpha) * st.load
-            };
-            let cpu_ok = cpu_fraction <= cfg.max_cpu_fraction;
-            tracing::trace!(
-                tid = t.tid,
-                dt_us = dt / 1000,
-                ios,
-                io_fraction = format!("{io_fraction:.2}"),
-                cpu_fraction = format!("{cpu_fraction:.2}"),
-                out_us = out / 1000,
-                "window"
-            );
-            let rate_in = |limit: f64| limit > 0.0 && iops >= limit;
-            let enters = io_fraction >= cfg.enter_fraction || rate_in(cfg.enter_iops);
-            if enters && ios >= cfg.min_ios_per_window && cpu_ok {
-                st.above += 1;
-            } else {
-                st.above = 0;
-            }
-            let stays = io_fraction >= cfg.exit_fraction || rate_in(cfg.exit_iops);
-            if !stays || !cpu_ok {
-                st.below += 1;
-                st.below_on_cpu += u32::from(io_fraction >= cfg.exit_fraction);
-            } else {
-                st.below = 0;
-                st.below_on_cpu = 0;
-            }
-            if !st.io_bound && st.above >= cfg.enter_windows {
-                st.io_bound = true;
-                st.below = 0;
-                st.below_on_cpu = 0;
-            } else if st.io_bound && st.below >= cfg.exit_windows {
-                st.io_bound = false;
-                st.above = 0;
-                tracing::debug!(
-                    tid = t.tid,
-                    windows = st.below,
-                    on_cpu = st.below_on_cpu,
-                    io_fraction = format!("{io_fraction:.2}"),
-                    cpu_fraction = format!("{cpu_fraction:.2}"),
-                    "no longer I/O-bound: windows below the exit fraction, or on a CPU"
-                );
+            if let Some(w) = st.close_window(t, now_ns, &cfg) {
+                st.judge(t.tid, &w, &cfg);
             }
         }
         // Forget idle threads; an I/O-bound one leaves through the exit windows first,

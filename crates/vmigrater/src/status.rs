@@ -50,17 +50,56 @@ pub struct LatencySummary {
     pub max: f64,
 }
 
+/// How the block programs are attached; `none` where they did not load.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum AttachReport {
+    TpBtf,
+    RawTp,
+    Tracepoint,
+    #[default]
+    None,
+}
+
+/// Where vCPU deschedules are learnt from (`oracle`: the lab's build); `unknown` from a
+/// daemon too old to say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SourceReport {
+    Kernel,
+    Sleepers,
+    Oracle,
+    #[default]
+    Unknown,
+}
+
+/// Whether the monitor tracks slices precisely (`active`: tasks to move) or idles.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DemandReport {
+    #[default]
+    Idle,
+    Active,
+}
+
+/// The name a report's mode has in the JSON, for the table.
+fn name_of<T: Serialize>(v: &T) -> String {
+    serde_json::to_value(v)
+        .ok()
+        .and_then(|j| j.as_str().map(str::to_string))
+        .unwrap_or_default()
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct StatusReport {
     pub version: String,
     pub pid: u32,
     pub uptime_s: f64,
     pub dry_run: bool,
-    pub attach_mode: String,
-    /// Where vCPU deschedules are learnt from: "kernel" or "sleepers".
+    pub attach_mode: AttachReport,
     #[serde(default)]
-    pub monitor_source: String,
-    pub demand: String,
+    pub monitor_source: SourceReport,
+    pub demand: DemandReport,
     /// False while the move guard holds tasks on their own masks.
     #[serde(default)]
     pub moves_allowed: bool,
@@ -126,9 +165,9 @@ pub fn render(r: &StatusReport) -> String {
         r.version,
         r.pid,
         r.uptime_s,
-        r.attach_mode,
-        r.monitor_source,
-        r.demand,
+        name_of(&r.attach_mode),
+        name_of(&r.monitor_source),
+        name_of(&r.demand),
         match (r.block_attached, r.block_tracking) {
             (false, _) => "detached",
             (true, true) => "tracking",
@@ -245,6 +284,34 @@ pub fn summarize(latencies_ns: &[u64], count: u64) -> LatencySummary {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn modes_keep_their_names_on_the_wire() {
+        // Scripts and dashboards read these strings: typed on our side, the same text.
+        let r = StatusReport {
+            attach_mode: AttachReport::TpBtf,
+            monitor_source: SourceReport::Kernel,
+            demand: DemandReport::Active,
+            ..StatusReport::default()
+        };
+        let j = serde_json::to_value(&r).unwrap();
+        assert_eq!(j["attach_mode"], "tp_btf");
+        assert_eq!(j["monitor_source"], "kernel");
+        assert_eq!(j["demand"], "active");
+        for (mode, name) in [
+            (AttachReport::RawTp, "raw_tp"),
+            (AttachReport::Tracepoint, "tracepoint"),
+            (AttachReport::None, "none"),
+        ] {
+            assert_eq!(name_of(&mode), name);
+        }
+        // A daemon too old to report its source still parses.
+        let mut old = j.clone();
+        old.as_object_mut().unwrap().remove("monitor_source");
+        let back: StatusReport = serde_json::from_value(old).unwrap();
+        assert_eq!(back.monitor_source, SourceReport::Unknown);
+        assert!(render(&back).contains("attach=tp_btf  monitor=unknown  demand=active"));
+    }
 
     #[test]
     fn percentiles_of_a_known_series() {

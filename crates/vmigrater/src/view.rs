@@ -12,7 +12,10 @@ use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
 
 use crate::channel::{ChannelStats, VcpuSample};
 use crate::metrics::Metrics;
-use crate::status::{self, KeptStatus, StatusReport, TaskStatus, VcpuStatus};
+use crate::status::{
+    self, AttachReport, DemandReport, KeptStatus, SourceReport, StatusReport, TaskStatus,
+    VcpuStatus,
+};
 use migrater::engine::EngineSnapshot;
 use migrater::hook::{lock_placement, try_lock_placement, FoundTask, Shared};
 
@@ -30,10 +33,21 @@ pub struct Running {
     pub channel: Arc<ChannelStats>,
 }
 
-fn demand_label(d: Demand) -> &'static str {
-    match d {
-        Demand::Idle => "idle",
-        Demand::Active => "active",
+fn attach_report(m: Option<AttachMode>) -> AttachReport {
+    match m {
+        Some(AttachMode::TpBtf) => AttachReport::TpBtf,
+        Some(AttachMode::RawTp) => AttachReport::RawTp,
+        Some(AttachMode::Tracepoint) => AttachReport::Tracepoint,
+        None => AttachReport::None,
+    }
+}
+
+fn source_report(s: vcpu_monitor::Source) -> SourceReport {
+    match s {
+        vcpu_monitor::Source::Kernel => SourceReport::Kernel,
+        vcpu_monitor::Source::Sleepers => SourceReport::Sleepers,
+        #[cfg(feature = "lab-oracle")]
+        vcpu_monitor::Source::Oracle => SourceReport::Oracle,
     }
 }
 
@@ -105,17 +119,18 @@ impl Running {
             pid: std::process::id(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             dry_run: self.dry_run,
-            attach_mode: self
-                .attach_mode
-                .map_or_else(|| "none".to_string(), |m| m.to_string()),
-            monitor_source: self.monitor_source.as_str().into(),
+            attach_mode: attach_report(self.attach_mode),
+            monitor_source: source_report(self.monitor_source),
             moves_allowed: engine.moves_allowed,
             host_holds: engine.host_holds,
             block_tracking: engine.block_tracking,
             block_attached: engine.block_attached,
             guard_pays: engine.guard_verdicts.pays,
             guard_holds: engine.guard_verdicts.holds,
-            demand: demand_label(engine.demand).into(),
+            demand: match engine.demand {
+                Demand::Idle => DemandReport::Idle,
+                Demand::Active => DemandReport::Active,
+            },
             io_tasks: tasks.len() as u64,
             managed_tasks: executor.map_or(0, |e| e.managed_count()) as u64,
             migrations: self.shared.migrations.load(Ordering::Relaxed),

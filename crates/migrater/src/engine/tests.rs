@@ -619,14 +619,20 @@ fn a_sample_runs_on_while_a_task_is_half_way_in_up_to_twice_its_length() {
     assert_eq!(f.pauses, 2);
 }
 
-#[test]
-fn a_failed_poll_is_counted_and_leaves_the_managed_tasks_as_they_were() {
+/// An engine that manages tasks 10 and 11 (default configuration, one step).
+fn managing_10_and_11() -> (Engine, Fake, Vm) {
     let mut e = Engine::new(config(), 0);
     let mut f = Fake::new();
     let mut vm = Vm::new();
     f.window = vec![io_task(10), io_task(11)];
     vm.step(&mut e, &mut f, 5 * MS, 0);
     assert_eq!(f.published_tids(), [10, 11]);
+    (e, f, vm)
+}
+
+#[test]
+fn a_failed_poll_is_counted_and_leaves_the_managed_tasks_as_they_were() {
+    let (mut e, mut f, mut vm) = managing_10_and_11();
     f.failing.insert("poll");
     f.window = Vec::new();
     for n in 1..=3 {
@@ -685,12 +691,7 @@ fn a_failed_pause_or_detach_is_counted_and_tried_again_at_the_next_step() {
 
 #[test]
 fn a_task_whose_mask_someone_else_changed_is_handed_off_and_never_taken_again() {
-    let mut e = Engine::new(config(), 0);
-    let mut f = Fake::new();
-    let mut vm = Vm::new();
-    f.window = vec![io_task(10), io_task(11)];
-    vm.step(&mut e, &mut f, 5 * MS, 0);
-    assert_eq!(f.published_tids(), [10, 11]);
+    let (mut e, mut f, mut vm) = managing_10_and_11();
     // Someone else set task 10's mask: it is theirs from now on.
     f.hands_off.insert(TaskId {
         tid: 10,
@@ -720,11 +721,7 @@ fn a_task_whose_mask_someone_else_changed_is_handed_off_and_never_taken_again() 
 
 #[test]
 fn shutdown_hands_every_task_back_and_publishes_none() {
-    let mut e = Engine::new(config(), 0);
-    let mut f = Fake::new();
-    let mut vm = Vm::new();
-    f.window = vec![io_task(10), io_task(11)];
-    vm.step(&mut e, &mut f, 5 * MS, 0);
+    let (_, mut f, _) = managing_10_and_11();
     assert_eq!(f.managed.len(), 2);
     release_everything(&mut f);
     assert!(f.published.is_empty());

@@ -30,6 +30,13 @@ SCHEDS = {"anti": "anti-phase 20/10 ms", "none": "none", "in": "in-phase 20/10 m
           "anti:20000:15000": "anti-phase 20/15 ms (4:1)"}
 
 
+def sched_label(sched):
+    """A schedule's name in a table; a replayed trace by its file's name."""
+    if sched.startswith("replay:"):
+        return "trace " + sched.rsplit("/", 1)[-1].removesuffix(".trace") + " (replayed)"
+    return SCHEDS.get(sched, sched)
+
+
 def est(e):
     return f"{e['value']:.2f}× [{e['lo']:.2f}, {e['hi']:.2f}]" if e else "–"
 
@@ -53,7 +60,7 @@ def main(paths, compact=False):
         r = json.load(open(p))
         billing = r.get("setup", {}).get("accounting")
         for sched, apps in r["cells"].items():
-            label = SCHEDS.get(sched, sched) + (", interrupted" if billing == "interrupted" else "")
+            label = sched_label(sched) + (", interrupted" if billing == "interrupted" else "")
             order = list(NAMES)
             for app, c in sorted(apps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
                 m = c["modes"]

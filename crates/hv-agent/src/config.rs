@@ -48,11 +48,10 @@ pub struct Config {
 }
 
 /// Which hypervisor scheduler the agent drives.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum BackendKind {
     /// QEMU vCPU threads on the host kernel (nice or cgroup weight, affinity).
-    #[default]
     KvmQemu,
     /// Xen credit2 weights through `xl`.
     Xen,
@@ -71,10 +70,9 @@ impl std::fmt::Display for BackendKind {
 }
 
 /// How the `kvm-qemu` backend changes a vCPU thread's CPU share.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightKind {
-    #[default]
     Nice,
     Cgroup,
 }

@@ -7,8 +7,6 @@ use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-use crate::config::{BackendKind, WeightKind};
-
 pub fn socket_path(state_dir: &Path) -> PathBuf {
     state_dir.join("status.sock")
 }
@@ -87,8 +85,8 @@ pub struct AgentStatus {
     pub version: String,
     pub pid: u32,
     pub uptime_s: f64,
-    pub backend: BackendKind,
-    pub weight: WeightKind,
+    pub backend: String,
+    pub weight: String,
     pub period_ms: u64,
     pub periods: u64,
     pub apply_errors: u64,
@@ -173,7 +171,7 @@ mod tests {
     fn json_round_trip_and_table() {
         let s = AgentStatus {
             version: "0.1.0".into(),
-            backend: BackendKind::KvmQemu,
+            backend: "kvm-qemu".into(),
             vms: vec![VmStatus {
                 name: "web".into(),
                 origin: "config".into(),

@@ -102,7 +102,9 @@ static __always_inline __u64 covered_by_others(__u32 cpu, __u64 start, __u64 end
 	return best;
 }
 
-static __always_inline int on_expiry(__s64 late)
+/* One timer expiry: `pass_ns` is the clock the expiry pass read when it began
+ * (CLOCK_MONOTONIC), `late` how far that is past the timer's expiry. */
+static __always_inline int on_expiry(__u64 pass_ns, __s64 late)
 {
 	__u32 cpu;
 	struct vcpu_tick *v = this_vcpu(&cpu);
@@ -110,17 +112,27 @@ static __always_inline int on_expiry(__s64 late)
 		return 0;
 	__u64 ts = bpf_ktime_get_ns();
 	v->timers++;
-	__u64 expired = late > 0 ? ts - (__u64)late : ts;
-	/* Several timers expire in one interrupt: only the first can be a gap, since the
-	 * vCPU was seen at it. A timer that expired before the last sign of life was merely
-	 * handled late (interrupts off), not missed by a descheduled vCPU. */
-	if (late <= 0 || (__u64)late <= gap_threshold_ns || expired < v->last_seen ||
-	    !v->last_seen) {
+	if (pass_ns > ts)
+		pass_ns = ts;
+	__u64 expired = pass_ns - late;
+	__u64 gap_start;
+	/* Several timers expire in one pass: only the first can be a gap, since the vCPU was
+	 * seen at it. A timer that expired before the last sign of life was merely handled
+	 * late (interrupts off), not missed by a descheduled vCPU. */
+	if (v->last_seen && late > 0 && (__u64)late > gap_threshold_ns &&
+	    expired >= v->last_seen) {
+		/* Out from somewhere between the last sign of life and the expiry: the middle. */
+		gap_start = v->last_seen + (expired - v->last_seen) / 2;
+	} else if (v->last_seen && ts - pass_ns > gap_threshold_ns &&
+		   ts - (pass_ns > v->last_seen ? pass_ns : v->last_seen) > gap_threshold_ns) {
+		/* On time for a pass that began long ago: the vCPU was last seen when the pass
+		 * began or at an earlier callback of it, and was taken since. Counting this as a
+		 * sign of life now would hide the late timers of the next pass. */
+		gap_start = pass_ns > v->last_seen ? pass_ns : v->last_seen;
+	} else {
 		seen(v, ts);
 		return 0;
 	}
-	/* Out from somewhere between the last sign of life and the expiry: take the middle. */
-	__u64 gap_start = v->last_seen + (expired - v->last_seen) / 2;
 	__u64 gap = ts - gap_start;
 	__u64 run = v->slice_start && gap_start > v->slice_start ? gap_start - v->slice_start : 0;
 	__u64 covered = covered_by_others(cpu, gap_start, ts);
@@ -145,21 +157,27 @@ static __always_inline int on_expiry(__s64 late)
 	return 0;
 }
 
+/* `now` is the pass's clock in the timer's own base (REALTIME, BOOTTIME... carry an
+ * offset from CLOCK_MONOTONIC). */
 SEC("tp_btf/hrtimer_expire_entry")
 int BPF_PROG(btf_hrtimer_expire_entry, struct hrtimer *timer, ktime_t *now)
 {
 	__s64 n = 0;
 	bpf_probe_read_kernel(&n, sizeof(n), now);
-	return on_expiry(n - timer->node.expires);
+	return on_expiry(n - timer->base->offset, n - timer->node.expires);
 }
 
 SEC("raw_tp/hrtimer_expire_entry")
 int BPF_PROG(raw_hrtimer_expire_entry, struct hrtimer *timer, ktime_t *now)
 {
-	__s64 n = 0, expires = 0;
+	__s64 n = 0, expires = 0, offset = 0;
+	struct hrtimer_clock_base *base = 0;
 	bpf_probe_read_kernel(&n, sizeof(n), now);
 	bpf_probe_read_kernel(&expires, sizeof(expires), &timer->node.expires);
-	return on_expiry(n - expires);
+	bpf_probe_read_kernel(&base, sizeof(base), &timer->base);
+	if (base)
+		bpf_probe_read_kernel(&offset, sizeof(offset), &base->offset);
+	return on_expiry(n - offset, n - expires);
 }
 
 static __always_inline int on_idle(unsigned int state)

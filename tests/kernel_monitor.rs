@@ -281,12 +281,13 @@ fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
             seen as f64 / 1e6,
             host_stole as f64 / 1e6
         );
-        // Nearly every window seen as one gap (measured: 139–151 of 150). This machine's
-        // own host adds some: each of its deschedules over the 1 ms threshold is a gap
-        // too (1–6 ms each, dozens a second, seen under CI load), at most one per ms.
+        // Every window seen as one gap (measured: 150 of 150), also those that begin
+        // inside a timer pass, whose next timer is on time for the pass's clock. This
+        // machine's own host adds some: each of its deschedules over the 1 ms threshold is
+        // a gap too (1–6 ms each, dozens a second, seen under CI load), at most one per ms.
         let host_gaps = host_stole / MS;
         assert!(
-            gaps >= c.windows_hit * 8 / 10 && gaps <= c.windows_hit + 20 + host_gaps,
+            gaps >= c.windows_hit * 95 / 100 && gaps <= c.windows_hit + 20 + host_gaps,
             "cpu {}: {gaps} gaps for {} windows",
             s.cpu,
             c.windows_hit
@@ -295,7 +296,7 @@ fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
         // per gap and what the real host stole meanwhile. A gap is measured from the last
         // sign of life before it to the first after, and the signs are timer events (a
         // 4 ms tick at HZ=250): each window may be seen up to ~2.5 ms short (measured:
-        // 79–92% of the stolen time over 150 windows).
+        // 87–98% of the stolen time over 150 windows).
         let lo = c.stolen_ns.saturating_sub(c.windows_hit * 5 * MS / 2);
         let hi = c.stolen_ns + host_stole + c.windows_hit * MS;
         assert!(
@@ -385,7 +386,7 @@ fn a_recording_holds_the_windows_irq_steal_took_and_replays() {
             median as f64 / 1e6
         );
         assert!(
-            theirs.len() as u64 >= c.windows_hit * 8 / 10,
+            theirs.len() as u64 >= c.windows_hit * 95 / 100,
             "cpu {}: {} of {} windows recorded\n{text}",
             c.cpu,
             theirs.len(),

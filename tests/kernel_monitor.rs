@@ -402,3 +402,60 @@ fn a_recording_holds_the_windows_irq_steal_took_and_replays() {
         );
     }
 }
+
+/// The share of each vCPU's time out during which another vCPU was seen running: what a
+/// move could gain, and what the daemon's gate reads. Windows taken from both CPUs at once
+/// leave nowhere to go; windows in anti-phase leave the other CPU running throughout.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn time_out_is_covered_only_where_another_vcpu_ran() {
+    assert_root();
+    vmigrater_testbed::assert_cpus(2);
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let cpus = vec![0usize, 1];
+    let (board, mon) = start(&cpus, Arc::new(Counter::default()));
+    let hogs: Vec<_> = cpus
+        .iter()
+        .map(|&c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut share = Vec::new();
+    for schedule in ["in:20000:10000", "anti:20000:10000"] {
+        let before = board.snapshot(monotonic_ns());
+        let plan = schedule
+            .parse::<irq_steal::Schedule>()
+            .expect("schedule")
+            .plan(&cpus, Duration::from_secs(2))
+            .expect("plan");
+        let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
+        std::thread::sleep(Duration::from_millis(2_100));
+        steal.stop().expect("stop irq-steal");
+        std::thread::sleep(Duration::from_millis(100));
+        let after = board.snapshot(monotonic_ns());
+        let (out, covered) = before.iter().zip(&after).fold((0, 0), |(o, c), (b, a)| {
+            (
+                o + a.inactive_total_ns - b.inactive_total_ns,
+                c + a.covered_total_ns - b.covered_total_ns,
+            )
+        });
+        let s = covered as f64 / out.max(1) as f64;
+        eprintln!(
+            "{schedule}: {:.0} ms out, {:.0}% of it covered by the other vCPU",
+            out as f64 / 1e6,
+            s * 100.0
+        );
+        share.push(s);
+    }
+    for h in hogs {
+        h.stop().expect("hog");
+    }
+    mon.stop();
+    // In phase, only the few hundred µs between the two CPUs' returns are covered (and
+    // whatever this machine's own host takes apart); in anti-phase nearly all of it.
+    assert!(share[0] < 0.1, "in phase: {:.0}% covered", share[0] * 100.0);
+    assert!(
+        share[1] > 0.8,
+        "anti-phase: {:.0}% covered",
+        share[1] * 100.0
+    );
+}

@@ -27,8 +27,9 @@ lint: setup
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	$(CARGO) clippy -p vcpu-monitor -p vmigrater --features vmigrater/lab-oracle --all-targets -- -D warnings
 
-# Unit tests, then the real-kernel tests (root; they print SKIPPED without it). The
-# integration tests share the CPUs with a steal emulator, so they run one at a time.
+# Unit tests, then the real-kernel tests (root; built by another user, cargo reports them
+# ignored, and run by another user they fail saying so). The integration tests share the
+# CPUs with a steal emulator, so they run one at a time.
 test: lint lab-setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)

@@ -152,7 +152,7 @@ fn manage_move_and_release() {
     assert_eq!(ex.move_to(gettid(), a), Outcome::Rejected);
     assert_eq!(get_cpus(w.tid).unwrap(), vec![a]);
 
-    assert!(matches!(ex.release(w.tid), Outcome::Moved { .. }));
+    assert!(matches!(ex.release(w.tid), Outcome::Restored { .. }));
     assert_eq!(get_cpus(w.tid).unwrap(), cpus);
     assert!(!ex.is_managed(w.tid));
     assert!(AffinityJournal::open(&path).unwrap().is_empty());

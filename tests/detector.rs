@@ -1226,7 +1226,7 @@ fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
     assert!(seen(their_shell, theirs.pid()), "{forks:?}");
 
     // Reported after the parent was handed back: its own mask is still known.
-    assert!(matches!(ex.release(ours.pid()), Outcome::Moved { .. }));
+    assert!(matches!(ex.release(ours.pid()), Outcome::Restored { .. }));
     assert_eq!(ex.undo_inherited(&forks), 2, "{forks:?}");
     assert_eq!(get_cpus(shell).unwrap(), own);
     assert_eq!(get_cpus(sleep).unwrap(), own);
@@ -1260,7 +1260,7 @@ fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
     );
     assert!(ex.is_managed(sleep));
     assert!(matches!(ex.move_to(sleep, pin), Outcome::Moved { .. }));
-    assert!(matches!(ex.release(sleep), Outcome::Moved { .. }));
+    assert!(matches!(ex.release(sleep), Outcome::Restored { .. }));
     assert_eq!(get_cpus(sleep).unwrap(), own, "its parent's mask restored");
     ex.release_all();
 }

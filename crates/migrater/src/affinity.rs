@@ -42,8 +42,12 @@ use crate::journal::{
 /// What became of one requested change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// The mask was changed; `latency_ns` covers the check and the change.
+    /// The mask was set to the target CPU; `latency_ns` covers the check and the change.
     Moved { latency_ns: u64 },
+    /// What we changed (the mask, or the scheduler slice) was given back.
+    Restored { latency_ns: u64 },
+    /// The task was given our short scheduler slice.
+    SliceShortened,
     /// Already there (or never changed, on release): nothing to do.
     Unchanged,
     /// ESRCH: the task exited. Normal.
@@ -60,6 +64,8 @@ impl Outcome {
     pub fn as_str(&self) -> &'static str {
         match self {
             Outcome::Moved { .. } => "moved",
+            Outcome::Restored { .. } => "restored",
+            Outcome::SliceShortened => "slice_shortened",
             Outcome::Unchanged => "unchanged",
             Outcome::Gone => "gone",
             Outcome::Rejected => "rejected",
@@ -372,7 +378,7 @@ impl AffinityExecutor {
     }
 
     /// Gives a task its original mask back (unless someone else changed it since our last
-    /// set) and forgets it. `Moved` means restored.
+    /// set) and forgets it.
     pub fn release(&mut self, tid: u32) -> Outcome {
         let Some(m) = self.tasks.remove(&tid) else {
             return Outcome::Unchanged;
@@ -391,7 +397,7 @@ impl AffinityExecutor {
             (Ok(current), Ok(expected)) if current != expected => Outcome::External,
             (Ok(_), Ok(_)) if m.placed.is_none() => Outcome::Unchanged,
             (Ok(_), Ok(_)) => match sched_setaffinity(pid, &m.original) {
-                Ok(()) => Outcome::Moved {
+                Ok(()) => Outcome::Restored {
                     latency_ns: start.elapsed().as_nanos() as u64,
                 },
                 Err(e) => {
@@ -415,7 +421,7 @@ impl AffinityExecutor {
     pub fn set_short_slices(&mut self, keep: &[u32], ns: u64) -> (usize, usize) {
         let mut shortened = 0;
         for &tid in keep {
-            if matches!(self.shorten_slice(tid, ns), Outcome::Moved { .. }) {
+            if matches!(self.shorten_slice(tid, ns), Outcome::SliceShortened) {
                 shortened += 1;
             }
         }
@@ -427,7 +433,7 @@ impl AffinityExecutor {
             .collect();
         let restored = back
             .into_iter()
-            .filter(|&tid| matches!(self.restore_slice(tid), Outcome::Moved { .. }))
+            .filter(|&tid| matches!(self.restore_slice(tid), Outcome::Restored { .. }))
             .count();
         (shortened, restored)
     }
@@ -455,11 +461,10 @@ impl AffinityExecutor {
             // A reload changed the slice to give: ours back first, then the new one (not
             // over a slice someone else set meanwhile).
             return match self.restore_slice(tid) {
-                Outcome::Moved { .. } => self.shorten_slice(tid, ns),
+                Outcome::Restored { .. } => self.shorten_slice(tid, ns),
                 other => other,
             };
         }
-        let start = Instant::now();
         let current = match os_layer::sched::fair_slice(tid) {
             Ok(Some(s)) => s,
             Ok(None) => return Outcome::Rejected,
@@ -490,9 +495,7 @@ impl AffinityExecutor {
                     "kept with its completions: a short scheduler slice, so that it runs first \
                      when it wakes beside a CPU-bound task; its own is journaled"
                 );
-                Outcome::Moved {
-                    latency_ns: start.elapsed().as_nanos() as u64,
-                }
+                Outcome::SliceShortened
             }
             Err(e) => {
                 if let Err(e) = self.journal.update_slice(tid, None) {
@@ -649,7 +652,7 @@ impl AffinityExecutor {
     pub fn release_all(&mut self) -> usize {
         let tids: Vec<u32> = self.tasks.keys().copied().collect();
         tids.into_iter()
-            .filter(|&t| matches!(self.release(t), Outcome::Moved { .. }))
+            .filter(|&t| matches!(self.release(t), Outcome::Restored { .. }))
             .count()
     }
 
@@ -686,7 +689,7 @@ fn read_list(path: &Path) -> Option<Vec<usize>> {
 fn give_back_slice(tid: u32, change: SliceChange) -> Outcome {
     let start = Instant::now();
     match restore_slice(tid, change) {
-        Ok(true) => Outcome::Moved {
+        Ok(true) => Outcome::Restored {
             latency_ns: start.elapsed().as_nanos() as u64,
         },
         Ok(false) => Outcome::External,

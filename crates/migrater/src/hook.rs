@@ -339,7 +339,7 @@ fn apply(shared: &Shared, placement: &mut Placement, start_time: Option<u64>, mv
             }
             debug!(tid, "mask changed by someone else: no longer managed");
         }
-        Outcome::Gone | Outcome::Rejected | Outcome::Unchanged => {
+        _ => {
             debug!(
                 tid,
                 to,

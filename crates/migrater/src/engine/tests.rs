@@ -146,7 +146,7 @@ impl TaskPlacement for Fake {
         self.released.push(tid);
         let was = self.managed.remove(&tid);
         (!self.dry_run).then_some(if was.is_some() {
-            Outcome::Moved { latency_ns: 1 }
+            Outcome::Restored { latency_ns: 1 }
         } else {
             Outcome::Rejected
         })

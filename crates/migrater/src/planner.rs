@@ -192,37 +192,42 @@ impl Planner {
             let share = |i: usize| vcpus[i].remaining_ns as f64 * load / (given[i] + load);
             let fits = |i: usize| given[i] + load <= cfg.max_load_per_vcpu;
 
-            // Best allowed target: room first, then largest share, larger weight, lower cpu.
-            let mut best: Option<(usize, bool, f64)> = None;
+            let candidate = |i: usize| Candidate {
+                index: i,
+                fits: fits(i),
+                share_ns: share(i),
+            };
+            // The best allowed target, by `Candidate::beats`.
+            let mut best: Option<Candidate> = None;
             for &cpu in &task.allowed {
                 let Some(i) = index_of(cpu) else { continue };
                 if !is_target(&vcpus[i]) {
                     continue;
                 }
-                let cand = (i, fits(i), share(i));
+                let cand = candidate(i);
                 best = match best {
                     None => Some(cand),
-                    Some(b) if better(vcpus, cand, b) => Some(cand),
+                    Some(b) if cand.beats(&b, vcpus) => Some(cand),
                     keep => keep,
                 };
             }
 
             let cur_target = cur_idx.filter(|&i| is_target(&vcpus[i]));
             let dest = match (cur_target, best) {
-                (Some(c), Some((b, b_fits, b_share))) => {
+                (Some(c), Some(b)) => {
                     let c_fits = fits(c);
-                    let must_leave = !c_fits && b_fits;
-                    let gain = b_share - share(c);
+                    let must_leave = !c_fits && b.fits;
+                    let gain = b.share_ns - share(c);
                     if must_leave
-                        || (b != c && gain >= cfg.min_gain_ns as f64 && (b_fits || !c_fits))
+                        || (b.index != c && gain >= cfg.min_gain_ns as f64 && (b.fits || !c_fits))
                     {
-                        b
+                        b.index
                     } else {
                         c
                     }
                 }
                 (Some(c), None) => c,
-                (None, Some((b, _, _))) => b,
+                (None, Some(b)) => b.index,
                 (None, None) => {
                     // No target allowed. Only a task on a stopped vCPU moves, to the running
                     // vCPU with the most slice left: anything running beats stopped.
@@ -232,10 +237,10 @@ impl Planner {
                         .iter()
                         .filter_map(|&cpu| index_of(cpu))
                         .filter(|&i| vcpus[i].active)
-                        .map(|i| (i, fits(i), share(i)))
-                        .reduce(|b, c| if better(vcpus, c, b) { c } else { b });
+                        .map(candidate)
+                        .reduce(|b, c| if c.beats(&b, vcpus) { c } else { b });
                     match fallback {
-                        Some((i, _, _)) if stopped => i,
+                        Some(c) if stopped => c.index,
                         _ => continue,
                     }
                 }
@@ -263,15 +268,28 @@ impl Planner {
     }
 }
 
-/// Whether candidate `a` beats `b`: (index, fits under the cap, expected share in ns).
-fn better(vcpus: &[VcpuView], a: (usize, bool, f64), b: (usize, bool, f64)) -> bool {
-    use std::cmp::Ordering::*;
-    let ord =
-        a.1.cmp(&b.1)
-            .then(a.2.total_cmp(&b.2))
-            .then(vcpus[a.0].remaining_ns.cmp(&vcpus[b.0].remaining_ns))
-            .then(vcpus[b.0].cpu.cmp(&vcpus[a.0].cpu));
-    ord == Greater
+/// A vCPU a task could go to.
+#[derive(Clone, Copy)]
+struct Candidate {
+    /// Into the planner's `vcpus`.
+    index: usize,
+    /// The task fits there under `max_load_per_vcpu`.
+    fits: bool,
+    /// The part of that vCPU's remaining slice the task can expect, in ns.
+    share_ns: f64,
+}
+
+impl Candidate {
+    /// Room first, then the larger share, the longer slice left, the lower CPU id.
+    fn beats(&self, other: &Candidate, vcpus: &[VcpuView]) -> bool {
+        let (a, b) = (&vcpus[self.index], &vcpus[other.index]);
+        self.fits
+            .cmp(&other.fits)
+            .then(self.share_ns.total_cmp(&other.share_ns))
+            .then(a.remaining_ns.cmp(&b.remaining_ns))
+            .then(b.cpu.cmp(&a.cpu))
+            .is_gt()
+    }
 }
 
 #[cfg(test)]

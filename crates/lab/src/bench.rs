@@ -41,6 +41,10 @@ pub enum Mode {
     /// The guest daemon fed the host's known steal schedule instead of detecting it
     /// (scenarios with `host_steal` only): what migration gains with perfect knowledge.
     VmigraterOracle,
+    /// VM A's readers pinned to its vCPU 0, no daemon: what a reader loses that stays on
+    /// one vCPU while the host takes it away (with a queue per vCPU its completions wait
+    /// for that vCPU too).
+    PinnedVcpu0,
     /// The guest daemon with a configuration of its own (`--variant NAME=FILE`): for
     /// ablations measured interleaved with the other modes.
     Variant(&'static str),
@@ -61,6 +65,7 @@ impl Mode {
             Mode::Agent => "agent",
             Mode::Both => "both",
             Mode::VmigraterOracle => "vmigrater_oracle",
+            Mode::PinnedVcpu0 => "pinned_vcpu0",
             Mode::Variant(name) | Mode::AgentVariant(name) | Mode::BothVariant(name) => name,
         }
     }
@@ -517,10 +522,15 @@ fn units_per_s(w: &Value) -> f64 {
 }
 
 /// The shell line that starts VM A's workload for `secs` in the background, its JSON
-/// to `out`.
-fn a_workload(a: &Guest, out: &str, secs: u64) -> String {
+/// to `out`; its readers pinned to vCPU 0 in `Mode::PinnedVcpu0`.
+fn a_workload(a: &Guest, mode: Mode, out: &str, secs: u64) -> String {
+    let pin = if mode == Mode::PinnedVcpu0 {
+        " --pin 0"
+    } else {
+        ""
+    };
     format!(
-        "rm -f {out}; setsid vmigrater-workload --file /dev/vda --readers 1 --seq-readers 1 --hogs {} --duration-ms {} </dev/null >{out} 2>{out}.err &",
+        "rm -f {out}; setsid vmigrater-workload --file /dev/vda --readers 1 --seq-readers 1 --hogs {}{pin} --duration-ms {} </dev/null >{out} 2>{out}.err &",
         a.vcpus.len(),
         secs * 1000
     )
@@ -669,7 +679,7 @@ fn run_once(
             .sum()
     };
     if opts.warmup_secs > 0 {
-        let w = a_workload(a, "/tmp/warm.json", opts.warmup_secs);
+        let w = a_workload(a, mode, "/tmp/warm.json", opts.warmup_secs);
         a.vm.sh(&w, Duration::from_secs(60))?;
         // Polled only once it should be done: the polls are guest work too.
         std::thread::sleep(Duration::from_secs(opts.warmup_secs));
@@ -687,7 +697,10 @@ fn run_once(
     let (busy0, lab0, a0, steal0) = (host_busy_s(), lab_cpu(), vcpu_cpu(a), host_steal_s());
     let b0: f64 = hogs.iter().map(vcpu_cpu).sum();
     let t0 = Instant::now();
-    a.vm.sh(&a_workload(a, "/tmp/w.json", secs), Duration::from_secs(60))?;
+    a.vm.sh(
+        &a_workload(a, mode, "/tmp/w.json", secs),
+        Duration::from_secs(60),
+    )?;
     let mut agent_samples = Vec::new();
     let end = t0 + Duration::from_secs(secs);
     while Instant::now() < end {
@@ -865,6 +878,17 @@ pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
         sc.what,
         guests.len(),
         t0.elapsed()
+    );
+    // Which vCPU completes which request: one queue per vCPU (QEMU's default for
+    // virtio-blk-pci), each with its own interrupt, completes on the submitter's vCPU.
+    let queues = guests[0].vm.sh(
+        "for q in /sys/block/vda/mq/*; do echo \"${q##*/}: $(cat $q/cpu_list)\"; done",
+        Duration::from_secs(60),
+    )?;
+    eprintln!(
+        "bench-lab: {}: VM A's disk queues (queue: vCPUs) {}",
+        sc.name,
+        queues.trim().replace('\n', ", ")
     );
     let run_dir = lab.join("run/bench");
     let mut runs = Vec::new();

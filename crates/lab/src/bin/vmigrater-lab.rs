@@ -52,10 +52,10 @@ enum Cmd {
         /// lives for days: a warm run measures it after its first verdicts, not its start.
         #[arg(long, default_value_t = 0)]
         warmup_secs: u64,
-        /// Only these scenarios (comma-separated names: steal, steal_inphase, main, four, quad, sweep1, sweep4, free).
+        /// Only these scenarios (comma-separated names: steal, steal_inphase, mq_anti, main, four, quad, sweep1, sweep4, free).
         #[arg(long, value_delimiter = ',')]
         only: Vec<String>,
-        /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both, vmigrater_oracle).
+        /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both, vmigrater_oracle, pinned_vcpu0).
         #[arg(long, value_delimiter = ',')]
         modes: Vec<String>,
         /// The guest daemon's configuration file (default: the lab's, crates/lab/guest/vmigrater.toml).
@@ -246,6 +246,16 @@ fn scenarios() -> Vec<Scenario> {
             host_steal: &["0:11000:11000:0", "1:11000:11000:0"],
             pinned: true,
             modes: vec![Vanilla, Vmigrater, VmigraterOracle],
+        },
+        Scenario {
+            name: "mq_anti",
+            what: "VM A 2 vCPUs, a virtio-blk queue per vCPU; the host takes each CPU 11 ms of every 22 in anti-phase (SCHED_FIFO spinner): one vCPU runs at any time, and a request completes on the vCPU that submitted it",
+            a_vcpus: 2,
+            hog_vms: 0,
+            hog_vcpus: 2,
+            host_steal: &["0:11000:11000:0", "1:11000:11000:11000"],
+            pinned: true,
+            modes: vec![Vanilla, PinnedVcpu0, VmigraterOracle, Vmigrater],
         },
         Scenario {
             name: "main",

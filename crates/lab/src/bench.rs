@@ -770,6 +770,13 @@ fn run_once(
     }
     if mode.daemon() {
         guest::stop_daemon(&mut a.vm)?;
+        // Its decisions beside its numbers: which tasks it kept or moved, and why.
+        let log = a.vm.sh("cat /tmp/vmigrater.log", Duration::from_secs(60))?;
+        std::fs::create_dir_all(run_dir)?;
+        std::fs::write(
+            run_dir.join(format!("{}-{}-rep{rep}.log", sc.name, mode.name())),
+            log,
+        )?;
     }
     let reader = |pattern: &str| -> Value {
         wa["readers"]

@@ -64,6 +64,14 @@ fn steal_ns(cpus: &[usize]) -> Vec<u64> {
         .collect()
 }
 
+/// A CPU hog pinned on each CPU: busy vCPUs take the scheduler tick, the timer whose
+/// lateness is the monitor's evidence.
+fn hog_per_cpu(cpus: &[usize]) -> Vec<workload::Worker> {
+    cpus.iter()
+        .map(|&c| workload::spawn_hog(Some(c)).expect("hog"))
+        .collect()
+}
+
 fn start(cpus: &[usize], hook: Arc<Counter>) -> (Arc<VcpuBoard>, KernelMonitor) {
     let cfg = MonitorConfig {
         cpus: cpus.to_vec(),
@@ -84,11 +92,7 @@ fn late_timers_match_the_hypervisors_steal_time() {
     let hook = Arc::new(Counter::default());
     let (board, mon) = start(&cpus, hook.clone());
     board.set_demand(Demand::Active);
-    // Busy vCPUs take the tick at HZ: the timers the monitor watches.
-    let hogs: Vec<_> = cpus
-        .iter()
-        .map(|&c| workload::spawn_hog(Some(c)).expect("hog"))
-        .collect();
+    let hogs = hog_per_cpu(&cpus);
     std::thread::sleep(Duration::from_millis(300));
     let before: Vec<u64> = board
         .snapshot(monotonic_ns())
@@ -242,10 +246,7 @@ fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
     let hook = Arc::new(Counter::default());
     let (board, mon) = start(&cpus, hook.clone());
     board.set_demand(Demand::Active);
-    let hogs: Vec<_> = cpus
-        .iter()
-        .map(|&c| workload::spawn_hog(Some(c)).expect("hog"))
-        .collect();
+    let hogs = hog_per_cpu(&cpus);
     std::thread::sleep(Duration::from_millis(300));
     let before: Vec<(u64, u64)> = board
         .snapshot(monotonic_ns())
@@ -316,11 +317,7 @@ fn a_recording_holds_the_windows_irq_steal_took_and_replays() {
     vmigrater_testbed::assert_cpus(2);
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cpus = vec![0usize, 1];
-    // Busy vCPUs take the scheduler tick: the timers whose lateness is the evidence.
-    let hogs: Vec<_> = cpus
-        .iter()
-        .map(|&c| workload::spawn_hog(Some(c)).expect("hog"))
-        .collect();
+    let hogs = hog_per_cpu(&cpus);
     let dir = tempfile::tempdir().expect("tempdir");
     let trace = dir.path().join("trace");
     let mut recorder = std::process::Command::new(vmigrater_testbed::workspace_bin("vmigrater"))
@@ -414,10 +411,7 @@ fn time_out_is_covered_only_where_another_vcpu_ran() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let cpus = vec![0usize, 1];
     let (board, mon) = start(&cpus, Arc::new(Counter::default()));
-    let hogs: Vec<_> = cpus
-        .iter()
-        .map(|&c| workload::spawn_hog(Some(c)).expect("hog"))
-        .collect();
+    let hogs = hog_per_cpu(&cpus);
     std::thread::sleep(Duration::from_millis(300));
     let mut share = Vec::new();
     for schedule in ["in:20000:10000", "anti:20000:10000"] {

@@ -64,6 +64,27 @@ fn steal_ns(cpus: &[usize]) -> Vec<u64> {
         .collect()
 }
 
+/// Root, two CPUs, and the machine to this test alone (the tests share the CPUs with
+/// `irq-steal` and the emulator): the first lines of every test here that takes CPUs away.
+fn root_on_two_cpus() -> (std::sync::MutexGuard<'static, ()>, Vec<usize>) {
+    assert_root();
+    vmigrater_testbed::assert_cpus(2);
+    let serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    (serial, vec![0, 1])
+}
+
+/// `irq-steal` takes `cpus` away on `schedule` for `secs` seconds; returns what it took.
+fn take_cpus(schedule: &str, cpus: &[usize], secs: u64) -> irq_steal::StealReport {
+    let plan = schedule
+        .parse::<irq_steal::Schedule>()
+        .expect("schedule")
+        .plan(cpus, Duration::from_secs(secs))
+        .expect("plan");
+    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
+    std::thread::sleep(Duration::from_secs(secs) + Duration::from_millis(100));
+    steal.stop().expect("stop irq-steal")
+}
+
 /// A CPU hog pinned on each CPU: busy vCPUs take the scheduler tick, the timer whose
 /// lateness is the monitor's evidence.
 fn hog_per_cpu(cpus: &[usize]) -> Vec<workload::Worker> {
@@ -239,10 +260,7 @@ fn a_steal_emulator_inside_the_kernel_is_invisible_to_kernel_timers() {
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
-    assert_root();
-    vmigrater_testbed::assert_cpus(2);
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cpus = vec![0usize, 1];
+    let (_serial, cpus) = root_on_two_cpus();
     let hook = Arc::new(Counter::default());
     let (board, mon) = start(&cpus, hook.clone());
     board.set_demand(Demand::Active);
@@ -254,14 +272,7 @@ fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
         .map(|s| (s.inactive_total_ns, s.deschedules))
         .collect();
     let steal0 = steal_ns(&cpus);
-    let plan = "anti:20000:10000"
-        .parse::<irq_steal::Schedule>()
-        .expect("schedule")
-        .plan(&cpus, Duration::from_secs(3))
-        .expect("plan");
-    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
-    std::thread::sleep(Duration::from_millis(3_100));
-    let report = steal.stop().expect("stop irq-steal");
+    let report = take_cpus("anti:20000:10000", &cpus, 3);
     let host = steal_ns(&cpus);
     std::thread::sleep(Duration::from_millis(150));
     let snap = board.snapshot(monotonic_ns());
@@ -313,10 +324,7 @@ fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_recording_holds_the_windows_irq_steal_took_and_replays() {
-    assert_root();
-    vmigrater_testbed::assert_cpus(2);
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cpus = vec![0usize, 1];
+    let (_serial, cpus) = root_on_two_cpus();
     let hogs = hog_per_cpu(&cpus);
     let dir = tempfile::tempdir().expect("tempdir");
     let trace = dir.path().join("trace");
@@ -335,14 +343,7 @@ fn a_recording_holds_the_windows_irq_steal_took_and_replays() {
         let n = std::io::BufRead::read_line(&mut said, &mut line).expect("recorder's stderr");
         assert!(n > 0, "vmigrater record ended before recording");
     }
-    let plan = "anti:20000:10000"
-        .parse::<irq_steal::Schedule>()
-        .expect("schedule")
-        .plan(&cpus, Duration::from_secs(2))
-        .expect("plan");
-    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
-    std::thread::sleep(Duration::from_millis(2_100));
-    let report = steal.stop().expect("stop irq-steal");
+    let report = take_cpus("anti:20000:10000", &cpus, 2);
     let mut rest = String::new();
     std::io::Read::read_to_string(&mut said, &mut rest).expect("recorder's stderr");
     let status = recorder.wait().expect("wait for the recorder");
@@ -406,24 +407,14 @@ fn a_recording_holds_the_windows_irq_steal_took_and_replays() {
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn time_out_is_covered_only_where_another_vcpu_ran() {
-    assert_root();
-    vmigrater_testbed::assert_cpus(2);
-    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let cpus = vec![0usize, 1];
+    let (_serial, cpus) = root_on_two_cpus();
     let (board, mon) = start(&cpus, Arc::new(Counter::default()));
     let hogs = hog_per_cpu(&cpus);
     std::thread::sleep(Duration::from_millis(300));
     let mut share = Vec::new();
     for schedule in ["in:20000:10000", "anti:20000:10000"] {
         let before = board.snapshot(monotonic_ns());
-        let plan = schedule
-            .parse::<irq_steal::Schedule>()
-            .expect("schedule")
-            .plan(&cpus, Duration::from_secs(2))
-            .expect("plan");
-        let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
-        std::thread::sleep(Duration::from_millis(2_100));
-        steal.stop().expect("stop irq-steal");
+        take_cpus(schedule, &cpus, 2);
         std::thread::sleep(Duration::from_millis(100));
         let after = board.snapshot(monotonic_ns());
         let (out, covered) = before.iter().zip(&after).fold((0, 0), |(o, c), (b, a)| {

@@ -115,6 +115,9 @@ static __always_inline int on_expiry(__u64 pass_ns, __s64 late)
 	if (pass_ns > ts)
 		pass_ns = ts;
 	__u64 expired = pass_ns - late;
+	/* The last time the vCPU is known to have run: its last sign of life, or the start of
+	 * this pass if that came later. */
+	__u64 in_pass = pass_ns > v->last_seen ? pass_ns : v->last_seen;
 	__u64 gap_start;
 	/* Several timers expire in one pass: only the first can be a gap, since the vCPU was
 	 * seen at it. A timer that expired before the last sign of life was merely handled
@@ -123,12 +126,11 @@ static __always_inline int on_expiry(__u64 pass_ns, __s64 late)
 	    expired >= v->last_seen) {
 		/* Out from somewhere between the last sign of life and the expiry: the middle. */
 		gap_start = v->last_seen + (expired - v->last_seen) / 2;
-	} else if (v->last_seen && ts - pass_ns > gap_threshold_ns &&
-		   ts - (pass_ns > v->last_seen ? pass_ns : v->last_seen) > gap_threshold_ns) {
+	} else if (v->last_seen && ts - in_pass > gap_threshold_ns) {
 		/* On time for a pass that began long ago: the vCPU was last seen when the pass
 		 * began or at an earlier callback of it, and was taken since. Counting this as a
 		 * sign of life now would hide the late timers of the next pass. */
-		gap_start = pass_ns > v->last_seen ? pass_ns : v->last_seen;
+		gap_start = in_pass;
 	} else {
 		seen(v, ts);
 		return 0;

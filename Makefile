@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -65,6 +65,16 @@ bench: bench-micro bench-contention
 bench-steal: build
 	$(CARGO) bench -p vmigrater-testbed --bench steal -- $(STEAL_ARGS)
 	cp target/bench/steal.json target/bench/steal.png benches/results/
+
+# The same deschedules on a disk whose requests complete on the submitting vCPU (a loop
+# device over memory, rq_affinity = 2: the geometry of a queue per vCPU), 4 KiB reads,
+# modes vanilla, vmigrater, readers pinned to vCPU 0 and moved with the plan (root;
+# ~30 min). Shorter: make bench-mq MQ_ARGS="--reps 3 --secs 4 --only anti".
+bench-mq: build
+	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-mq $(CARGO) bench -p vmigrater-testbed --bench steal -- \
+		--disk loop --only anti,rphase,none,anti:30000:20000 --workloads rand4k \
+		--modes vanilla,vmigrater,pinned,sched_oracle $(MQ_ARGS)
+	cp target/bench-mq/steal.json benches/results/steal-mq.json
 
 # The bench gate (root; ~8 min): anti-phase and no deschedules, 4 KiB reads and requests,
 # 4 repetitions of 4 s, judged against the floors stated in benches/gate.py. Run before any

@@ -21,6 +21,12 @@
 //!   every I/O thread, just before each window change, to the CPU that will run
 //!   (the completion CPU when it runs).
 //!
+//! With `--disk loop` the workloads read a loop device over a file in memory whose requests
+//! complete on the CPU that submitted them (`rq_affinity = 2`, tests/support/loopdisk.rs):
+//! the geometry of a disk with a queue per vCPU, where a request waits for its submitter's
+//! vCPU. There `pinned` keeps the I/O threads on CPU 0 (one vCPU's windows, the baseline a
+//! move must beat) and `sched_oracle` moves them to a running CPU before each change.
+//!
 //! Every mode has the same timeline: steal starts, the daemon warm-up elapses (the daemon
 //! runs in the daemon modes only), then the workload runs its own short I/O warm-up and
 //! the measured seconds. A run whose steal report is more than 5% off its plan is rejected
@@ -36,6 +42,7 @@
 //! (1000), --only SCHEDULES (names or specs, comma-separated), --workloads LIST,
 //! --modes LIST, --out DIR (default `$VMIGRATER_BENCH_DIR` or target/bench),
 //! --completion-cpu N (instead of reading /proc/irq), --seed N (random schedules, 1),
+//! --disk root|loop (where the data lives, root),
 //! --parent-bin PATH (the daemon of `vmigrater_parent`), --accounting absorbed|interrupted
 //! (who is charged a window's time: by default a real-time absorber per CPU, as on a guest
 //! that subtracts steal time; or the task it interrupts, as this kernel does by itself;
@@ -51,6 +58,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
+use vmigrater_testbed::loopdisk::LoopDisk;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
@@ -130,6 +138,8 @@ const SCHEDULES: [(&str, &str); 6] = [
 ];
 
 const FILE_SIZE: u64 = 1 << 30;
+/// The loop disk's backing file: in memory (tmpfs), so that no other disk is involved.
+const LOOP_BACKING: &str = "/dev/shm/vmigrater-steal-loop.bin";
 /// A run whose stolen time is further than this from its plan, on any CPU, is rejected.
 const STEAL_TOLERANCE: f64 = 0.05;
 const MAX_RETRIES: usize = 2;
@@ -143,8 +153,28 @@ struct Settings {
     modes: Vec<&'static str>,
     out: PathBuf,
     completion_cpu: Option<usize>,
+    disk: DiskKind,
     parent_bin: Option<PathBuf>,
     accounting: Accounting,
+}
+
+/// Where the workloads' data lives.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum DiskKind {
+    /// A file on the root disk: one request queue, its interrupt on one CPU.
+    Root,
+    /// A loop device completing on the submitting CPU (a queue per vCPU's geometry).
+    Loop,
+}
+
+/// The data under test and where its I/O threads go in the placed modes.
+struct Data<'a> {
+    file: &'a Path,
+    /// Where completions land (the disk's interrupt CPU); `None` where they follow the
+    /// submitter.
+    completion: Option<usize>,
+    /// Where `pinned` and `pinned_slice` keep the I/O threads.
+    pin: Option<usize>,
 }
 
 fn list(v: &str) -> Vec<String> {
@@ -170,6 +200,7 @@ fn parse_args() -> Result<Settings> {
             .collect(),
         out: vmigrater_testbed::bench_dir(),
         completion_cpu: None,
+        disk: DiskKind::Root,
         parent_bin: None,
         accounting: Accounting::default(),
     };
@@ -209,6 +240,13 @@ fn parse_args() -> Result<Settings> {
             }
             "--out" => s.out = val()?.into(),
             "--completion-cpu" => s.completion_cpu = Some(val()?.parse()?),
+            "--disk" => {
+                s.disk = match val()?.as_str() {
+                    "root" => DiskKind::Root,
+                    "loop" => DiskKind::Loop,
+                    other => anyhow::bail!("--disk: unknown {other:?}; known: root, loop"),
+                }
+            }
             "--parent-bin" => s.parent_bin = Some(val()?.into()),
             "--accounting" => s.accounting = val()?.parse()?,
             other => anyhow::bail!(
@@ -327,10 +365,10 @@ fn run_once(
     sched: &Schedule,
     wl: &Workload,
     mode: &str,
-    file: &Path,
-    completion: Option<usize>,
+    data: &Data,
     s: &Settings,
 ) -> Result<(Value, StealReport)> {
+    let completion = data.completion;
     let cpus: Vec<usize> = (0..ncpus()).collect();
     let workload_ms = (s.io_warmup + Duration::from_secs_f64(s.secs)).as_millis() as u64;
     // The plan covers the warm-up, the workload, its start and exit.
@@ -360,7 +398,7 @@ fn run_once(
 
     let mut cmd = Command::new(workspace_bin("vmigrater-workload"));
     cmd.arg("--file")
-        .arg(file)
+        .arg(data.file)
         .args(["--pattern", wl.pattern, "--readers"])
         .arg(wl.threads.to_string())
         .arg("--hogs")
@@ -372,7 +410,9 @@ fn run_once(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     if mode == "pinned" || mode == "pinned_slice" {
-        let cpu = completion.context("the pinned modes need the completion CPU")?;
+        let cpu = data
+            .pin
+            .context("the pinned modes need the completion CPU")?;
         cmd.arg("--pin").arg(cpu.to_string());
     }
     if mode == "pinned_slice" {
@@ -475,7 +515,7 @@ fn run_once(
         "hog_units_per_s": hog_units / elapsed,
         "reader_migrations": q("migrations"),
         "reader_last_cpu": readers.iter().map(|r| r["last_cpu"].clone()).collect::<Vec<_>>(),
-        "pinned_cpu": mode.starts_with("pinned").then_some(completion).flatten(),
+        "pinned_cpu": mode.starts_with("pinned").then_some(data.pin).flatten(),
         "daemon": daemon_json,
         "foreign_cpu_pct_of_all_cpus": foreign_s / (window_s * cpus.len() as f64) * 100.0,
         "oracle": (mode == "sched_oracle").then(|| log.to_json()),
@@ -487,17 +527,10 @@ fn run_once(
 }
 
 /// A run, repeated (at most `MAX_RETRIES` times) while its steal report is off its plan.
-fn run(
-    sched: &Schedule,
-    wl: &Workload,
-    mode: &str,
-    file: &Path,
-    completion: Option<usize>,
-    s: &Settings,
-) -> Result<Value> {
+fn run(sched: &Schedule, wl: &Workload, mode: &str, data: &Data, s: &Settings) -> Result<Value> {
     let mut rejected = Vec::new();
     loop {
-        let (mut v, report) = run_once(sched, wl, mode, file, completion, s)?;
+        let (mut v, report) = run_once(sched, wl, mode, data, s)?;
         let ok = report.within(STEAL_TOLERANCE);
         if ok || rejected.len() >= MAX_RETRIES {
             v["retries"] = json!(rejected.len());
@@ -727,17 +760,36 @@ fn main() -> Result<()> {
         })
         .collect::<Result<_>>()?;
     std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
-    // A file the benchmark owns on the root disk: the read/write workload writes into it.
-    let file = s.out.join("steal-data.bin");
+    // A file the benchmark owns on the root disk: the read/write workload writes into it;
+    // or a loop device over memory that completes on the submitting CPU.
+    let root_file = s.out.join("steal-data.bin");
     let t = Instant::now();
-    workload::prepare_file(&file, FILE_SIZE)?;
+    let loop_disk = match s.disk {
+        DiskKind::Root => {
+            workload::prepare_file(&root_file, FILE_SIZE)?;
+            None
+        }
+        DiskKind::Loop => Some(
+            LoopDisk::create(Path::new(LOOP_BACKING), FILE_SIZE)
+                .context("--disk loop: a loop device over a tmpfs file")?,
+        ),
+    };
+    let file = loop_disk
+        .as_ref()
+        .map_or(root_file.clone(), |d| d.device.clone());
     if t.elapsed() > Duration::from_secs(1) {
         eprintln!("prepared {} in {:.1?}", file.display(), t.elapsed());
     }
-    let map = CompletionMap::for_file(&file);
-    let completion = match (s.completion_cpu, &map) {
-        (Some(c), _) => Some(c),
-        (None, Ok(m)) => {
+    let map = match &loop_disk {
+        None => CompletionMap::for_file(&file),
+        Some(_) => Err(anyhow::anyhow!(
+            "the loop device completes on the submitting CPU"
+        )),
+    };
+    let completion = match (s.completion_cpu, &map, &loop_disk) {
+        (Some(c), _, _) => Some(c),
+        (None, _, Some(_)) => None,
+        (None, Ok(m), None) => {
             let cpus = m.cpus();
             if cpus.len() > 1 {
                 eprintln!(
@@ -748,16 +800,27 @@ fn main() -> Result<()> {
             }
             cpus.first().copied()
         }
-        (None, Err(e)) => {
+        (None, Err(e), None) => {
             eprintln!("WARNING: no completion CPU ({e:#}); the pinned mode is skipped");
             None
         }
+    };
+    // Where completions follow the submitter, `pinned` is the reader kept on one vCPU.
+    let pin = if loop_disk.is_some() {
+        Some(0)
+    } else {
+        completion
+    };
+    let data = Data {
+        file: &file,
+        completion,
+        pin,
     };
     let modes: Vec<&str> = s
         .modes
         .iter()
         .copied()
-        .filter(|m| !m.starts_with("pinned") || completion.is_some())
+        .filter(|m| !m.starts_with("pinned") || pin.is_some())
         .collect();
     let per_run = s.warmup.as_secs_f64() + s.io_warmup.as_secs_f64() + s.secs + 1.0;
     let n_runs = s.reps * modes.len() * s.workloads.len() * schedules.len();
@@ -779,7 +842,7 @@ fn main() -> Result<()> {
             for rep in 0..s.reps {
                 for k in 0..modes.len() {
                     let mode = modes[(k + rep) % modes.len()];
-                    let mut v = run(sched, wl, mode, &file, completion, &s)
+                    let mut v = run(sched, wl, mode, &data, &s)
                         .with_context(|| format!("{sname} {} rep {rep} {mode}", wl.name))?;
                     v["schedule"] = json!(sname);
                     v["spec"] = json!(spec);
@@ -825,6 +888,8 @@ fn main() -> Result<()> {
             "file_bytes": FILE_SIZE,
             "completion_cpu": completion,
             "completion_map": map.as_ref().ok(),
+            "pinned_cpu": pin,
+            "loop_disk": loop_disk.as_ref().map(LoopDisk::describe),
             "reps": s.reps,
             "seconds_per_run": s.secs,
             "daemon_warmup_s": s.warmup.as_secs_f64(),

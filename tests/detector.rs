@@ -539,6 +539,18 @@ fn a_pause_does_not_read_as_idleness() {
 /// 4 KiB blocks this thread fetched from the disk by the kernel's own count (the reads, plus
 /// any metadata the file system read on the way, such as an extent block).
 fn reads_from(cpu: usize, file: &Path, n: u64) -> (Vec<u64>, u64) {
+    let irqs0 = disk_irqs_per_cpu(file);
+    let fetched0 = own_read_bytes();
+    read_blocks_on(cpu, file, n, 65536);
+    let fetched = own_read_bytes() - fetched0;
+    let irqs1 = disk_irqs_per_cpu(file);
+    let grew = irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect();
+    (grew, fetched.div_ceil(4096))
+}
+
+/// Pins this thread to `cpu`, reads `n` 4 KiB blocks spread over the first `span` of
+/// `path` (O_DIRECT, one at a time), and gives the thread its mask back.
+fn read_blocks_on(cpu: usize, path: &Path, n: u64, span: u64) {
     let me = nix::unistd::Pid::from_raw(0);
     let mask = nix::sched::sched_getaffinity(me).expect("own mask");
     let mut set = nix::sched::CpuSet::new();
@@ -547,23 +559,17 @@ fn reads_from(cpu: usize, file: &Path, n: u64) -> (Vec<u64>, u64) {
     let f = std::fs::OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_DIRECT)
-        .open(file)
+        .open(path)
         .expect("open O_DIRECT");
     // O_DIRECT wants an aligned buffer: a 4 KiB-aligned slice of a larger one.
     let mut backing = vec![0u8; 8192];
     let skip = backing.as_ptr().align_offset(4096);
     let buf = &mut backing[skip..skip + 4096];
-    let irqs0 = disk_irqs_per_cpu(file);
-    let fetched0 = own_read_bytes();
     for i in 0..n {
-        f.read_exact_at(buf, (i * 7919 % 65536) * 4096)
+        f.read_exact_at(buf, (i * 7919 % span) * 4096)
             .expect("read");
     }
-    let fetched = own_read_bytes() - fetched0;
-    let irqs1 = disk_irqs_per_cpu(file);
     nix::sched::sched_setaffinity(me, &mask).expect("restore own mask");
-    let grew = irqs1.iter().zip(&irqs0).map(|(a, b)| a - b).collect();
-    (grew, fetched.div_ceil(4096))
 }
 
 /// Bytes this thread has caused to be read from storage (`read_bytes` of its task's io
@@ -705,6 +711,58 @@ fn the_queue_map_names_the_vcpu_whose_interrupts_grow() {
             expected.contains(&busiest),
             "submitting from vCPU {cpu}: the map says {expected:?}, the interrupts grew on {grew:?}"
         );
+    }
+}
+
+/// The queue-per-vCPU geometry on this one-queue machine (`benches/steal.rs --disk loop`):
+/// a loop device over memory with `rq_affinity = 2` completes every request on the vCPU
+/// that submitted it. The queue map says so before any I/O, and BPF records it: a reader
+/// pinned to each vCPU in turn sees its completions there, none remote.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_loop_disk_forced_onto_the_submitter_completes_there() {
+    assert_root();
+    let _serial = serial();
+    let backing = Path::new("/dev/shm/vmigrater-detector-loop.bin");
+    let disk = vmigrater_testbed::loopdisk::LoopDisk::create(backing, 64 << 20).expect("loop disk");
+    let map = task_detector::queues::QueueMap::read(&os_layer::Root::real()).expect("queue map");
+    let ours = map
+        .disks
+        .iter()
+        .find(|d| d.disk == disk.name)
+        .unwrap_or_else(|| panic!("{} missing from the queue map {map:?}", disk.name));
+    assert!(
+        ours.queues
+            .iter()
+            .all(|q| q.on_submitter && q.completion_cpus.is_empty()),
+        "{ours:?}"
+    );
+    let mut storage = TrackerStorage::new();
+    let mut tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
+    let tid = gettid();
+    let ncpu = nix::unistd::sysconf(nix::unistd::SysconfVar::_NPROCESSORS_ONLN)
+        .ok()
+        .flatten()
+        .unwrap_or(1) as usize;
+    for cpu in 0..ncpu {
+        let before = sample_of(&mut tracker, tid).map(|s| s.completions);
+        let reads = 400u64;
+        read_blocks_on(cpu, &disk.device, reads, 16384);
+        let after = sample_of(&mut tracker, tid)
+            .expect("the reader in the map")
+            .completions;
+        let before = before.unwrap_or_default();
+        let (done, remote) = (after.total - before.total, after.remote - before.remote);
+        eprintln!(
+            "reader on CPU {cpu}: {done} completions, {remote} remote, last on CPU {}",
+            after.last_cpu
+        );
+        assert!(
+            done >= reads * 80 / 100 && done <= reads,
+            "{done} completions for {reads} reads"
+        );
+        assert_eq!(remote, 0, "completions away from the submitting vCPU {cpu}");
+        assert_eq!(after.last_cpu as usize, cpu);
     }
 }
 

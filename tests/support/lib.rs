@@ -8,6 +8,7 @@ pub mod backoff;
 pub mod completion;
 pub mod daemon;
 pub mod host;
+pub mod loopdisk;
 pub mod oracle;
 pub mod placement;
 pub mod signals;

@@ -4,9 +4,11 @@
 //! named for it: `virtioK-req.Q` for virtio-blk, `nvmeXqQ+1` for NVMe). A request
 //! completes on the vCPU that takes its queue's interrupt, so this says, before any I/O is
 //! seen, whether a task's completions follow it (a queue per vCPU) or land on one vCPU
-//! wherever it runs (one queue, one interrupt vCPU). Read-only; a disk whose interrupts
-//! cannot be named is left out (its tasks' completions are learned from the block
-//! programs instead).
+//! wherever it runs (one queue, one interrupt vCPU). A queue set to `rq_affinity = 2` has
+//! the block layer finish every request on its submitting vCPU (an IPI there after the
+//! interrupt, or after a loop device's worker): it needs that vCPU as well. Read-only; a
+//! disk whose interrupts cannot be named and that does not force completions onto the
+//! submitter is left out (its tasks' completions are learned from the block programs).
 
 use anyhow::{Context, Result};
 use os_layer::Root;
@@ -19,8 +21,10 @@ pub struct HwQueue {
     pub index: usize,
     /// vCPUs that submit to it.
     pub submit_cpus: Vec<usize>,
-    /// vCPUs its interrupt is delivered to.
+    /// vCPUs its interrupt is delivered to (none for a disk without one, a loop device).
     pub completion_cpus: Vec<usize>,
+    /// `rq_affinity = 2`: each request also completes on the vCPU that submitted it.
+    pub on_submitter: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -61,7 +65,11 @@ impl QueueMap {
         let mut map: BTreeMap<usize, BTreeSet<usize>> = BTreeMap::new();
         for q in self.disks.iter().flat_map(|d| &d.queues) {
             for &c in &q.submit_cpus {
-                map.entry(c).or_default().extend(&q.completion_cpus);
+                let on = map.entry(c).or_default();
+                on.extend(&q.completion_cpus);
+                if q.on_submitter {
+                    on.insert(c);
+                }
             }
         }
         map
@@ -99,19 +107,19 @@ fn irq_handlers(irq_dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
     Ok(out)
 }
 
-/// A disk's hardware queues with their interrupts; `None` where it has no blk-mq queues
-/// or its interrupts cannot be named.
+/// A disk's hardware queues with their interrupts; `None` where it has no blk-mq queues,
+/// or its interrupts cannot be named and its completions are not forced onto the submitter.
 fn disk_queues(dir: &Path, handlers: &HashMap<String, Vec<usize>>) -> Result<Option<Vec<HwQueue>>> {
     let mq = dir.join("mq");
     let Ok(entries) = std::fs::read_dir(&mq) else {
         return Ok(None);
     };
-    let Some(device) = std::fs::canonicalize(dir.join("device"))
+    let on_submitter =
+        std::fs::read_to_string(dir.join("queue/rq_affinity")).is_ok_and(|s| s.trim() == "2");
+    // Virtual disks (loop) have no device and no interrupt.
+    let device = std::fs::canonicalize(dir.join("device"))
         .ok()
-        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()))
-    else {
-        return Ok(None);
-    };
+        .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
     let mut queues = Vec::new();
     for e in entries.flatten() {
         let Some(index) = e.file_name().to_str().and_then(|s| s.parse::<usize>().ok()) else {
@@ -124,17 +132,22 @@ fn disk_queues(dir: &Path, handlers: &HashMap<String, Vec<usize>>) -> Result<Opt
             .with_context(|| format!("parsing {}", list.display()))?;
         // virtio-blk names its vectors `virtioK-req.Q`; NVMe `nvmeXqN` with the admin
         // queue at 0, so I/O queue Q is N = Q + 1.
-        let names = [
-            format!("{device}-req.{index}"),
-            format!("{device}q{}", index + 1),
-        ];
-        let Some(completion_cpus) = names.iter().find_map(|n| handlers.get(n)) else {
+        let irq = device.as_ref().and_then(|device| {
+            [
+                format!("{device}-req.{index}"),
+                format!("{device}q{}", index + 1),
+            ]
+            .iter()
+            .find_map(|n| handlers.get(n))
+        });
+        if irq.is_none() && !on_submitter {
             return Ok(None);
-        };
+        }
         queues.push(HwQueue {
             index,
             submit_cpus,
-            completion_cpus: completion_cpus.clone(),
+            completion_cpus: irq.cloned().unwrap_or_default(),
+            on_submitter,
         });
     }
     queues.sort_by_key(|q| q.index);
@@ -188,6 +201,51 @@ mod tests {
         let c = m.completion_cpus();
         assert_eq!(c[&0], BTreeSet::from([0]));
         assert_eq!(c[&1], BTreeSet::from([1]));
+    }
+
+    /// A loop device `loop0` (no device, no interrupt), one queue for `submit`, with
+    /// `rq_affinity`.
+    fn add_loop(base: &Path, submit: &str, rq_affinity: &str) {
+        let dir = base.join("sys/devices/virtual/block/loop0");
+        fs::create_dir_all(dir.join("mq/0")).unwrap();
+        fs::create_dir_all(dir.join("queue")).unwrap();
+        fs::write(dir.join("mq/0/cpu_list"), format!("{submit}\n")).unwrap();
+        fs::write(dir.join("queue/rq_affinity"), format!("{rq_affinity}\n")).unwrap();
+        symlink(&dir, base.join("sys/block/loop0")).unwrap();
+    }
+
+    #[test]
+    fn a_disk_forced_to_complete_on_the_submitter_completes_where_submitted() {
+        let t = tempfile::tempdir().unwrap();
+        let root = tree(t.path(), &[]);
+        add_loop(t.path(), "0, 1", "2");
+        let m = QueueMap::read(&root).unwrap();
+        assert_eq!(m.disks.len(), 1, "{m:?}");
+        assert_eq!(m.disks[0].disk, "loop0");
+        let c = m.completion_cpus();
+        assert_eq!(c[&0], BTreeSet::from([0]));
+        assert_eq!(c[&1], BTreeSet::from([1]));
+    }
+
+    #[test]
+    fn forced_completions_after_one_interrupt_need_both_vcpus() {
+        let t = tempfile::tempdir().unwrap();
+        let root = tree(t.path(), &[(0, "0, 1", "1")]);
+        fs::create_dir_all(t.path().join("sys/block/vda/queue")).unwrap();
+        fs::write(t.path().join("sys/block/vda/queue/rq_affinity"), "2\n").unwrap();
+        let c = QueueMap::read(&root).unwrap().completion_cpus();
+        assert_eq!(c[&0], BTreeSet::from([0, 1]));
+        assert_eq!(c[&1], BTreeSet::from([1]));
+    }
+
+    #[test]
+    fn a_loop_device_left_to_its_worker_is_left_out() {
+        let t = tempfile::tempdir().unwrap();
+        let root = tree(t.path(), &[(0, "0, 1", "1")]);
+        add_loop(t.path(), "0, 1", "1");
+        let m = QueueMap::read(&root).unwrap();
+        assert_eq!(m.disks.len(), 1, "{m:?}");
+        assert_eq!(m.disks[0].disk, "vda");
     }
 
     #[test]

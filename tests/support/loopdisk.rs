@@ -35,6 +35,8 @@ pub struct LoopDisk {
     backing: PathBuf,
     /// The workqueue scope before ours, set back on drop.
     scope_before: Option<String>,
+    /// The queue's `rq_affinity` before ours: a loop device keeps it once detached.
+    rq_affinity_before: Option<String>,
 }
 
 impl LoopDisk {
@@ -65,6 +67,7 @@ impl LoopDisk {
             name,
             backing: backing.to_path_buf(),
             scope_before: None,
+            rq_affinity_before: None,
         };
         let scope = std::fs::read_to_string(WQ_SCOPE)
             .with_context(|| format!("reading {WQ_SCOPE}"))?
@@ -73,6 +76,7 @@ impl LoopDisk {
         std::fs::write(WQ_SCOPE, "cpu").with_context(|| format!("writing cpu to {WQ_SCOPE}"))?;
         disk.scope_before = Some(scope);
         let knob = disk.sysfs("queue/rq_affinity");
+        disk.rq_affinity_before = Some(std::fs::read_to_string(&knob)?.trim().to_string());
         std::fs::write(&knob, FORCE_SUBMITTER)
             .with_context(|| format!("writing {FORCE_SUBMITTER} to {}", knob.display()))?;
         let read = std::fs::read_to_string(&knob)?;
@@ -110,6 +114,9 @@ impl LoopDisk {
 
 impl Drop for LoopDisk {
     fn drop(&mut self) {
+        if let Some(v) = &self.rq_affinity_before {
+            let _ = std::fs::write(self.sysfs("queue/rq_affinity"), v);
+        }
         let detached = Command::new("losetup")
             .arg("-d")
             .arg(&self.device)

@@ -107,13 +107,18 @@ fn irq_handlers(irq_dir: &Path) -> Result<HashMap<String, Vec<usize>>> {
     Ok(out)
 }
 
-/// A disk's hardware queues with their interrupts; `None` where it has no blk-mq queues,
-/// or its interrupts cannot be named and its completions are not forced onto the submitter.
+/// A disk's hardware queues with their interrupts; `None` where it has no blk-mq queues or
+/// no capacity (a loop device with nothing attached takes no request), or its interrupts
+/// cannot be named and its completions are not forced onto the submitter.
 fn disk_queues(dir: &Path, handlers: &HashMap<String, Vec<usize>>) -> Result<Option<Vec<HwQueue>>> {
     let mq = dir.join("mq");
     let Ok(entries) = std::fs::read_dir(&mq) else {
         return Ok(None);
     };
+    let empty = std::fs::read_to_string(dir.join("size")).is_ok_and(|s| s.trim() == "0");
+    if empty {
+        return Ok(None);
+    }
     let on_submitter =
         std::fs::read_to_string(dir.join("queue/rq_affinity")).is_ok_and(|s| s.trim() == "2");
     // Virtual disks (loop) have no device and no interrupt.
@@ -206,11 +211,16 @@ mod tests {
     /// A loop device `loop0` (no device, no interrupt), one queue for `submit`, with
     /// `rq_affinity`.
     fn add_loop(base: &Path, submit: &str, rq_affinity: &str) {
+        add_loop_of_size(base, submit, rq_affinity, "131072");
+    }
+
+    fn add_loop_of_size(base: &Path, submit: &str, rq_affinity: &str, sectors: &str) {
         let dir = base.join("sys/devices/virtual/block/loop0");
         fs::create_dir_all(dir.join("mq/0")).unwrap();
         fs::create_dir_all(dir.join("queue")).unwrap();
         fs::write(dir.join("mq/0/cpu_list"), format!("{submit}\n")).unwrap();
         fs::write(dir.join("queue/rq_affinity"), format!("{rq_affinity}\n")).unwrap();
+        fs::write(dir.join("size"), format!("{sectors}\n")).unwrap();
         symlink(&dir, base.join("sys/block/loop0")).unwrap();
     }
 
@@ -236,6 +246,17 @@ mod tests {
         let c = QueueMap::read(&root).unwrap().completion_cpus();
         assert_eq!(c[&0], BTreeSet::from([0, 1]));
         assert_eq!(c[&1], BTreeSet::from([1]));
+    }
+
+    #[test]
+    fn a_loop_device_with_nothing_attached_is_left_out() {
+        // Detached, it keeps its queue settings; it takes no request.
+        let t = tempfile::tempdir().unwrap();
+        let root = tree(t.path(), &[(0, "0, 1", "1")]);
+        add_loop_of_size(t.path(), "0, 1", "2", "0");
+        let m = QueueMap::read(&root).unwrap();
+        assert_eq!(m.disks.len(), 1, "{m:?}");
+        assert_eq!(m.disks[0].disk, "vda");
     }
 
     #[test]

@@ -199,15 +199,6 @@ mod tests {
         assert_eq!(c[&1], BTreeSet::from([1]));
     }
 
-    #[test]
-    fn a_queue_per_vcpu_completes_where_submitted() {
-        let t = tempfile::tempdir().unwrap();
-        let m = QueueMap::read(&tree(t.path(), &[(0, "0", "0"), (1, "1", "1")])).unwrap();
-        let c = m.completion_cpus();
-        assert_eq!(c[&0], BTreeSet::from([0]));
-        assert_eq!(c[&1], BTreeSet::from([1]));
-    }
-
     /// A loop device `loop0` (no device, no interrupt), one queue for `submit`, with
     /// `rq_affinity`.
     fn add_loop(base: &Path, submit: &str, rq_affinity: &str) {
@@ -225,16 +216,24 @@ mod tests {
     }
 
     #[test]
-    fn a_disk_forced_to_complete_on_the_submitter_completes_where_submitted() {
-        let t = tempfile::tempdir().unwrap();
-        let root = tree(t.path(), &[]);
-        add_loop(t.path(), "0, 1", "2");
-        let m = QueueMap::read(&root).unwrap();
-        assert_eq!(m.disks.len(), 1, "{m:?}");
-        assert_eq!(m.disks[0].disk, "loop0");
-        let c = m.completion_cpus();
-        assert_eq!(c[&0], BTreeSet::from([0]));
-        assert_eq!(c[&1], BTreeSet::from([1]));
+    fn a_queue_per_vcpu_or_one_forced_onto_the_submitter_completes_where_submitted() {
+        let (per_vcpu, forced) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let roots = [
+            (
+                tree(per_vcpu.path(), &[(0, "0", "0"), (1, "1", "1")]),
+                "vda",
+            ),
+            (tree(forced.path(), &[]), "loop0"),
+        ];
+        add_loop(forced.path(), "0, 1", "2");
+        for (root, disk) in roots {
+            let m = QueueMap::read(&root).unwrap();
+            assert_eq!(m.disks.len(), 1, "{m:?}");
+            assert_eq!(m.disks[0].disk, disk);
+            let c = m.completion_cpus();
+            assert_eq!(c[&0], BTreeSet::from([0]), "{disk}");
+            assert_eq!(c[&1], BTreeSet::from([1]), "{disk}");
+        }
     }
 
     #[test]
@@ -249,24 +248,21 @@ mod tests {
     }
 
     #[test]
-    fn a_loop_device_with_nothing_attached_is_left_out() {
-        // Detached, it keeps its queue settings; it takes no request.
-        let t = tempfile::tempdir().unwrap();
-        let root = tree(t.path(), &[(0, "0, 1", "1")]);
-        add_loop_of_size(t.path(), "0, 1", "2", "0");
-        let m = QueueMap::read(&root).unwrap();
-        assert_eq!(m.disks.len(), 1, "{m:?}");
-        assert_eq!(m.disks[0].disk, "vda");
-    }
-
-    #[test]
-    fn a_loop_device_left_to_its_worker_is_left_out() {
-        let t = tempfile::tempdir().unwrap();
-        let root = tree(t.path(), &[(0, "0, 1", "1")]);
-        add_loop(t.path(), "0, 1", "1");
-        let m = QueueMap::read(&root).unwrap();
-        assert_eq!(m.disks.len(), 1, "{m:?}");
-        assert_eq!(m.disks[0].disk, "vda");
+    fn loop_devices_that_complete_anywhere_or_take_nothing_are_left_out() {
+        // Left to its worker (rq_affinity 1), or detached (no capacity: it keeps its queue
+        // settings but takes no request).
+        for (rq_affinity, sectors) in [("1", "131072"), ("2", "0")] {
+            let t = tempfile::tempdir().unwrap();
+            let root = tree(t.path(), &[(0, "0, 1", "1")]);
+            add_loop_of_size(t.path(), "0, 1", rq_affinity, sectors);
+            let m = QueueMap::read(&root).unwrap();
+            assert_eq!(
+                m.disks.len(),
+                1,
+                "rq_affinity {rq_affinity}, size {sectors}: {m:?}"
+            );
+            assert_eq!(m.disks[0].disk, "vda");
+        }
     }
 
     #[test]

@@ -48,7 +48,15 @@ impl LoopDisk {
             .args(["--find", "--show", "--direct-io=off"])
             .arg(backing)
             .output()
-            .context("running losetup (util-linux)")?;
+            .context("running losetup (util-linux)");
+        let out = match out {
+            Ok(o) if o.status.success() => o,
+            other => {
+                // Nothing attached: the file in memory is all there is to undo.
+                let _ = std::fs::remove_file(backing);
+                other?
+            }
+        };
         anyhow::ensure!(
             out.status.success(),
             "losetup --find --show {}: {}",

@@ -774,22 +774,16 @@ fn main() -> Result<()> {
                 .context("--disk loop: a loop device over a tmpfs file")?,
         ),
     };
-    let file = loop_disk
-        .as_ref()
-        .map_or(root_file.clone(), |d| d.device.clone());
+    let file = loop_disk.as_ref().map_or(root_file, |d| d.device.clone());
     if t.elapsed() > Duration::from_secs(1) {
         eprintln!("prepared {} in {:.1?}", file.display(), t.elapsed());
     }
-    let map = match &loop_disk {
-        None => CompletionMap::for_file(&file),
-        Some(_) => Err(anyhow::anyhow!(
-            "the loop device completes on the submitting CPU"
-        )),
-    };
-    let completion = match (s.completion_cpu, &map, &loop_disk) {
-        (Some(c), _, _) => Some(c),
-        (None, _, Some(_)) => None,
-        (None, Ok(m), None) => {
+    // The loop device has no interrupt: its requests complete where they were submitted.
+    let map = loop_disk.is_none().then(|| CompletionMap::for_file(&file));
+    let completion = match (s.completion_cpu, &map) {
+        (Some(c), _) => Some(c),
+        (None, None) => None,
+        (None, Some(Ok(m))) => {
             let cpus = m.cpus();
             if cpus.len() > 1 {
                 eprintln!(
@@ -800,7 +794,7 @@ fn main() -> Result<()> {
             }
             cpus.first().copied()
         }
-        (None, Err(e), None) => {
+        (None, Some(Err(e))) => {
             eprintln!("WARNING: no completion CPU ({e:#}); the pinned mode is skipped");
             None
         }
@@ -887,7 +881,7 @@ fn main() -> Result<()> {
             "file": file.display().to_string(),
             "file_bytes": FILE_SIZE,
             "completion_cpu": completion,
-            "completion_map": map.as_ref().ok(),
+            "completion_map": map.as_ref().and_then(|m| m.as_ref().ok()),
             "pinned_cpu": pin,
             "loop_disk": loop_disk.as_ref().map(LoopDisk::describe),
             "reps": s.reps,

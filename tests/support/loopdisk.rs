@@ -49,14 +49,11 @@ impl LoopDisk {
             .arg(backing)
             .output()
             .context("running losetup (util-linux)");
-        let out = match out {
-            Ok(o) if o.status.success() => o,
-            other => {
-                // Nothing attached: the file in memory is all there is to undo.
-                let _ = std::fs::remove_file(backing);
-                other?
-            }
-        };
+        if !out.as_ref().is_ok_and(|o| o.status.success()) {
+            // Nothing attached: the file in memory is all there is to undo.
+            let _ = std::fs::remove_file(backing);
+        }
+        let out = out?;
         anyhow::ensure!(
             out.status.success(),
             "losetup --find --show {}: {}",

@@ -58,7 +58,8 @@ pub struct EngineConfig {
     pub exclude_comm: Vec<String>,
     /// Sampled tracking; `None` tracks all the time (while anything can gain).
     pub schedule: Option<Schedule>,
-    /// With nothing to gain this long, the block programs come off their tracepoints.
+    /// With nothing to gain this long (at once while nothing could gain since start), the
+    /// block programs come off their tracepoints.
     pub detach_after: Option<Duration>,
     /// Where nothing is descheduled there is nothing to gain: no probe and no move there.
     /// Only where the monitor's out times measure contention (and the guard is on).
@@ -234,6 +235,8 @@ pub struct Engine {
     contention: Contention,
     contended: bool,
     wanted_tracking: bool,
+    /// Whether tracking was wanted at any time since start.
+    ever_wanted: bool,
     sample_start_ns: u64,
     /// Since when nothing could gain (`None` while something could).
     quiet_since_ns: Option<u64>,
@@ -276,6 +279,7 @@ impl Engine {
             ),
             contended: false,
             wanted_tracking: true,
+            ever_wanted: false,
             sample_start_ns: now_ns,
             quiet_since_ns: None,
             guard: cfg.guard.clone().map(MoveGuard::new),

@@ -207,7 +207,8 @@ pub struct DetectorSection {
     /// could use our figures) for this long, the block programs come off their
     /// tracepoints; paused, each request still runs two that return at once. Attaching
     /// again patches kernel text, so not much shorter than a few contention windows (2 s).
-    /// 0: never detach.
+    /// A daemon that has had nothing to gain since it started detaches at once. 0: never
+    /// detach.
     pub detach_after_ms: u64,
 }
 

@@ -443,7 +443,10 @@ fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
     vm.step(&mut e, &mut f, 100 * MS, 0);
-    assert!(!f.attached, "nothing could gain since start: off at the first step");
+    assert!(
+        !f.attached,
+        "nothing could gain since start: off at the first step"
+    );
     assert_eq!(f.detaches, 1);
     contended(&mut vm);
     vm.run(&mut e, &mut f, 5, |_| 0);
@@ -453,7 +456,10 @@ fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only
     vm.out_per_s = 0;
     vm.covered_per_s = 0;
     vm.run(&mut e, &mut f, 9, |_| 0);
-    assert!(f.attached, "a quiet spell shorter than detach_after keeps them on");
+    assert!(
+        f.attached,
+        "a quiet spell shorter than detach_after keeps them on"
+    );
     vm.run(&mut e, &mut f, 6, |_| 0);
     assert!(!f.attached);
     assert_eq!(f.detaches, 2);

@@ -429,16 +429,21 @@ fn the_block_programs_detach_while_the_guard_holds_and_come_back_a_lead_before_i
     assert!(f.tracking);
 }
 
-#[test]
-fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only_after_the_wait() {
-    let mut e = Engine::new(
+/// An engine gated on contention whose programs come off after 10 s of nothing to gain.
+fn gated_detaching_after_10s() -> Engine {
+    Engine::new(
         EngineConfig {
             gate_on_contention: true,
             detach_after: Some(Duration::from_secs(10)),
             ..config()
         },
         0,
-    );
+    )
+}
+
+#[test]
+fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only_after_the_wait() {
+    let mut e = gated_detaching_after_10s();
     let mut f = Fake::new();
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
@@ -692,14 +697,7 @@ fn a_failed_poll_is_counted_and_leaves_the_managed_tasks_as_they_were() {
 
 #[test]
 fn a_failed_pause_or_detach_is_counted_and_tried_again_at_the_next_step() {
-    let mut e = Engine::new(
-        EngineConfig {
-            gate_on_contention: true,
-            detach_after: Some(Duration::from_secs(10)),
-            ..config()
-        },
-        0,
-    );
+    let mut e = gated_detaching_after_10s();
     let mut f = Fake::new();
     let mut vm = Vm::new();
     f.failing.extend(["pause", "detach"]);

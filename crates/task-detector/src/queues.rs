@@ -115,8 +115,7 @@ fn disk_queues(dir: &Path, handlers: &HashMap<String, Vec<usize>>) -> Result<Opt
     let Ok(entries) = std::fs::read_dir(&mq) else {
         return Ok(None);
     };
-    let empty = std::fs::read_to_string(dir.join("size")).is_ok_and(|s| s.trim() == "0");
-    if empty {
+    if std::fs::read_to_string(dir.join("size")).is_ok_and(|s| s.trim() == "0") {
         return Ok(None);
     }
     let on_submitter =
@@ -199,13 +198,9 @@ mod tests {
         assert_eq!(c[&1], BTreeSet::from([1]));
     }
 
-    /// A loop device `loop0` (no device, no interrupt), one queue for `submit`, with
-    /// `rq_affinity`.
-    fn add_loop(base: &Path, submit: &str, rq_affinity: &str) {
-        add_loop_of_size(base, submit, rq_affinity, "131072");
-    }
-
-    fn add_loop_of_size(base: &Path, submit: &str, rq_affinity: &str, sectors: &str) {
+    /// A loop device `loop0` (no device, no interrupt) of `sectors`, one queue for
+    /// `submit`, with `rq_affinity`.
+    fn add_loop(base: &Path, submit: &str, rq_affinity: &str, sectors: &str) {
         let dir = base.join("sys/devices/virtual/block/loop0");
         fs::create_dir_all(dir.join("mq/0")).unwrap();
         fs::create_dir_all(dir.join("queue")).unwrap();
@@ -225,7 +220,7 @@ mod tests {
             ),
             (tree(forced.path(), &[]), "loop0"),
         ];
-        add_loop(forced.path(), "0, 1", "2");
+        add_loop(forced.path(), "0, 1", "2", "131072");
         for (root, disk) in roots {
             let m = QueueMap::read(&root).unwrap();
             assert_eq!(m.disks.len(), 1, "{m:?}");
@@ -254,7 +249,7 @@ mod tests {
         for (rq_affinity, sectors) in [("1", "131072"), ("2", "0")] {
             let t = tempfile::tempdir().unwrap();
             let root = tree(t.path(), &[(0, "0, 1", "1")]);
-            add_loop_of_size(t.path(), "0, 1", rq_affinity, sectors);
+            add_loop(t.path(), "0, 1", rq_affinity, sectors);
             let m = QueueMap::read(&root).unwrap();
             assert_eq!(
                 m.disks.len(),

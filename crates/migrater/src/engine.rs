@@ -18,7 +18,7 @@ mod tracking;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
-use task_detector::{CpuIoSample, DetectorOutput, ForkSample, IoTaskInfo, Partner};
+use task_detector::{CpuIoSample, ForkSample, IoTaskInfo, Partner};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
 use crate::affinity::Outcome;
@@ -101,23 +101,8 @@ pub struct Observation {
     pub host: HostHints,
 }
 
-/// The block programs of the detector.
-pub trait BlockTracking {
-    /// Whether the programs track requests now.
-    fn tracking(&self) -> bool;
-    /// Whether they sit on their tracepoints (tracking or paused).
-    fn attached(&self) -> bool;
-    fn pause(&mut self) -> anyhow::Result<()>;
-    fn resume(&mut self) -> anyhow::Result<()>;
-    fn detach(&mut self) -> anyhow::Result<()>;
-    /// The I/O-bound tasks and per-vCPU completions of the window that just ended.
-    fn poll(&mut self) -> anyhow::Result<DetectorOutput>;
-    /// Whether a thread is half-way to being found I/O-bound (a sample may run on).
-    fn entering(&self) -> bool;
-    /// Whether, while paused, a thread quiet for seconds issued block I/O since the last
-    /// call (it may have just become I/O-bound: sample now). Reading clears it.
-    fn take_doorbell(&mut self) -> bool;
-}
+/// The block programs of the detector (`task_detector::Detector`, or a test's fake).
+pub use task_detector::BlockTracking;
 
 /// The placement: the affinity executor (journaled) and the set the monitor threads move.
 pub trait TaskPlacement {
@@ -332,7 +317,7 @@ impl Engine {
         self.snap.block_tracking = act.blocks().tracking();
         self.snap.block_attached = act.blocks().attached();
         let disk = obs.disk_completed.filter(|_| self.reads_disk());
-        let Some(io_seen) = self.read_window(now, disk, act) else {
+        let Some(io_seen) = self.read_window(now, &obs.vcpus, disk, act) else {
             return self.cfg.idle;
         };
         // The kernel's own count of completed requests: what the guard judges progress
@@ -359,11 +344,14 @@ impl Engine {
     fn read_window(
         &mut self,
         now: u64,
+        vcpus: &[VcpuSnapshot],
         disk: Option<u64>,
         act: &mut impl Actuator,
     ) -> Option<bool> {
         if act.blocks().tracking() {
-            let out = match act.blocks().poll() {
+            let out_ns: Vec<(usize, u64)> =
+                vcpus.iter().map(|v| (v.cpu, v.inactive_total_ns)).collect();
+            let out = match act.blocks().poll(&out_ns) {
                 Ok(out) => out,
                 Err(e) => {
                     self.snap.detector_errors += 1;

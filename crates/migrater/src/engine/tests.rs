@@ -5,7 +5,7 @@ use super::*;
 use crate::planner::Reason;
 use crate::sampling::Schedule;
 use std::collections::{BTreeMap, BTreeSet};
-use task_detector::{CompletionSite, ForkSample, IoTask};
+use task_detector::{CompletionSite, DetectorOutput, ForkSample, IoTask};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
@@ -42,6 +42,8 @@ struct Fake {
     forks_seen: Vec<ForkSample>,
     /// Operations that fail: "poll", "pause", "resume", "detach".
     failing: BTreeSet<&'static str>,
+    /// The vCPUs' out times the last poll was told.
+    polled_out_ns: Vec<(usize, u64)>,
     /// Tasks whose mask someone else changed.
     hands_off: HashSet<TaskId>,
 }
@@ -98,9 +100,10 @@ impl BlockTracking for Fake {
     fn take_doorbell(&mut self) -> bool {
         std::mem::take(&mut self.doorbell)
     }
-    fn poll(&mut self) -> anyhow::Result<DetectorOutput> {
+    fn poll(&mut self, cpu_out_ns: &[(usize, u64)]) -> anyhow::Result<DetectorOutput> {
         self.fails("poll")?;
         self.polls += 1;
+        self.polled_out_ns = cpu_out_ns.to_vec();
         Ok(DetectorOutput {
             tasks: self.window.clone(),
             cpus: Vec::new(),
@@ -468,6 +471,20 @@ fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only
     vm.run(&mut e, &mut f, 6, |_| 0);
     assert!(!f.attached);
     assert_eq!(f.detaches, 2);
+}
+
+#[test]
+fn the_poll_is_told_each_vcpus_out_time_from_the_board() {
+    // The classifier must not judge a thread CPU-bound on time its vCPU was out.
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    contended(&mut vm);
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.polls, 2);
+    assert_eq!(f.polled_out_ns, [(0, vm.inactive), (1, 0)]);
+    assert!(vm.inactive > 0);
 }
 
 #[test]

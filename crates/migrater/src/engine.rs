@@ -324,19 +324,15 @@ impl Engine {
         // by (it moves whether or not our programs are attached).
         let progress = disk.unwrap_or(self.last_completions);
         let decided = self.decide_tasks(now, progress, &obs.host.held, act);
-        // On hold nothing is decided per window: the guard needs only an epoch's count.
-        let tracking = act.blocks().tracking();
-        let nap = if tracking && (decided.active || io_seen) && decided.moves_allowed {
-            self.cfg.window
-        } else if !tracking && (!self.contended || self.guard.as_ref().is_none_or(|g| !g.probing()))
-        {
-            // Paused with nothing to measure (a guard probe needs contention too): wake
-            // for the next sample or contention check only, not every guard epoch.
-            nap_limit
-        } else {
-            self.cfg.idle
+        let facts = NapFacts {
+            tracking: act.blocks().tracking(),
+            managing: decided.active,
+            io_seen,
+            moves_allowed: decided.moves_allowed,
+            contended: self.contended,
+            probing: self.guard.as_ref().is_some_and(|g| g.probing()),
         };
-        nap.min(nap_limit)
+        nap(&facts, self.cfg.window, self.cfg.idle, nap_limit)
     }
 
     /// Polls the block programs while they track, else carries the per-vCPU estimate
@@ -390,6 +386,36 @@ impl Engine {
             Some(false)
         }
     }
+}
+
+/// What a step's nap depends on.
+#[derive(Clone, Copy, Debug)]
+struct NapFacts {
+    /// The block programs track requests.
+    tracking: bool,
+    /// Tasks are managed (the planner moves some).
+    managing: bool,
+    /// The window saw block I/O.
+    io_seen: bool,
+    moves_allowed: bool,
+    contended: bool,
+    /// The move guard is probing (epochs with and without moves).
+    probing: bool,
+}
+
+/// The nap rule: a window while tracking where tasks may move and there is I/O or a task
+/// to manage (each window decides); the limit (the next sample or contention check) while
+/// paused with nothing to measure, a guard probe needing contention too; the idle poll
+/// otherwise (on hold the guard needs only an epoch's count). Never past the limit.
+fn nap(f: &NapFacts, window: Duration, idle: Duration, limit: Duration) -> Duration {
+    let nap = if f.tracking && (f.managing || f.io_seen) && f.moves_allowed {
+        window
+    } else if !f.tracking && (!f.contended || !f.probing) {
+        limit
+    } else {
+        idle
+    };
+    nap.min(limit)
 }
 
 /// At shutdown: nothing more for the monitor threads to move, and every task back on its

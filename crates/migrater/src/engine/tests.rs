@@ -1067,3 +1067,61 @@ fn the_children_a_pinned_task_started_are_handed_to_the_placement_at_the_next_po
     assert_eq!(f.forks_seen.len(), 2);
     assert_eq!(e.snapshot().inherited_pins_undone, 1);
 }
+
+#[test]
+fn the_nap_rule_as_a_table() {
+    let (window, idle, limit) = (
+        Duration::from_millis(5),
+        Duration::from_millis(40),
+        Duration::from_millis(2_000),
+    );
+    // (tracking, managing, io_seen, moves_allowed, contended, probing) → nap
+    type Row = ((bool, bool, bool, bool, bool, bool), Duration);
+    let rows: &[Row] = &[
+        // Tracking where tasks may move, with a task or I/O: every window decides.
+        ((true, true, false, true, true, false), window),
+        ((true, false, true, true, true, false), window),
+        // Tracking with nothing to move, or moves on hold: the idle poll.
+        ((true, false, false, true, true, false), idle),
+        ((true, true, true, false, true, true), idle),
+        // Paused: nothing to measure without contention, or without a probe.
+        ((false, false, false, false, false, false), limit),
+        ((false, true, true, true, true, false), limit),
+        // Paused while the guard probes under contention: its epochs need counting.
+        ((false, false, false, false, true, true), idle),
+    ];
+    for &((tracking, managing, io_seen, moves_allowed, contended, probing), want) in rows {
+        let f = NapFacts {
+            tracking,
+            managing,
+            io_seen,
+            moves_allowed,
+            contended,
+            probing,
+        };
+        assert_eq!(nap(&f, window, idle, limit), want, "{f:?}");
+    }
+    // Never past the limit (the next sample is sooner than a window).
+    let f = NapFacts {
+        tracking: true,
+        managing: true,
+        io_seen: true,
+        moves_allowed: true,
+        contended: true,
+        probing: false,
+    };
+    let soon = Duration::from_millis(2);
+    assert_eq!(nap(&f, window, idle, soon), soon);
+    assert_eq!(
+        nap(
+            &NapFacts {
+                tracking: false,
+                ..f
+            },
+            window,
+            idle,
+            soon
+        ),
+        soon
+    );
+}

@@ -35,10 +35,10 @@ use migrater::planner::{Planner, PlannerConfig};
 use migrater::sampling::Schedule;
 
 pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
-    let m = &cfg.monitor;
+    let m = &cfg.advanced.monitor;
     let mut mc = MonitorConfig::default();
-    if !m.cpus.is_empty() {
-        mc.cpus = m.cpus.clone();
+    if !cfg.monitor.cpus.is_empty() {
+        mc.cpus = cfg.monitor.cpus.clone();
     }
     mc.period = Duration::from_micros(m.period_us);
     mc.probe_period = Duration::from_micros(m.probe_period_us);
@@ -52,10 +52,10 @@ pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
 
 fn classifier_config(cfg: &Config) -> ClassifierConfig {
     ClassifierConfig {
-        window_ns: cfg.detector.window_ms * 1_000_000,
+        window_ns: cfg.advanced.detector.window_ms * 1_000_000,
         // A sample (250 ms) at the default window: a server in lock-step with deschedules
         // issues a request every period or two.
-        max_window_ns: cfg.detector.window_ms * 50_000_000,
+        max_window_ns: cfg.advanced.detector.window_ms * 50_000_000,
         ..ClassifierConfig::default()
     }
 }
@@ -63,7 +63,7 @@ fn classifier_config(cfg: &Config) -> ClassifierConfig {
 /// The engine's settings. `measures_contention`: whether the monitor's out times tell how
 /// contended the vCPUs are.
 fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> EngineConfig {
-    let d = &cfg.detector;
+    let d = &cfg.advanced.detector;
     EngineConfig {
         window: Duration::from_millis(d.window_ms),
         idle: Duration::from_millis(d.idle_poll_ms.max(d.window_ms)),
@@ -78,7 +78,7 @@ fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> Eng
         // too, to show what would happen), no probe and no move there.
         gate_on_contention: cfg.migration.guard && measures_contention,
         guard: (cfg.migration.guard && !cfg.dry_run).then(|| GuardConfig {
-            epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
+            epoch_ns: cfg.advanced.migration.guard_epoch_ms * 1_000_000,
             ..GuardConfig::default()
         }),
         completion_prior: if cfg.migration.follow_completions {
@@ -144,14 +144,14 @@ pub fn run(
     let metrics = Arc::new(Metrics::new(attach_mode, cfg.dry_run));
     let shared = shared_placement(&cfg, metrics.clone())?;
     let planner = Planner::new(PlannerConfig {
-        push_threshold_ns: cfg.migration.push_threshold_us * 1_000,
-        max_load_per_vcpu: cfg.migration.max_load_per_vcpu,
+        push_threshold_ns: cfg.advanced.migration.push_threshold_us * 1_000,
+        max_load_per_vcpu: cfg.advanced.migration.max_load_per_vcpu,
         ..PlannerConfig::default()
     });
     let hook = Arc::new(MigrationHook::new(
         shared.clone(),
         planner,
-        cfg.migration.push_threshold_us * 1_000,
+        cfg.advanced.migration.push_threshold_us * 1_000,
         &cpus,
     ));
     let (monitor, fallback) = AnyMonitor::start(
@@ -159,7 +159,7 @@ pub fn run(
         mon_cfg,
         board.clone(),
         hook,
-        Duration::from_micros(cfg.migration.push_threshold_us),
+        Duration::from_micros(cfg.advanced.migration.push_threshold_us),
     )
     .context("starting the vCPU monitor")?;
     if let Some(why) = fallback {
@@ -167,7 +167,7 @@ pub fn run(
     }
     let monitor_source = monitor.source();
     metrics.set_monitor_source(monitor_source);
-    info!(cpus = ?cpus, source = monitor_source.as_str(), period_us = cfg.monitor.period_us, "vCPU monitor started");
+    info!(cpus = ?cpus, source = monitor_source.as_str(), period_us = cfg.advanced.monitor.period_us, "vCPU monitor started");
 
     // Every sleep of the detector and channel threads is a nap on this: shutdown wakes
     // them at once, whatever the configured periods.
@@ -264,7 +264,7 @@ fn spawn_channel(
         return Ok(None);
     }
     let (running, stop, path) = (running.clone(), stop.clone(), cfg.channel.path.clone());
-    let period = Duration::from_millis(cfg.channel.period_ms);
+    let period = Duration::from_millis(cfg.advanced.channel.period_ms);
     let handle = std::thread::Builder::new()
         .name("vmigrater-chan".into())
         .spawn(move || {

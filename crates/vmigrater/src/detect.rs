@@ -63,7 +63,7 @@ impl TaskPlacement for LivePlacement<'_> {
         anchor_on_held(self.shared, &mut placement, tasks, on, reason)
     }
     fn keep_short_slices(&mut self, kept: &[u32]) {
-        let ns = self.cfg.migration.kept_slice_us * 1_000;
+        let ns = self.cfg.advanced.migration.kept_slice_us * 1_000;
         // Set to 0 by a reload: every slice given goes back.
         let kept = if ns == 0 { &[][..] } else { kept };
         let mut placement = lock_placement(&self.shared.placement);

@@ -60,7 +60,8 @@ struct RunArgs {
     /// Directory of the affinity journal and the status socket (overrides `state_dir`).
     #[arg(long)]
     state_dir: Option<PathBuf>,
-    /// vCPU sleeper period in microseconds while I/O-bound tasks exist (overrides `monitor.period_us`).
+    /// vCPU sleeper period in microseconds while I/O-bound tasks exist (overrides
+    /// `advanced.monitor.period_us`).
     #[arg(long)]
     period_us: Option<u64>,
     /// Where vCPU deschedules are learnt from (overrides `monitor.source`): kernel timers,
@@ -135,7 +136,7 @@ fn run_config(config: &std::path::Path, explicit: bool, args: &RunArgs) -> Resul
         cfg.state_dir = d.clone();
     }
     if let Some(p) = args.period_us {
-        cfg.monitor.period_us = p;
+        cfg.advanced.monitor.period_us = p;
     }
     if let Some(src) = args.monitor_source {
         cfg.monitor.source = src;

@@ -210,7 +210,7 @@ impl Metrics {
         self.block_tracking.set(1);
         r.register(
             "block_tracking",
-            "1 while the block I/O programs track requests, 0 between samples (detector.sample_ms of every detector.sample_every_ms)",
+            "1 while the block I/O programs track requests, 0 between samples (advanced.detector.sample_ms of every sample_every_ms)",
             self.block_tracking.clone(),
         );
         self.block_attached.set(1);

@@ -873,6 +873,8 @@ fn main() -> Result<()> {
     let report = json!({
         "benchmark": "steal",
         "commit": vmigrater_testbed::commit(),
+        "daemon_build": vmigrater_testbed::daemon_build(&vmigrater_testbed::workspace_bin("vmigrater")),
+        "parent_build": s.parent_bin.as_deref().map(vmigrater_testbed::daemon_build),
         "setup": {
             "cpus": ncpus(),
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",

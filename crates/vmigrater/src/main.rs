@@ -7,11 +7,22 @@ use std::path::PathBuf;
 use vmigrater::config::{Config, DEFAULT_CONFIG_PATH};
 use vmigrater::{check, daemon, record, status};
 
-/// `--version`. The lab reads it to know that a daemon build has its oracle source.
+/// `--version`, with the commit it was built from (`build.rs`): the benchmarks record it
+/// beside their own. The lab reads it to know that a daemon build has its oracle source.
 #[cfg(feature = "lab-oracle")]
-const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (lab build: oracle source)");
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("VMIGRATER_COMMIT"),
+    "; lab build: oracle source)"
+);
 #[cfg(not(feature = "lab-oracle"))]
-const VERSION: &str = env!("CARGO_PKG_VERSION");
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("VMIGRATER_COMMIT"),
+    ")"
+);
 
 /// Keeps I/O-bound tasks on vCPUs that are running right now, so guest I/O does not stall
 /// while the hypervisor has a vCPU descheduled.

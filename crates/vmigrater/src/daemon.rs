@@ -22,7 +22,7 @@ use vcpu_monitor::{AnyMonitor, MonitorConfig, VcpuBoard};
 use crate::channel::{self, ChannelStats};
 use crate::config::Config;
 use crate::detect::{DetectStart, DetectorThread, LivePlacement};
-use crate::metrics::Metrics;
+use crate::metrics::Moves;
 use crate::status;
 use crate::view::Running;
 use crate::{instance, recovery};
@@ -141,8 +141,8 @@ pub fn run(
     let mon_cfg = monitor_config(&cfg)?;
     let cpus = mon_cfg.cpus.clone();
     let board = Arc::new(VcpuBoard::new(&cpus, &mon_cfg));
-    let metrics = Arc::new(Metrics::new(attach_mode, cfg.dry_run));
-    let shared = shared_placement(&cfg, metrics.clone())?;
+    let moves = Arc::new(Moves::default());
+    let shared = shared_placement(&cfg, moves.clone())?;
     let planner = Planner::new(PlannerConfig {
         push_threshold_ns: cfg.advanced.migration.push_threshold_us * 1_000,
         max_load_per_vcpu: cfg.advanced.migration.max_load_per_vcpu,
@@ -166,7 +166,6 @@ pub fn run(
         warn!("kernel-timer vCPU monitor unavailable, using sleepers: {why}");
     }
     let monitor_source = monitor.source();
-    metrics.set_monitor_source(monitor_source);
     info!(cpus = ?cpus, source = monitor_source.as_str(), period_us = cfg.advanced.monitor.period_us, "vCPU monitor started");
 
     // Every sleep of the detector and channel threads is a nap on this: shutdown wakes
@@ -192,7 +191,7 @@ pub fn run(
     let running = Arc::new(Running {
         shared: shared.clone(),
         board: board.clone(),
-        metrics,
+        moves,
         engine,
         attach_mode,
         monitor_source,
@@ -232,7 +231,7 @@ pub fn run(
 
 /// The placement shared by the monitor threads, the engine and the control plane, with
 /// the executor and its journal (none in dry run).
-fn shared_placement(cfg: &Config, metrics: Arc<Metrics>) -> Result<Arc<Shared>> {
+fn shared_placement(cfg: &Config, moves: Arc<Moves>) -> Result<Arc<Shared>> {
     let executor = if cfg.dry_run {
         info!("dry-run: migrations are planned and logged, no mask is changed");
         None
@@ -249,7 +248,7 @@ fn shared_placement(cfg: &Config, metrics: Arc<Metrics>) -> Result<Arc<Shared>> 
             latencies: LatencyRing::new(4096),
             hands_off: HashSet::new(),
         }),
-        moves: metrics,
+        moves,
         migrations: AtomicU64::new(0),
     }))
 }

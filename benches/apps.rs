@@ -644,6 +644,8 @@ fn report(
     json!({
         "benchmark": "apps",
         "commit": build,
+        "daemon_build": vmigrater_testbed::daemon_build(&vmigrater_testbed::workspace_bin("vmigrater")),
+        "parent_build": s.parent_bin.as_deref().map(vmigrater_testbed::daemon_build),
         "setup": {
             "cpus": ncpus(),
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",

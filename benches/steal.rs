@@ -9,7 +9,7 @@
 //! - `vmigrater`: the release daemon with the default configuration (private state dir),
 //!   started before the run and warmed up under the same schedule;
 //! - `vmigrater_dry`: the same daemon with `--dry-run` (watching only: its cost);
-//! - `vmigrater_no_slice`: the daemon with `migration.kept_slice_us = 0` (kept tasks keep
+//! - `vmigrater_no_slice`: the daemon with `advanced.migration.kept_slice_us = 0` (kept tasks keep
 //!   their own scheduler slice: the short slice's ablation);
 //! - `vmigrater_parent`: another build of the daemon (`--parent-bin PATH`, e.g. this
 //!   commit's parent), default configuration: a code change's A/B, interleaved;
@@ -380,7 +380,10 @@ fn run_once(
     let daemon = match mode {
         "vmigrater" => Some(start_daemon("", false)?),
         "vmigrater_dry" => Some(start_daemon("", true)?),
-        "vmigrater_no_slice" => Some(start_daemon("[migration]\nkept_slice_us = 0\n", false)?),
+        "vmigrater_no_slice" => Some(start_daemon(
+            "[advanced.migration]\nkept_slice_us = 0\n",
+            false,
+        )?),
         "vmigrater_parent" => {
             let bin = s
                 .parent_bin
@@ -416,7 +419,7 @@ fn run_once(
         cmd.arg("--pin").arg(cpu.to_string());
     }
     if mode == "pinned_slice" {
-        // The daemon's default migration.kept_slice_us.
+        // The daemon's default advanced.migration.kept_slice_us.
         cmd.args(["--slice-us", "100"]);
     }
     let (busy0, me0, kids0) = (
@@ -870,6 +873,8 @@ fn main() -> Result<()> {
     let report = json!({
         "benchmark": "steal",
         "commit": vmigrater_testbed::commit(),
+        "daemon_build": vmigrater_testbed::daemon_build(&vmigrater_testbed::workspace_bin("vmigrater")),
+        "parent_build": s.parent_bin.as_deref().map(vmigrater_testbed::daemon_build),
         "setup": {
             "cpus": ncpus(),
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
@@ -891,7 +896,7 @@ fn main() -> Result<()> {
             "steal_tolerance": STEAL_TOLERANCE,
             "max_retries": MAX_RETRIES,
             "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
-            "daemon_config": "defaults (empty config file; vmigrater_no_slice: migration.kept_slice_us = 0), --no-metrics, private --state-dir",
+            "daemon_config": "defaults (empty config file; vmigrater_no_slice: advanced.migration.kept_slice_us = 0), --no-metrics, private --state-dir",
             "oracle_lead_us": oracle::LEAD.as_micros() as u64,
             "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
         },

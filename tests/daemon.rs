@@ -474,7 +474,7 @@ fn malformed_config_is_refused_with_its_line() {
     let path = dir.path().join("bad.toml");
     std::fs::write(
         &path,
-        "# test\n[monitor]\nperiod_us = 300\nsleep_forever = true\n",
+        "# test\n[advanced.monitor]\nperiod_us = 300\nsleep_forever = true\n",
     )
     .unwrap();
     let out = Command::new(workspace_bin("vmigrater"))
@@ -586,7 +586,7 @@ fn bpf_refused_runs_degraded_and_keeps_serving() {
 fn check_fails_on_an_invalid_config() {
     let dir = tempfile::tempdir().unwrap();
     for (bin, bad) in [
-        ("vmigrater", "[detector]\nidle_poll_ms = 0\n"),
+        ("vmigrater", "[advanced.detector]\nidle_poll_ms = 0\n"),
         ("vmigrater-hv-agent", "period_ms = 100\nno_such_key = 1\n"),
     ] {
         let path = dir.path().join(format!("{bin}.toml"));
@@ -613,7 +613,7 @@ fn check_fails_on_an_invalid_config() {
         assert!(err.contains("check failed"), "{bin}: {err}");
         // The same file, fixed, passes (not root: what needs root is reported unverified).
         let good = if bin == "vmigrater" {
-            "[detector]\nidle_poll_ms = 500\n"
+            "[advanced.detector]\nidle_poll_ms = 500\n"
         } else {
             "period_ms = 100\n"
         };
@@ -649,7 +649,7 @@ fn reports_reach_the_host_end_of_the_channel() {
     assert_root();
     let (pty, slave) = raw_pty();
     let config = format!(
-        "[channel]\npath = {:?}\nperiod_ms = 50\n",
+        "[channel]\npath = {:?}\n[advanced.channel]\nperiod_ms = 50\n",
         slave.display().to_string()
     );
     let mut daemon =
@@ -719,7 +719,7 @@ fn with_nothing_to_gain_the_block_programs_come_off() {
     assert_root();
     let mut daemon = Daemon::start_with_config(
         tempfile::tempdir().unwrap(),
-        "[detector]\ndetach_after_ms = 1000\n[channel]\nenabled = false\n",
+        "[advanced.detector]\ndetach_after_ms = 1000\n[channel]\nenabled = false\n",
         &["--no-metrics"],
     );
     let s = daemon.wait_for(
@@ -822,7 +822,8 @@ fn sigterm_is_prompt_whatever_the_detectors_periods() {
     assert_root();
     let file = data_file();
     let reader = Reader::start(&file);
-    let config = "[detector]\nidle_poll_ms = 60000\nsample_ms = 300\nsample_every_ms = 600000\n";
+    let config =
+        "[advanced.detector]\nidle_poll_ms = 60000\nsample_ms = 300\nsample_every_ms = 600000\n";
     let mut daemon = Daemon::start_with_config(
         tempfile::tempdir().expect("tempdir"),
         config,
@@ -1013,7 +1014,7 @@ fn host_hold_anchors(held_cpu: usize) {
     let (pty, slave) = raw_pty();
     // Every request tracked, so the reader is found in the first windows.
     let config = format!(
-        "{SLEEPERS}\n[detector]\nsample_every_ms = 0\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
+        "{SLEEPERS}\n[advanced.detector]\nsample_every_ms = 0\n\n[channel]\npath = {:?}\n\n[advanced.channel]\nperiod_ms = 50\n",
         slave.display().to_string()
     );
     let mut daemon =
@@ -1122,7 +1123,7 @@ fn under_hard_irq_deschedules_the_reader_is_kept_with_its_completion_vcpu() {
     // Every request tracked, so the reader is found in the first windows.
     let mut daemon = Daemon::start_with_config(
         tempfile::tempdir().expect("tempdir"),
-        "[detector]\nsample_every_ms = 0\n",
+        "[advanced.detector]\nsample_every_ms = 0\n",
         &["--no-metrics"],
     );
     let tid = reader.tid() as u64;
@@ -1200,7 +1201,7 @@ fn a_new_reader_is_kept_within_a_poll_of_its_first_request_between_samples() {
     let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
     let mut daemon = Daemon::start_with_config(
         tempfile::tempdir().expect("tempdir"),
-        "[detector]\nsample_ms = 250\nsample_every_ms = 20000\n",
+        "[advanced.detector]\nsample_ms = 250\nsample_every_ms = 20000\n",
         &["--no-metrics"],
     );
     daemon.wait_for(Duration::from_secs(15), "moves allowed", |s| {
@@ -1459,8 +1460,8 @@ fn sighup_reloads_and_no_operator_signal_leaves_a_task_pinned() {
     std::fs::write(
         &config,
         format!(
-            "[monitor]\nsource = \"sleepers\"\nperiod_us = 400\n\n[migration]\nguard = false\n\
-             follow_completions = false\nexclude_comm = [{:?}]\n",
+            "[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard = false\n\
+             follow_completions = false\nexclude_comm = [{:?}]\n\n[advanced.monitor]\nperiod_us = 400\n",
             comm.trim()
         ),
     )
@@ -1487,7 +1488,7 @@ fn sighup_reloads_and_no_operator_signal_leaves_a_task_pinned() {
         )),
         "{log}"
     );
-    assert!(log.contains("keys=monitor.period_us"), "{log}");
+    assert!(log.contains("keys=advanced.monitor.period_us"), "{log}");
     assert!(log.contains("applied keys=migration.exclude_comm"), "{log}");
     assert!(
         log.contains("SIGUSR1 ignored") && log.contains("SIGUSR2 ignored"),

@@ -53,18 +53,15 @@ fn queried(dashboard: &str) -> BTreeSet<String> {
 
 /// Every family both programs export, with each kind's sample names.
 fn exported_by_both() -> BTreeSet<String> {
-    // The guest daemon's registry as it encodes it, with one migration and one vCPU so
-    // every labelled family has a series (an empty family prints nothing at all).
-    let guest = vmigrater::metrics::Metrics::new(Some(task_detector::AttachMode::TpBtf), false);
-    let cpu = vmigrater::metrics::CpuLabel { cpu: 0 };
-    guest.deschedules.get_or_create(&cpu).inc();
-    guest.inactive_seconds.get_or_create(&cpu).inc_by(0.01);
-    guest.slice_estimate_seconds.get_or_create(&cpu).set(0.011);
-    guest.remaining_slice_seconds.get_or_create(&cpu).set(0.005);
-    guest.vcpu_active.get_or_create(&cpu).set(1);
-    guest.io_completions.get_or_create(&cpu).inc();
-    guest.io_interval_ema_seconds.get_or_create(&cpu).set(1e-4);
-    guest.record_migration(
+    // The guest daemon's, as it encodes a status report, with one migration and one vCPU
+    // so that every labelled family has a series (an empty family prints nothing at all).
+    use migrater::hook::MoveLog as _;
+    let report = vmigrater::status::StatusReport {
+        vcpus: vec![vmigrater::status::VcpuStatus::default()],
+        ..Default::default()
+    };
+    let moves = vmigrater::metrics::Moves::default();
+    moves.attempted(
         migrater::planner::Reason::Push,
         &migrater::affinity::Outcome::Moved { latency_ns: 5_000 },
     );
@@ -77,7 +74,7 @@ fn exported_by_both() -> BTreeSet<String> {
         }],
         ..Default::default()
     };
-    let mut have = exported(&guest.encode());
+    let mut have = exported(&vmigrater::metrics::encode(&report, &moves));
     have.extend(exported(&hv_agent::metrics::encode(&host)));
     have
 }

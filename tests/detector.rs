@@ -8,8 +8,8 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 use task_detector::{
-    probe, AttachMode, ClassifierConfig, Detector, IoTracker, ThreadIoSample, TrackerOptions,
-    TrackerStorage, INFLIGHT_STALE_NS,
+    probe, AttachMode, BlockTracking, ClassifierConfig, Detector, IoTracker, ThreadIoSample,
+    TrackerOptions, TrackerStorage, INFLIGHT_STALE_NS,
 };
 use vmigrater_testbed::{assert_root, gettid, workload};
 
@@ -110,7 +110,7 @@ fn reader_is_io_bound_within_50ms_and_hog_never() {
     let window = Duration::from_nanos(cfg.window_ns);
     let mut det = Detector::new(tracker, cfg);
     let hog = workload::spawn_hog(None).expect("hog");
-    let first = det.poll().expect("baseline poll");
+    let first = det.poll(&[]).expect("baseline poll");
     let completions0: u64 = first.cpus.iter().map(|c| c.completions).sum();
     let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
     let t0 = Instant::now();
@@ -118,7 +118,7 @@ fn reader_is_io_bound_within_50ms_and_hog_never() {
     let mut poll_us = Vec::new();
     while t0.elapsed() < Duration::from_secs(2) {
         let p0 = Instant::now();
-        let out = det.poll().expect("poll");
+        let out = det.poll(&[]).expect("poll");
         poll_us.push(p0.elapsed().as_secs_f64() * 1e6);
         assert!(
             out.tasks.iter().all(|t| t.task.tid != hog.tid),
@@ -154,7 +154,7 @@ fn reader_is_io_bound_within_50ms_and_hog_never() {
         after <= Duration::from_millis(50),
         "classified after {after:?}"
     );
-    let out = det.poll().expect("poll");
+    let out = det.poll(&[]).expect("poll");
     let total: u64 = out.cpus.iter().map(|c| c.completions).sum();
     eprintln!("per-CPU I/O: {:?}", out.cpus);
     assert!(
@@ -430,7 +430,7 @@ fn detached_programs_leave_the_tracepoints_and_come_back() {
     let reader = workload::spawn_reader(&file, workload::ReadPattern::Random4k).expect("reader");
     std::thread::sleep(Duration::from_millis(200));
     let ios = |det: &mut Detector<'_>| -> u64 {
-        det.poll()
+        det.poll(&[])
             .expect("poll")
             .cpus
             .iter()
@@ -492,7 +492,7 @@ fn a_pause_does_not_read_as_idleness() {
     for _ in 0..3 {
         let t0 = Instant::now();
         while !det
-            .poll()
+            .poll(&[])
             .expect("poll")
             .tasks
             .iter()
@@ -505,12 +505,15 @@ fn a_pause_does_not_read_as_idleness() {
             std::thread::sleep(window);
         }
         det.pause().expect("pause");
-        assert!(det.poll().is_err(), "a paused detector must refuse to poll");
+        assert!(
+            det.poll(&[]).is_err(),
+            "a paused detector must refuse to poll"
+        );
         std::thread::sleep(Duration::from_millis(500));
         det.resume().expect("resume");
         let mut fractions = Vec::new();
         for _ in 0..5 {
-            let out = det.poll().expect("poll");
+            let out = det.poll(&[]).expect("poll");
             fractions.push(
                 out.tasks
                     .iter()
@@ -790,7 +793,7 @@ fn found_side_by_side(
     let t0 = Instant::now();
     while t0.elapsed() < within && found.iter().any(Option::is_none) {
         for (det, slot) in dets.iter_mut().zip(found.iter_mut()) {
-            let out = det.poll_seeing(&out_ns()).expect("poll");
+            let out = det.poll(&out_ns()).expect("poll");
             if slot.is_none() {
                 if let Some(t) = out.tasks.iter().find(|t| t.task.tid == tid) {
                     *slot = Some((t0.elapsed(), t.task.clone()));
@@ -1128,7 +1131,7 @@ fn the_thread_an_io_thread_answers_is_its_partner_and_a_hog_or_real_time_thread_
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(2) {
         std::thread::sleep(Duration::from_millis(5));
-        let out = det.poll().expect("poll");
+        let out = det.poll(&[]).expect("poll");
         seen.extend(out.partners);
     }
     stop.store(true, Ordering::Relaxed);

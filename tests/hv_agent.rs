@@ -941,7 +941,7 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     std::fs::write(
         &config,
         format!(
-            "[monitor]\nsource = \"sleepers\"\n\n[migration]\nfollow_completions = false\n\n[channel]\npath = {:?}\nperiod_ms = 50\n",
+            "[monitor]\nsource = \"sleepers\"\n\n[migration]\nfollow_completions = false\n\n[channel]\npath = {:?}\n\n[advanced.channel]\nperiod_ms = 50\n",
             slave.display().to_string()
         ),
     )

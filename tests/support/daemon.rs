@@ -132,9 +132,9 @@ impl Drop for BenchDaemon {
     }
 }
 
-/// Refuses a daemon binary older than the newest source of the workspace's crates: `cargo
-/// bench` builds the benchmark, not the binaries it starts, so a forgotten `make build`
-/// would measure an old daemon under the new one's name.
+/// Refuses a daemon binary older than the newest source of the workspace's crates, or
+/// built from another commit: `cargo bench` builds the benchmark, not the binaries it
+/// starts, so a forgotten `make build` would measure an old daemon under the new one's name.
 fn ensure_fresh(bin: &std::path::Path) -> Result<()> {
     fn newest(
         dir: &std::path::Path,
@@ -175,5 +175,13 @@ fn ensure_fresh(bin: &std::path::Path) -> Result<()> {
             path.display()
         );
     }
+    // A time stamp can be refreshed by hand; the commit the binary names cannot.
+    let (daemon, head) = (crate::daemon_build(bin), crate::head_commit());
+    anyhow::ensure!(
+        daemon == head || head == "unknown",
+        "{} was built from commit {daemon}, this tree is at {head}: build the workspace \
+         binaries first (`make build`)",
+        bin.display()
+    );
     Ok(())
 }

@@ -135,6 +135,34 @@ pub fn commit() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// The commit a daemon binary was built from, as its `--version` says (`vmigrater 0.1.0
+/// (commit 0123456789ab)`), or why it is not known.
+pub fn daemon_build(bin: &std::path::Path) -> String {
+    let out = match std::process::Command::new(bin).arg("--version").output() {
+        Ok(o) if o.status.success() => String::from_utf8_lossy(&o.stdout).to_string(),
+        Ok(o) => return format!("unknown: {} --version exited {}", bin.display(), o.status),
+        Err(e) => return format!("unknown: {}: {e}", bin.display()),
+    };
+    out.split_once("(commit ")
+        .and_then(|(_, rest)| rest.split([')', ';']).next())
+        .map_or_else(
+            || format!("unknown: {}", out.trim()),
+            |c| c.trim().to_string(),
+        )
+}
+
+/// The commit this tree's HEAD names (without `-dirty`: compare with `daemon_build`).
+pub fn head_commit() -> String {
+    std::process::Command::new("git")
+        .args(["rev-parse", "--short=12", "HEAD"])
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .output()
+        .ok()
+        .filter(|o| o.status.success())
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_else(|| "unknown".into())
+}
+
 /// The calling thread's kernel thread id.
 pub fn gettid() -> u32 {
     nix::unistd::gettid().as_raw() as u32

@@ -10,6 +10,11 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/vmigrater/hv-agent.toml";
 pub const DEFAULT_STATE_DIR: &str = "/run/vmigrater-hv-agent";
 
+/// Where the agent serves its status: here, so that the config can check that the path
+/// fits a socket address without depending on the status it describes.
+pub fn status_socket(state_dir: &Path) -> PathBuf {
+    state_dir.join("status.sock")
+}
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
@@ -48,10 +53,11 @@ pub struct Config {
 }
 
 /// Which hypervisor scheduler the agent drives.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum BackendKind {
     /// QEMU vCPU threads on the host kernel (nice or cgroup weight, affinity).
+    #[default]
     KvmQemu,
     /// Xen credit2 weights through `xl`.
     Xen,
@@ -70,9 +76,10 @@ impl std::fmt::Display for BackendKind {
 }
 
 /// How the `kvm-qemu` backend changes a vCPU thread's CPU share.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Serialize)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum WeightKind {
+    #[default]
     Nice,
     Cgroup,
 }
@@ -204,7 +211,7 @@ impl Config {
         )?;
         in_range("max_nice_delta", self.max_nice_delta, 0, 19)?;
         in_range("io_boost_nice", self.io_boost_nice, 0, 19)?;
-        control::socket_path_fits("state_dir", &crate::status::socket_path(&self.state_dir))?;
+        control::socket_path_fits("state_dir", &status_socket(&self.state_dir))?;
         let mut names = std::collections::HashSet::new();
         for vm in &self.vms {
             if !names.insert(&vm.name) {

@@ -9,7 +9,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::{Registry, Unit};
 use std::sync::atomic::AtomicU64;
 
-use crate::status::AgentStatus;
+use crate::status::{AgentStatus, VmStatus};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct VmLabel {
@@ -52,10 +52,54 @@ pub fn encode(s: &AgentStatus) -> String {
         "Scheduling changes the backend failed to apply",
         ConstCounter::new(s.apply_errors),
     );
+    register_vms(&mut reg, &s.vms);
+    register_vcpus(&mut reg, &s.vms);
+    let mut out = String::new();
+    let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
+    out
+}
+
+/// Each VM's channel figures. Totals of a VM's own lifetime are gauges, not counters: a
+/// VM that restarts (or a guest that reconnects) starts them again, which a counter must
+/// never do.
+fn register_vms(reg: &mut Registry, vms: &[VmStatus]) {
     let reports = Family::<VmLabel, Gauge>::default();
     let rejected = Family::<VmLabel, Gauge>::default();
     let connected = Family::<VmLabel, Gauge>::default();
     let connections = Family::<VmLabel, Gauge>::default();
+    for vm in vms {
+        let l = VmLabel {
+            vm: vm.name.clone(),
+        };
+        reports.get_or_create(&l).set(vm.reports as i64);
+        rejected.get_or_create(&l).set(vm.rejected as i64);
+        connected.get_or_create(&l).set(vm.connected as i64);
+        connections.get_or_create(&l).set(vm.connections as i64);
+    }
+    reg.register(
+        "guest_reports",
+        "Reports accepted from the guest since its VM was found",
+        reports,
+    );
+    reg.register(
+        "guest_rejected_frames",
+        "Guest frames rejected (malformed, oversized, out of order, too fast)",
+        rejected,
+    );
+    reg.register(
+        "guest_connected",
+        "1 while the guest channel is connected",
+        connected,
+    );
+    reg.register(
+        "guest_connections",
+        "Connections made to the guest channel since its VM was found (a flapping guest makes many; reconnects back off)",
+        connections,
+    );
+}
+
+/// Each vCPU's credits, weight and host figures.
+fn register_vcpus(reg: &mut Registry, vms: &[VmStatus]) {
     let iv = Family::<VcpuLabel, FloatGauge>::default();
     let cv = Family::<VcpuLabel, FloatGauge>::default();
     let weight = Family::<VcpuLabel, FloatGauge>::default();
@@ -67,14 +111,7 @@ pub fn encode(s: &AgentStatus) -> String {
     let wait = Family::<VcpuLabel, FloatGauge>::default();
     let moves = Family::<VcpuLabel, Gauge>::default();
     let sources = Family::<SourceLabel, Gauge>::default();
-    for vm in &s.vms {
-        let l = VmLabel {
-            vm: vm.name.clone(),
-        };
-        reports.get_or_create(&l).set(vm.reports as i64);
-        rejected.get_or_create(&l).set(vm.rejected as i64);
-        connected.get_or_create(&l).set(vm.connected as i64);
-        connections.get_or_create(&l).set(vm.connections as i64);
+    for vm in vms {
         for v in &vm.vcpus {
             let l = VcpuLabel {
                 vm: vm.name.clone(),
@@ -99,28 +136,6 @@ pub fn encode(s: &AgentStatus) -> String {
             moves.get_or_create(&l).set(v.moves as i64);
         }
     }
-    // Totals of a VM's own lifetime are gauges, not counters: a VM that restarts (or a
-    // guest that reconnects) starts them again, which a counter must never do.
-    reg.register(
-        "guest_reports",
-        "Reports accepted from the guest since its VM was found",
-        reports,
-    );
-    reg.register(
-        "guest_rejected_frames",
-        "Guest frames rejected (malformed, oversized, out of order, too fast)",
-        rejected,
-    );
-    reg.register(
-        "guest_connected",
-        "1 while the guest channel is connected",
-        connected,
-    );
-    reg.register(
-        "guest_connections",
-        "Connections made to the guest channel since its VM was found (a flapping guest makes many; reconnects back off)",
-        connections,
-    );
     reg.register_with_unit(
         "vcpu_iv_credit",
         "ISACS IVCredit of the vCPU in the last period",
@@ -176,9 +191,6 @@ pub fn encode(s: &AgentStatus) -> String {
         "Algorithm 2 (I/O load balancing) moves of the vCPU thread",
         moves,
     );
-    let mut out = String::new();
-    let _ = prometheus_client::encoding::text::encode(&mut out, &reg);
-    out
 }
 
 #[cfg(test)]

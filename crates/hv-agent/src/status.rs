@@ -2,14 +2,14 @@
 //! JSON on `<state_dir>/status.sock`, read by `vmigrater-hv-agent status`, and turned into
 //! Prometheus metrics at scrape time (`metrics`). Reading it never changes agent state.
 
+use crate::config::{BackendKind, WeightKind};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
-pub fn socket_path(state_dir: &Path) -> PathBuf {
-    state_dir.join("status.sock")
-}
+/// `<state_dir>/status.sock` (the config checks that it fits a socket address).
+pub use crate::config::status_socket as socket_path;
 
 /// Where a vCPU's I/O figures came from this period.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -85,8 +85,8 @@ pub struct AgentStatus {
     pub version: String,
     pub pid: u32,
     pub uptime_s: f64,
-    pub backend: String,
-    pub weight: String,
+    pub backend: BackendKind,
+    pub weight: WeightKind,
     pub period_ms: u64,
     pub periods: u64,
     pub apply_errors: u64,
@@ -171,7 +171,7 @@ mod tests {
     fn json_round_trip_and_table() {
         let s = AgentStatus {
             version: "0.1.0".into(),
-            backend: "kvm-qemu".into(),
+            backend: BackendKind::KvmQemu,
             vms: vec![VmStatus {
                 name: "web".into(),
                 origin: "config".into(),
@@ -189,9 +189,15 @@ mod tests {
             }],
             ..Default::default()
         };
-        let back: AgentStatus = serde_json::from_slice(&serde_json::to_vec(&s).unwrap()).unwrap();
+        let json: serde_json::Value = serde_json::to_value(&s).unwrap();
+        // The modes are typed here and keep their names on the wire (the config's).
+        assert_eq!(json["backend"], "kvm-qemu");
+        assert_eq!(json["weight"], "nice");
+        let back: AgentStatus = serde_json::from_value(json).unwrap();
         assert_eq!(back.vms[0].vcpus[0].source, Source::Guest);
+        assert_eq!(back.backend, BackendKind::KvmQemu);
         let table = render(&back);
+        assert!(table.contains("backend kvm-qemu, weight nice,"), "{table}");
         assert!(table.contains("vm web (config): channel connected, 7 reports"));
         assert!(table.contains("4242"), "{table}");
         assert!(table.contains("guest"), "{table}");

@@ -18,7 +18,7 @@ mod tracking;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
-use task_detector::{CpuIoSample, DetectorOutput, ForkSample, IoTaskInfo, Partner};
+use task_detector::{CpuIoSample, ForkSample, IoTaskInfo, Partner};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
 use crate::affinity::Outcome;
@@ -101,23 +101,8 @@ pub struct Observation {
     pub host: HostHints,
 }
 
-/// The block programs of the detector.
-pub trait BlockTracking {
-    /// Whether the programs track requests now.
-    fn tracking(&self) -> bool;
-    /// Whether they sit on their tracepoints (tracking or paused).
-    fn attached(&self) -> bool;
-    fn pause(&mut self) -> anyhow::Result<()>;
-    fn resume(&mut self) -> anyhow::Result<()>;
-    fn detach(&mut self) -> anyhow::Result<()>;
-    /// The I/O-bound tasks and per-vCPU completions of the window that just ended.
-    fn poll(&mut self) -> anyhow::Result<DetectorOutput>;
-    /// Whether a thread is half-way to being found I/O-bound (a sample may run on).
-    fn entering(&self) -> bool;
-    /// Whether, while paused, a thread quiet for seconds issued block I/O since the last
-    /// call (it may have just become I/O-bound: sample now). Reading clears it.
-    fn take_doorbell(&mut self) -> bool;
-}
+/// The block programs of the detector (`task_detector::Detector`, or a test's fake).
+pub use task_detector::BlockTracking;
 
 /// The placement: the affinity executor (journaled) and the set the monitor threads move.
 pub trait TaskPlacement {
@@ -332,26 +317,22 @@ impl Engine {
         self.snap.block_tracking = act.blocks().tracking();
         self.snap.block_attached = act.blocks().attached();
         let disk = obs.disk_completed.filter(|_| self.reads_disk());
-        let Some(io_seen) = self.read_window(now, disk, act) else {
+        let Some(io_seen) = self.read_window(now, &obs.vcpus, disk, act) else {
             return self.cfg.idle;
         };
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let progress = disk.unwrap_or(self.last_completions);
         let decided = self.decide_tasks(now, progress, &obs.host.held, act);
-        // On hold nothing is decided per window: the guard needs only an epoch's count.
-        let tracking = act.blocks().tracking();
-        let nap = if tracking && (decided.active || io_seen) && decided.moves_allowed {
-            self.cfg.window
-        } else if !tracking && (!self.contended || self.guard.as_ref().is_none_or(|g| !g.probing()))
-        {
-            // Paused with nothing to measure (a guard probe needs contention too): wake
-            // for the next sample or contention check only, not every guard epoch.
-            nap_limit
-        } else {
-            self.cfg.idle
+        let facts = NapFacts {
+            tracking: act.blocks().tracking(),
+            managing: decided.active,
+            io_seen,
+            moves_allowed: decided.moves_allowed,
+            contended: self.contended,
+            probing: self.guard.as_ref().is_some_and(|g| g.probing()),
         };
-        nap.min(nap_limit)
+        nap(&facts, self.cfg.window, self.cfg.idle, nap_limit)
     }
 
     /// Polls the block programs while they track, else carries the per-vCPU estimate
@@ -359,11 +340,14 @@ impl Engine {
     fn read_window(
         &mut self,
         now: u64,
+        vcpus: &[VcpuSnapshot],
         disk: Option<u64>,
         act: &mut impl Actuator,
     ) -> Option<bool> {
         if act.blocks().tracking() {
-            let out = match act.blocks().poll() {
+            let out_ns: Vec<(usize, u64)> =
+                vcpus.iter().map(|v| (v.cpu, v.inactive_total_ns)).collect();
+            let out = match act.blocks().poll(&out_ns) {
                 Ok(out) => out,
                 Err(e) => {
                     self.snap.detector_errors += 1;
@@ -402,6 +386,36 @@ impl Engine {
             Some(false)
         }
     }
+}
+
+/// What a step's nap depends on.
+#[derive(Clone, Copy, Debug)]
+struct NapFacts {
+    /// The block programs track requests.
+    tracking: bool,
+    /// Tasks are managed (the planner moves some).
+    managing: bool,
+    /// The window saw block I/O.
+    io_seen: bool,
+    moves_allowed: bool,
+    contended: bool,
+    /// The move guard is probing (epochs with and without moves).
+    probing: bool,
+}
+
+/// The nap rule: a window while tracking where tasks may move and there is I/O or a task
+/// to manage (each window decides); the limit (the next sample or contention check) while
+/// paused with nothing to measure, a guard probe needing contention too; the idle poll
+/// otherwise (on hold the guard needs only an epoch's count). Never past the limit.
+fn nap(f: &NapFacts, window: Duration, idle: Duration, limit: Duration) -> Duration {
+    let nap = if f.tracking && (f.managing || f.io_seen) && f.moves_allowed {
+        window
+    } else if !f.tracking && (!f.contended || !f.probing) {
+        limit
+    } else {
+        idle
+    };
+    nap.min(limit)
 }
 
 /// At shutdown: nothing more for the monitor threads to move, and every task back on its

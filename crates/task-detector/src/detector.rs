@@ -113,6 +113,29 @@ pub struct Detector<'obj> {
 /// daemon keeps such a task a few seconds more (`KEEP_GRACE`), and finds its partner then.
 const RECENT_IO_NS: u64 = 10_000_000_000;
 
+/// What the engine asks of the block programs (`migrater::engine`): a test gives it a fake.
+pub trait BlockTracking {
+    /// Whether the programs track requests now.
+    fn tracking(&self) -> bool;
+    /// Whether they sit on their tracepoints (tracking or paused).
+    fn attached(&self) -> bool;
+    /// Stops tracking until `resume`; the programs stay on their tracepoints.
+    fn pause(&mut self) -> Result<()>;
+    /// Tracks again after `pause` or `detach`.
+    fn resume(&mut self) -> Result<()>;
+    /// `pause`, and the programs off their tracepoints until `resume`.
+    fn detach(&mut self) -> Result<()>;
+    /// The I/O-bound tasks and per-vCPU completions of the window that just ended, told
+    /// each vCPU's cumulative time seen taken away (`(cpu, ns)`, the vCPU monitor's): a
+    /// thread is not judged CPU-bound on time its vCPU was out.
+    fn poll(&mut self, cpu_out_ns: &[(usize, u64)]) -> Result<DetectorOutput>;
+    /// Whether a thread is half-way to being found I/O-bound (a sample may run on).
+    fn entering(&self) -> bool;
+    /// Whether, while paused, a thread quiet for seconds issued block I/O since the last
+    /// call (it may have just become I/O-bound: sample now). Reading clears it.
+    fn take_doorbell(&mut self) -> bool;
+}
+
 impl<'obj> Detector<'obj> {
     pub fn new(tracker: IoTracker<'obj>, cfg: ClassifierConfig) -> Self {
         Detector {
@@ -132,22 +155,69 @@ impl<'obj> Detector<'obj> {
         }
     }
 
+    pub fn mode(&self) -> AttachMode {
+        self.tracker.mode()
+    }
+
+    fn identity(&mut self, tgid: u32, tid: u32) -> Option<Identity> {
+        if let Some(id) = self.identities.get(&tid) {
+            return Some(id.clone());
+        }
+        let id = self.proc.identity(tgid, tid)?;
+        self.identities.insert(tid, id.clone());
+        Some(id)
+    }
+
+    /// The partners of `tasks`, and of the threads found I/O-bound lately, in this sample,
+    /// with their /proc identity (exited and kernel threads left out).
+    fn partners_of(&mut self, tasks: &[IoTaskInfo]) -> Vec<Partner> {
+        if self.wakes.is_empty() || (tasks.is_empty() && self.recent_io.is_empty()) {
+            return Vec::new();
+        }
+        let now = vcpu_clock();
+        for t in tasks {
+            self.recent_io.insert(t.task.tid, now);
+        }
+        self.recent_io
+            .retain(|_, at| now.saturating_sub(*at) < RECENT_IO_NS);
+        let io: Vec<u32> = self.recent_io.keys().copied().collect();
+        crate::partners::partners(&io, &self.wakes)
+            .into_iter()
+            .filter_map(|(of, tid, wakes)| {
+                let tgid = *self.tgids.get(&tid)?;
+                // Read afresh, not from the I/O threads' cache: a partner's tid is
+                // never forgotten there, and a reused tid must not inherit its identity.
+                let id = self.proc.identity(tgid, tid)?;
+                (!id.is_kernel).then_some(Partner {
+                    of,
+                    tid,
+                    tgid,
+                    comm: id.comm,
+                    start_time: id.start_time,
+                    wakes,
+                })
+            })
+            .collect()
+    }
+}
+
+impl BlockTracking for Detector<'_> {
     /// Whether a thread is half-way to being classified I/O-bound, or two threads have
     /// begun to wake each other in this sample but not yet often enough to be partners
     /// (the sample may run on to decide).
-    pub fn entering(&self) -> bool {
+    fn entering(&self) -> bool {
         self.classifier.entering() || crate::partners::pending(&self.wakes)
     }
 
     /// Whether the BPF programs run on block requests now.
-    pub fn tracking(&self) -> bool {
+    fn tracking(&self) -> bool {
         self.paused_at.is_none()
     }
 
     /// Stops tracking block I/O until `resume` (the programs return at once: a request
     /// costs a few instructions). What the classifier knows stays: it is fed again after
     /// the pause as if no time had passed.
-    pub fn pause(&mut self) -> Result<()> {
+    fn pause(&mut self) -> Result<()> {
         if self.paused_at.is_some() {
             return Ok(());
         }
@@ -165,24 +235,24 @@ impl<'obj> Detector<'obj> {
 
     /// Whether a thread quiet for seconds issued block I/O since the last call, while
     /// paused (`IoTracker::take_doorbell`).
-    pub fn take_doorbell(&mut self) -> bool {
+    fn take_doorbell(&mut self) -> bool {
         self.tracker.take_doorbell()
     }
 
     /// Whether the programs are on their tracepoints (see `detach`).
-    pub fn attached(&self) -> bool {
+    fn attached(&self) -> bool {
         self.tracker.attached()
     }
 
     /// `pause`, and the programs off their tracepoints until `resume`: for long pauses,
     /// where even a program that returns at once costs every request something.
-    pub fn detach(&mut self) -> Result<()> {
+    fn detach(&mut self) -> Result<()> {
         self.pause()?;
         self.tracker.detach(vcpu_clock())
     }
 
     /// Tracks block I/O again after `pause` or `detach`.
-    pub fn resume(&mut self) -> Result<()> {
+    fn resume(&mut self) -> Result<()> {
         let Some(at) = self.paused_at else {
             return Ok(());
         };
@@ -204,27 +274,8 @@ impl<'obj> Detector<'obj> {
         Ok(())
     }
 
-    pub fn mode(&self) -> AttachMode {
-        self.tracker.mode()
-    }
-
-    fn identity(&mut self, tgid: u32, tid: u32) -> Option<Identity> {
-        if let Some(id) = self.identities.get(&tid) {
-            return Some(id.clone());
-        }
-        let id = self.proc.identity(tgid, tid)?;
-        self.identities.insert(tid, id.clone());
-        Some(id)
-    }
-
     /// One window: read the maps, add /proc facts for threads with fresh I/O, classify.
-    pub fn poll(&mut self) -> Result<DetectorOutput> {
-        self.poll_seeing(&[])
-    }
-
-    /// `poll`, told each vCPU's cumulative time seen taken away (`(cpu, ns)`, the vCPU
-    /// monitor's): a thread is not judged CPU-bound on time its vCPU was out.
-    pub fn poll_seeing(&mut self, cpu_out_ns: &[(usize, u64)]) -> Result<DetectorOutput> {
+    fn poll(&mut self, cpu_out_ns: &[(usize, u64)]) -> Result<DetectorOutput> {
         anyhow::ensure!(self.paused_at.is_none(), "polling a paused detector");
         // Tracked time: the classifier's clock (the same as CLOCK_MONOTONIC until the
         // first pause). The maps are read on the real clock.
@@ -326,38 +377,6 @@ impl<'obj> Detector<'obj> {
             partners,
             forks,
         })
-    }
-
-    /// The partners of `tasks`, and of the threads found I/O-bound lately, in this sample,
-    /// with their /proc identity (exited and kernel threads left out).
-    fn partners_of(&mut self, tasks: &[IoTaskInfo]) -> Vec<Partner> {
-        if self.wakes.is_empty() || (tasks.is_empty() && self.recent_io.is_empty()) {
-            return Vec::new();
-        }
-        let now = vcpu_clock();
-        for t in tasks {
-            self.recent_io.insert(t.task.tid, now);
-        }
-        self.recent_io
-            .retain(|_, at| now.saturating_sub(*at) < RECENT_IO_NS);
-        let io: Vec<u32> = self.recent_io.keys().copied().collect();
-        crate::partners::partners(&io, &self.wakes)
-            .into_iter()
-            .filter_map(|(of, tid, wakes)| {
-                let tgid = *self.tgids.get(&tid)?;
-                // Read afresh, not from the I/O threads' cache: a partner's tid is
-                // never forgotten there, and a reused tid must not inherit its identity.
-                let id = self.proc.identity(tgid, tid)?;
-                (!id.is_kernel).then_some(Partner {
-                    of,
-                    tid,
-                    tgid,
-                    comm: id.comm,
-                    start_time: id.start_time,
-                    wakes,
-                })
-            })
-            .collect()
     }
 }
 

@@ -20,7 +20,7 @@ mod tracker;
 pub use classifier::{
     ClassifierConfig, CompletionSite, Completions, IoClassifier, IoTask, ThreadObservation,
 };
-pub use detector::{Detector, DetectorOutput, IoTaskInfo, Partner, ProcReader};
+pub use detector::{BlockTracking, Detector, DetectorOutput, IoTaskInfo, Partner, ProcReader};
 pub use hooks::{plan_hooks, AttachMode, INFLIGHT_STALE_NS};
 pub use probe::{probe, Probe};
 pub use tracker::{

@@ -125,7 +125,7 @@ impl vcpu_monitor::TickHook for NoHook {
 fn monitor_source(cfg: &Config, m: vcpu_monitor::MonitorConfig, root: bool) -> String {
     let sleepers = format!(
         "sleepers (a SCHED_FIFO sleeper per vCPU, period {} µs)",
-        cfg.monitor.period_us
+        cfg.advanced.monitor.period_us
     );
     if cfg.monitor.source == MonitorSource::Sleepers {
         return format!("{sleepers}, as configured");
@@ -146,7 +146,7 @@ fn monitor_source(cfg: &Config, m: vcpu_monitor::MonitorConfig, root: bool) -> S
         m,
         board,
         std::sync::Arc::new(NoHook),
-        std::time::Duration::from_micros(cfg.migration.push_threshold_us),
+        std::time::Duration::from_micros(cfg.advanced.migration.push_threshold_us),
     ) {
         Ok(k) => {
             let attach = k.attach();

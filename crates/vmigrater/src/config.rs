@@ -27,6 +27,9 @@ pub struct Config {
     /// User priorities: the first matching rule sets a task's priority (higher wins).
     #[serde(rename = "priority")]
     pub priorities: Vec<PriorityRule>,
+    /// Timings and limits that our measurements chose (`docs/advanced.md`): a lab, or a
+    /// hypervisor unlike any measured, may need others; a user should not.
+    pub advanced: Advanced,
 }
 
 impl Default for Config {
@@ -40,11 +43,12 @@ impl Default for Config {
             metrics: MetricsSection::default(),
             channel: ChannelSection::default(),
             priorities: Vec::new(),
+            advanced: Advanced::default(),
         }
     }
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MonitorSection {
     /// Where deschedules are learnt from: "kernel" (late kernel timers seen by BPF, no
@@ -61,39 +65,8 @@ pub struct MonitorSection {
     #[cfg(feature = "lab-oracle")]
     #[serde(default, skip_serializing_if = "is_zero")]
     pub oracle_epoch_ns: u64,
-    /// Sleep period of each vCPU's sleeper while I/O-bound tasks need slice information.
-    pub period_us: u64,
-    /// Period while I/O-bound tasks exist but no descheduling was seen recently.
-    pub probe_period_us: u64,
-    /// Period while no task is I/O-bound: the daemon should cost almost nothing then.
-    pub idle_period_us: u64,
-    /// Floor of the adaptive gap threshold.
-    pub min_gap_threshold_us: u64,
-    /// Slice length assumed before any slice has been measured (paper: 11 ms).
-    pub default_slice_us: u64,
-    /// SCHED_FIFO priority of the sleepers; 0 runs them as normal tasks (less precise).
-    pub rt_priority: i32,
     /// vCPUs to monitor; empty means every online CPU.
     pub cpus: Vec<usize>,
-}
-
-impl Default for MonitorSection {
-    fn default() -> Self {
-        MonitorSection {
-            source: MonitorSource::Auto,
-            #[cfg(feature = "lab-oracle")]
-            oracle_schedule: Vec::new(),
-            #[cfg(feature = "lab-oracle")]
-            oracle_epoch_ns: 0,
-            period_us: us(vcpu_monitor::DEFAULT_PERIOD),
-            probe_period_us: us(vcpu_monitor::DEFAULT_PROBE_PERIOD),
-            idle_period_us: us(vcpu_monitor::DEFAULT_IDLE_PERIOD),
-            min_gap_threshold_us: us(vcpu_monitor::DEFAULT_MIN_GAP_THRESHOLD),
-            default_slice_us: us(vcpu_monitor::DEFAULT_SLICE),
-            rt_priority: vcpu_monitor::DEFAULT_RT_PRIORITY,
-            cpus: Vec::new(),
-        }
-    }
 }
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Deserialize, Serialize, clap::ValueEnum)]
@@ -189,11 +162,108 @@ impl MonitorSection {
     }
 }
 
-#[derive(Clone, Debug, Deserialize, Serialize)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct DetectorSection {
     /// BPF attach mode: "auto", "tp_btf", "raw_tp" or "tracepoint".
     pub attach_mode: AttachSetting,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MigrationSection {
+    /// Commands (comm) never to migrate.
+    pub exclude_comm: Vec<String>,
+    /// Measure online whether moves raise the guest's block I/O rate (epochs with and
+    /// without moves, compared) and hold tasks on their own masks while they do not.
+    pub guard: bool,
+    /// Keep an I/O-bound task on the vCPU that takes its requests' completion interrupts
+    /// where that vCPU is fixed (a descheduled vCPU holds its interrupts, so elsewhere each
+    /// request needs two vCPUs to run). false: always move I/O-bound tasks towards running
+    /// vCPUs, for a hypervisor that delivers a descheduled vCPU's interrupts elsewhere or
+    /// a steal emulator that does not hold them.
+    pub follow_completions: bool,
+    /// Keep beside a task kept with its completions the user threads it wakes and is woken
+    /// by many times a second (a database backend's client across a socket): on another
+    /// vCPU each request would wait for that vCPU's window too. They get the short slice
+    /// as well.
+    pub keep_partners: bool,
+}
+
+impl Default for MigrationSection {
+    fn default() -> Self {
+        MigrationSection {
+            exclude_comm: Vec::new(),
+            guard: true,
+            follow_completions: true,
+            keep_partners: true,
+        }
+    }
+}
+
+/// The host channel: per-vCPU I/O reports to `vmigrater-hv-agent` over a virtio port.
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ChannelSection {
+    pub enabled: bool,
+    /// The virtio-serial port (any character device or FIFO works for tests).
+    pub path: std::path::PathBuf,
+}
+
+impl Default for ChannelSection {
+    fn default() -> Self {
+        ChannelSection {
+            enabled: true,
+            path: format!("/dev/virtio-ports/{}", proto::PORT_NAME).into(),
+        }
+    }
+}
+
+/// `[advanced.*]`: what the measurements in `benches/RESULTS.md` chose, documented in
+/// `docs/advanced.md`. The nested lab's guest sets some (QEMU TCG emulates every timer
+/// wake-up and map read); a user should not need to.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Advanced {
+    pub monitor: MonitorTimings,
+    pub detector: DetectorTimings,
+    pub migration: MigrationLimits,
+    pub channel: ChannelTimings,
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MonitorTimings {
+    /// Sleep period of each vCPU's sleeper while I/O-bound tasks need slice information.
+    pub period_us: u64,
+    /// Period while I/O-bound tasks exist but no descheduling was seen recently.
+    pub probe_period_us: u64,
+    /// Period while no task is I/O-bound: the daemon should cost almost nothing then.
+    pub idle_period_us: u64,
+    /// Floor of the adaptive gap threshold.
+    pub min_gap_threshold_us: u64,
+    /// Slice length assumed before any slice has been measured (paper: 11 ms).
+    pub default_slice_us: u64,
+    /// SCHED_FIFO priority of the sleepers; 0 runs them as normal tasks (less precise).
+    pub rt_priority: i32,
+}
+
+impl Default for MonitorTimings {
+    fn default() -> Self {
+        MonitorTimings {
+            period_us: us(vcpu_monitor::DEFAULT_PERIOD),
+            probe_period_us: us(vcpu_monitor::DEFAULT_PROBE_PERIOD),
+            idle_period_us: us(vcpu_monitor::DEFAULT_IDLE_PERIOD),
+            min_gap_threshold_us: us(vcpu_monitor::DEFAULT_MIN_GAP_THRESHOLD),
+            default_slice_us: us(vcpu_monitor::DEFAULT_SLICE),
+            rt_priority: vcpu_monitor::DEFAULT_RT_PRIORITY,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, Serialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DetectorTimings {
     /// Length of one classification window.
     pub window_ms: u64,
     /// Poll period while nothing is I/O-bound and no block I/O is seen.
@@ -212,10 +282,9 @@ pub struct DetectorSection {
     pub detach_after_ms: u64,
 }
 
-impl Default for DetectorSection {
+impl Default for DetectorTimings {
     fn default() -> Self {
-        DetectorSection {
-            attach_mode: AttachSetting::Auto,
+        DetectorTimings {
             window_ms: 5,
             idle_poll_ms: 40,
             sample_ms: 250,
@@ -227,72 +296,206 @@ impl Default for DetectorSection {
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct MigrationSection {
+pub struct MigrationLimits {
     /// Push I/O-bound tasks off a vCPU whose estimated remaining slice is below this.
     pub push_threshold_us: u64,
     /// Never put more than this much I/O load (sum of task load levels) on one vCPU while
     /// another running vCPU has room.
     pub max_load_per_vcpu: f64,
-    /// Commands (comm) never to migrate.
-    pub exclude_comm: Vec<String>,
-    /// Measure online whether moves raise the guest's block I/O rate (epochs with and
-    /// without moves, compared) and hold tasks on their own masks while they do not.
-    pub guard: bool,
-    /// Length of one guard epoch.
+    /// Length of one move-guard epoch.
     pub guard_epoch_ms: u64,
-    /// Keep an I/O-bound task on the vCPU that takes its requests' completion interrupts
-    /// where that vCPU is fixed (a descheduled vCPU holds its interrupts, so elsewhere each
-    /// request needs two vCPUs to run). false: always move I/O-bound tasks towards running
-    /// vCPUs, for a hypervisor that delivers a descheduled vCPU's interrupts elsewhere or
-    /// a steal emulator that does not hold them.
-    pub follow_completions: bool,
     /// The scheduler slice of a task kept with its completions (fair tasks whose own is
     /// longer; Linux 6.12+): a short one lets it run first when it wakes beside a CPU-bound
     /// task on that vCPU. Its own slice is journaled and given back when it is no longer
     /// kept. 0: leave slices alone.
     pub kept_slice_us: u64,
-    /// Keep beside a task kept with its completions the user threads it wakes and is woken
-    /// by many times a second (a database backend's client across a socket): on another
-    /// vCPU each request would wait for that vCPU's window too. They get the short slice
-    /// as well.
-    pub keep_partners: bool,
 }
 
-impl Default for MigrationSection {
+impl Default for MigrationLimits {
     fn default() -> Self {
-        MigrationSection {
+        MigrationLimits {
             push_threshold_us: 1_000,
             max_load_per_vcpu: 2.0,
-            exclude_comm: Vec::new(),
-            guard: true,
             guard_epoch_ms: 1_000,
-            follow_completions: true,
             kept_slice_us: 100,
-            keep_partners: true,
         }
     }
 }
 
-/// The host channel: per-vCPU I/O reports to `vmigrater-hv-agent` over a virtio port.
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
-pub struct ChannelSection {
-    pub enabled: bool,
-    /// The virtio-serial port (any character device or FIFO works for tests).
-    pub path: std::path::PathBuf,
+pub struct ChannelTimings {
     /// Report period.
     pub period_ms: u64,
 }
 
-impl Default for ChannelSection {
+impl Default for ChannelTimings {
     fn default() -> Self {
-        ChannelSection {
-            enabled: true,
-            path: format!("/dev/virtio-ports/{}", proto::PORT_NAME).into(),
-            period_ms: 100,
-        }
+        ChannelTimings { period_ms: 100 }
     }
 }
+
+impl Advanced {
+    /// The ranges of `[advanced.*]` (docs/advanced.md).
+    fn validate(&self) -> std::result::Result<(), Invalid> {
+        let m = &self.monitor;
+        in_range("advanced.monitor.period_us", m.period_us, 50, 100_000)?;
+        in_range(
+            "advanced.monitor.probe_period_us",
+            m.probe_period_us,
+            m.period_us,
+            1_000_000,
+        )?;
+        in_range(
+            "advanced.monitor.idle_period_us",
+            m.idle_period_us,
+            m.period_us,
+            10_000_000,
+        )?;
+        in_range(
+            "advanced.monitor.min_gap_threshold_us",
+            m.min_gap_threshold_us,
+            10,
+            100_000,
+        )?;
+        in_range(
+            "advanced.monitor.default_slice_us",
+            m.default_slice_us,
+            100,
+            1_000_000,
+        )?;
+        in_range("advanced.monitor.rt_priority", m.rt_priority, 0, 99)?;
+        let d = &self.detector;
+        in_range("advanced.detector.window_ms", d.window_ms, 1, 1_000)?;
+        in_range("advanced.detector.idle_poll_ms", d.idle_poll_ms, 1, 60_000)?;
+        if d.detach_after_ms != 0 {
+            in_range(
+                "advanced.detector.detach_after_ms",
+                d.detach_after_ms,
+                1_000,
+                3_600_000,
+            )
+            .map_err(|e| Invalid::new(&e.key, format!("{}, or 0 never to detach", e.message)))?;
+        }
+        // 0 tracks every request; sample_ms is unused then.
+        if d.sample_every_ms != 0 {
+            in_range(
+                "advanced.detector.sample_ms",
+                d.sample_ms,
+                d.window_ms,
+                60_000,
+            )
+            .map_err(|e| {
+                Invalid::new(
+                    &e.key,
+                    format!("{} (advanced.detector.window_ms..=60000)", e.message),
+                )
+            })?;
+            in_range(
+                "advanced.detector.sample_every_ms",
+                d.sample_every_ms,
+                d.sample_ms,
+                600_000,
+            )
+            .map_err(|e| {
+                Invalid::new(
+                    &e.key,
+                    format!(
+                        "{} (advanced.detector.sample_ms..=600000), or 0 to track every request",
+                        e.message
+                    ),
+                )
+            })?;
+        }
+        let mg = &self.migration;
+        in_range(
+            "advanced.migration.push_threshold_us",
+            mg.push_threshold_us,
+            0,
+            100_000,
+        )?;
+        in_range(
+            "advanced.migration.max_load_per_vcpu",
+            mg.max_load_per_vcpu,
+            0.01,
+            64.0,
+        )?;
+        in_range(
+            "advanced.migration.guard_epoch_ms",
+            mg.guard_epoch_ms,
+            100,
+            60_000,
+        )?;
+        if mg.kept_slice_us != 0 {
+            // The kernel's bounds for a custom slice: outside it clamps, and we would not
+            // recognise our own value when giving it back.
+            in_range(
+                "advanced.migration.kept_slice_us",
+                mg.kept_slice_us,
+                100,
+                100_000,
+            )
+            .map_err(|e| {
+                Invalid::new(&e.key, format!("{}, or 0 to leave slices alone", e.message))
+            })?;
+        }
+        in_range(
+            "advanced.channel.period_ms",
+            self.channel.period_ms,
+            10,
+            60_000,
+        )?;
+        Ok(())
+    }
+}
+
+/// Keys that moved into `[advanced.*]`: a file that still sets one is told where it went
+/// (on the line), not handed serde's bare "unknown field".
+const MOVED_KEYS: &[(&str, &str)] = &[
+    ("monitor.period_us", "advanced.monitor.period_us"),
+    (
+        "monitor.probe_period_us",
+        "advanced.monitor.probe_period_us",
+    ),
+    ("monitor.idle_period_us", "advanced.monitor.idle_period_us"),
+    (
+        "monitor.min_gap_threshold_us",
+        "advanced.monitor.min_gap_threshold_us",
+    ),
+    (
+        "monitor.default_slice_us",
+        "advanced.monitor.default_slice_us",
+    ),
+    ("monitor.rt_priority", "advanced.monitor.rt_priority"),
+    ("detector.window_ms", "advanced.detector.window_ms"),
+    ("detector.idle_poll_ms", "advanced.detector.idle_poll_ms"),
+    ("detector.sample_ms", "advanced.detector.sample_ms"),
+    (
+        "detector.sample_every_ms",
+        "advanced.detector.sample_every_ms",
+    ),
+    (
+        "detector.detach_after_ms",
+        "advanced.detector.detach_after_ms",
+    ),
+    (
+        "migration.push_threshold_us",
+        "advanced.migration.push_threshold_us",
+    ),
+    (
+        "migration.max_load_per_vcpu",
+        "advanced.migration.max_load_per_vcpu",
+    ),
+    (
+        "migration.guard_epoch_ms",
+        "advanced.migration.guard_epoch_ms",
+    ),
+    (
+        "migration.kept_slice_us",
+        "advanced.migration.kept_slice_us",
+    ),
+    ("channel.period_ms", "advanced.channel.period_ms"),
+];
 
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
@@ -348,6 +551,15 @@ impl control::Reloadable for Config {
 impl Config {
     /// Parses TOML text; `origin` names the file in errors.
     pub fn parse(text: &str, origin: &str) -> Result<Config> {
+        for (old, new) in MOVED_KEYS {
+            if let Some(line) = control::key_line(text, old) {
+                let (table, key) = new.rsplit_once('.').expect("dotted");
+                anyhow::bail!(
+                    "{origin}:{line}: {old} is now {new}: an internal timing or limit, set \
+                     under [{table}] as `{key} = …` if at all (docs/advanced.md)"
+                );
+            }
+        }
         control::parse_checked(text, origin, Config::validate)
     }
 
@@ -365,100 +577,16 @@ impl Config {
         control::load_config(path, explicit, Config::parse)
     }
 
-    /// Every key's range, documented in the README's configuration table.
+    /// Every key's range, documented in the README's configuration table and docs/advanced.md.
     fn validate(&self) -> std::result::Result<(), Invalid> {
         // The status socket lives in the state directory.
         control::socket_path_fits("state_dir", &crate::status::socket_path(&self.state_dir))?;
-        let m = &self.monitor;
-        in_range("monitor.period_us", m.period_us, 50, 100_000)?;
-        in_range(
-            "monitor.probe_period_us",
-            m.probe_period_us,
-            m.period_us,
-            1_000_000,
-        )?;
-        in_range(
-            "monitor.idle_period_us",
-            m.idle_period_us,
-            m.period_us,
-            10_000_000,
-        )?;
-        in_range(
-            "monitor.min_gap_threshold_us",
-            m.min_gap_threshold_us,
-            10,
-            100_000,
-        )?;
-        in_range(
-            "monitor.default_slice_us",
-            m.default_slice_us,
-            100,
-            1_000_000,
-        )?;
-        in_range("monitor.rt_priority", m.rt_priority, 0, 99)?;
+        self.advanced.validate()?;
         #[cfg(feature = "lab-oracle")]
-        validate_oracle(m)?;
-        let d = &self.detector;
-        in_range("detector.window_ms", d.window_ms, 1, 1_000)?;
-        in_range("detector.idle_poll_ms", d.idle_poll_ms, 1, 60_000)?;
-        if d.detach_after_ms != 0 {
-            in_range(
-                "detector.detach_after_ms",
-                d.detach_after_ms,
-                1_000,
-                3_600_000,
-            )
-            .map_err(|e| Invalid::new(&e.key, format!("{}, or 0 never to detach", e.message)))?;
-        }
-        // 0 tracks every request; sample_ms is unused then.
-        if d.sample_every_ms != 0 {
-            in_range("detector.sample_ms", d.sample_ms, d.window_ms, 60_000).map_err(|e| {
-                Invalid::new(
-                    &e.key,
-                    format!("{} (detector.window_ms..=60000)", e.message),
-                )
-            })?;
-            in_range(
-                "detector.sample_every_ms",
-                d.sample_every_ms,
-                d.sample_ms,
-                600_000,
-            )
-            .map_err(|e| {
-                Invalid::new(
-                    &e.key,
-                    format!(
-                        "{} (detector.sample_ms..=600000), or 0 to track every request",
-                        e.message
-                    ),
-                )
-            })?;
-        }
-        let mg = &self.migration;
-        in_range(
-            "migration.push_threshold_us",
-            mg.push_threshold_us,
-            0,
-            100_000,
-        )?;
-        in_range(
-            "migration.max_load_per_vcpu",
-            mg.max_load_per_vcpu,
-            0.01,
-            64.0,
-        )?;
-        in_range("migration.guard_epoch_ms", mg.guard_epoch_ms, 100, 60_000)?;
-        if mg.kept_slice_us != 0 {
-            // The kernel's bounds for a custom slice: outside it clamps, and we would not
-            // recognise our own value when giving it back.
-            in_range("migration.kept_slice_us", mg.kept_slice_us, 100, 100_000).map_err(|e| {
-                Invalid::new(&e.key, format!("{}, or 0 to leave slices alone", e.message))
-            })?;
-        }
-        for name in &mg.exclude_comm {
+        validate_oracle(&self.monitor)?;
+        for name in &self.migration.exclude_comm {
             comm_fits("migration.exclude_comm", name, "")?;
         }
-        in_range("channel.period_ms", self.channel.period_ms, 10, 60_000)?;
         for (i, rule) in self.priorities.iter().enumerate() {
             if let Some(name) = &rule.comm {
                 comm_fits(
@@ -539,7 +667,7 @@ mod tests {
     #[test]
     fn empty_file_is_all_defaults() {
         let cfg = Config::parse("", "t.toml").unwrap();
-        assert_eq!(cfg.monitor.period_us, 300);
+        assert_eq!(cfg.advanced.monitor.period_us, 300);
         assert_eq!(cfg.metrics.listen.to_string(), "127.0.0.1:9977");
     }
 
@@ -550,6 +678,36 @@ mod tests {
             .to_string();
         assert!(err.starts_with("t.toml:4:"), "{err}");
         assert!(err.contains("period_uss"), "{err}");
+    }
+
+    #[test]
+    fn a_key_moved_to_advanced_is_refused_naming_its_line_and_new_place() {
+        for (old, new) in MOVED_KEYS {
+            let (table, key) = old.split_once('.').unwrap();
+            let err = format!(
+                "{:#}",
+                Config::parse(&format!("# c\n[{table}]\n{key} = 1\n"), "t.toml").unwrap_err()
+            );
+            assert!(
+                err.starts_with(&format!("t.toml:3: {old} is now {new}")),
+                "{err}"
+            );
+            // The new place knows the key: only its range may refuse the value.
+            let (new_table, _) = new.rsplit_once('.').unwrap();
+            if let Err(e) = Config::parse(&format!("[{new_table}]\n{key} = 1\n"), "t.toml") {
+                let e = format!("{e:#}");
+                assert!(!e.contains("unknown field"), "{e}");
+            }
+        }
+        // Every key of [advanced.*] is listed, so that none moved silently.
+        let advanced = toml::Value::try_from(Advanced::default()).unwrap();
+        let count: usize = advanced
+            .as_table()
+            .unwrap()
+            .values()
+            .map(|t| t.as_table().unwrap().len())
+            .sum();
+        assert_eq!(count, MOVED_KEYS.len());
     }
 
     #[test]
@@ -566,12 +724,13 @@ mod tests {
     fn a_reload_puts_into_effect_exactly_the_live_keys() {
         use control::Reloadable;
         let running = Config::default();
-        let bad = || Config::parse("[monitor]\nperiod_us = 1\n", "bad.toml");
+        let bad = || Config::parse("[advanced.monitor]\nperiod_us = 1\n", "bad.toml");
         assert!(
             control::reload(&running, &bad).is_none(),
             "a bad file applies nothing"
         );
-        let text = "[monitor]\nperiod_us = 500\n\n[migration]\nexclude_comm = [\"fio\"]\n\n\
+        let text =
+            "[advanced.monitor]\nperiod_us = 500\n\n[migration]\nexclude_comm = [\"fio\"]\n\n\
                     [[priority]]\ncomm = \"db\"\npriority = 5\n";
         let good = || Config::parse(text, "good.toml");
         let (live, restart) = control::changed_keys(&running, &good().unwrap(), |k| {
@@ -582,7 +741,7 @@ mod tests {
             Config::LIVE_KEYS,
             "every live key changed in this file"
         );
-        assert_eq!(restart, ["monitor.period_us"]);
+        assert_eq!(restart, ["advanced.monitor.period_us"]);
         let next = control::reload(&running, &good).expect("live keys changed");
         assert_eq!(next.migration.exclude_comm, ["fio"]);
         assert_eq!(next.priority_of("db", 1, ""), 5);
@@ -643,7 +802,7 @@ mod tests {
 
     #[test]
     fn wrong_type_names_the_line() {
-        let err = Config::parse("[migration]\npush_threshold_us = \"fast\"\n", "c")
+        let err = Config::parse("[advanced.migration]\npush_threshold_us = \"fast\"\n", "c")
             .unwrap_err()
             .to_string();
         assert!(err.starts_with("c:2:"), "{err}");
@@ -653,9 +812,9 @@ mod tests {
     fn out_of_range_value_is_refused() {
         let err = format!(
             "{:#}",
-            Config::parse("[monitor]\nperiod_us = 1\n", "c").unwrap_err()
+            Config::parse("[advanced.monitor]\nperiod_us = 1\n", "c").unwrap_err()
         );
-        assert!(err.contains("monitor.period_us"), "{err}");
+        assert!(err.contains("advanced.monitor.period_us"), "{err}");
     }
 
     /// Every numeric key at both ends of its range and beyond: accepted inside, refused
@@ -666,7 +825,7 @@ mod tests {
         type Case<'a> = (&'a str, &'a str, &'a str, &'a str, &'a str, &'a [&'a str]);
         let cases: &[Case] = &[
             (
-                "monitor",
+                "advanced.monitor",
                 "probe_period_us = 100000\nidle_period_us = 100000\n",
                 "period_us",
                 "50",
@@ -674,7 +833,7 @@ mod tests {
                 &["49", "100001"],
             ),
             (
-                "monitor",
+                "advanced.monitor",
                 "",
                 "probe_period_us",
                 "300",
@@ -682,7 +841,7 @@ mod tests {
                 &["299", "1000001"],
             ),
             (
-                "monitor",
+                "advanced.monitor",
                 "",
                 "idle_period_us",
                 "300",
@@ -690,7 +849,7 @@ mod tests {
                 &["299", "9223372036854775807"],
             ),
             (
-                "monitor",
+                "advanced.monitor",
                 "",
                 "min_gap_threshold_us",
                 "10",
@@ -698,16 +857,23 @@ mod tests {
                 &["9", "100001"],
             ),
             (
-                "monitor",
+                "advanced.monitor",
                 "",
                 "default_slice_us",
                 "100",
                 "1000000",
                 &["0", "1000001"],
             ),
-            ("monitor", "", "rt_priority", "0", "99", &["-1", "100"]),
             (
-                "detector",
+                "advanced.monitor",
+                "",
+                "rt_priority",
+                "0",
+                "99",
+                &["-1", "100"],
+            ),
+            (
+                "advanced.detector",
                 "sample_every_ms = 0\n",
                 "window_ms",
                 "1",
@@ -715,7 +881,7 @@ mod tests {
                 &["0", "1001"],
             ),
             (
-                "detector",
+                "advanced.detector",
                 "",
                 "idle_poll_ms",
                 "1",
@@ -723,7 +889,7 @@ mod tests {
                 &["0", "60001"],
             ),
             (
-                "detector",
+                "advanced.detector",
                 "sample_every_ms = 60000\n",
                 "sample_ms",
                 "5",
@@ -731,7 +897,7 @@ mod tests {
                 &["4", "60001"],
             ),
             (
-                "detector",
+                "advanced.detector",
                 "",
                 "sample_every_ms",
                 "250",
@@ -739,7 +905,7 @@ mod tests {
                 &["249", "600001"],
             ),
             (
-                "migration",
+                "advanced.migration",
                 "",
                 "push_threshold_us",
                 "0",
@@ -747,7 +913,7 @@ mod tests {
                 &["100001", "9223372036854775807"],
             ),
             (
-                "migration",
+                "advanced.migration",
                 "",
                 "max_load_per_vcpu",
                 "0.01",
@@ -755,7 +921,7 @@ mod tests {
                 &["0.0", "64.5", "nan", "inf", "-inf"],
             ),
             (
-                "migration",
+                "advanced.migration",
                 "",
                 "guard_epoch_ms",
                 "100",
@@ -763,14 +929,21 @@ mod tests {
                 &["99", "60001"],
             ),
             (
-                "migration",
+                "advanced.migration",
                 "",
                 "kept_slice_us",
                 "100",
                 "100000",
                 &["99", "100001"],
             ),
-            ("channel", "", "period_ms", "10", "60000", &["9", "60001"]),
+            (
+                "advanced.channel",
+                "",
+                "period_ms",
+                "10",
+                "60000",
+                &["9", "60001"],
+            ),
             (
                 "priority",
                 "comm = \"fio\"\n",
@@ -806,24 +979,25 @@ mod tests {
 
     #[test]
     fn kept_slice_zero_leaves_slices_alone() {
-        let c = Config::parse("[migration]\nkept_slice_us = 0\n", "c").unwrap();
-        assert_eq!(c.migration.kept_slice_us, 0);
-        assert_eq!(Config::default().migration.kept_slice_us, 100);
+        let c = Config::parse("[advanced.migration]\nkept_slice_us = 0\n", "c").unwrap();
+        assert_eq!(c.advanced.migration.kept_slice_us, 0);
+        assert_eq!(Config::default().advanced.migration.kept_slice_us, 100);
     }
 
     #[test]
     fn sampling_bounds() {
-        let ok = |t: &str| Config::parse(t, "c").map(|c| c.detector);
-        let d = ok("[detector]\nsample_every_ms = 0\nsample_ms = 0\n").unwrap();
+        let ok = |t: &str| Config::parse(t, "c").map(|c| c.advanced.detector);
+        let d = ok("[advanced.detector]\nsample_every_ms = 0\nsample_ms = 0\n").unwrap();
         assert_eq!(
             d.sample_every_ms, 0,
             "0 tracks every request, sample_ms unused"
         );
-        assert!(
-            ok("[detector]\nwindow_ms = 200\nsample_ms = 400\nsample_every_ms = 4000\n").is_ok()
-        );
+        assert!(ok(
+            "[advanced.detector]\nwindow_ms = 200\nsample_ms = 400\nsample_every_ms = 4000\n"
+        )
+        .is_ok());
         assert_eq!(
-            ok("[detector]\ndetach_after_ms = 0\n")
+            ok("[advanced.detector]\ndetach_after_ms = 0\n")
                 .unwrap()
                 .detach_after_ms,
             0,
@@ -831,28 +1005,28 @@ mod tests {
         );
         for (text, key) in [
             (
-                "[detector]\nwindow_ms = 50\nsample_ms = 20\n",
-                "detector.sample_ms",
+                "[advanced.detector]\nwindow_ms = 50\nsample_ms = 20\n",
+                "advanced.detector.sample_ms",
             ),
             (
-                "[detector]\nsample_ms = 60001\nsample_every_ms = 70000\n",
-                "detector.sample_ms",
+                "[advanced.detector]\nsample_ms = 60001\nsample_every_ms = 70000\n",
+                "advanced.detector.sample_ms",
             ),
             (
-                "[detector]\nsample_ms = 500\nsample_every_ms = 400\n",
-                "detector.sample_every_ms",
+                "[advanced.detector]\nsample_ms = 500\nsample_every_ms = 400\n",
+                "advanced.detector.sample_every_ms",
             ),
             (
-                "[detector]\nsample_every_ms = 600001\n",
-                "detector.sample_every_ms",
+                "[advanced.detector]\nsample_every_ms = 600001\n",
+                "advanced.detector.sample_every_ms",
             ),
             (
-                "[detector]\nidle_poll_ms = 60001\n",
-                "detector.idle_poll_ms",
+                "[advanced.detector]\nidle_poll_ms = 60001\n",
+                "advanced.detector.idle_poll_ms",
             ),
             (
-                "[detector]\ndetach_after_ms = 500\n",
-                "detector.detach_after_ms",
+                "[advanced.detector]\ndetach_after_ms = 500\n",
+                "advanced.detector.detach_after_ms",
             ),
         ] {
             let err = format!("{:#}", ok(text).unwrap_err());
@@ -906,11 +1080,11 @@ mod tests {
     #[test]
     fn flags_are_held_to_the_files_ranges() {
         let mut cfg = Config::default();
-        cfg.monitor.period_us = 1;
+        cfg.advanced.monitor.period_us = 1;
         let err = format!("{:#}", cfg.revalidate("command line").unwrap_err());
         assert_eq!(
             err,
-            "command line: monitor.period_us = 1 is outside 50..=100000"
+            "command line: advanced.monitor.period_us = 1 is outside 50..=100000"
         );
     }
 
@@ -988,6 +1162,6 @@ mod tests {
     fn default_toml_round_trips() {
         let text = Config::default_toml();
         let cfg = Config::parse(&text, "defaults").unwrap();
-        assert_eq!(cfg.monitor.period_us, 300);
+        assert_eq!(cfg.advanced.monitor.period_us, 300);
     }
 }

@@ -22,7 +22,7 @@ use vcpu_monitor::{AnyMonitor, MonitorConfig, VcpuBoard};
 use crate::channel::{self, ChannelStats};
 use crate::config::Config;
 use crate::detect::{DetectStart, DetectorThread, LivePlacement};
-use crate::metrics::Metrics;
+use crate::metrics::Moves;
 use crate::status;
 use crate::view::Running;
 use crate::{instance, recovery};
@@ -35,10 +35,10 @@ use migrater::planner::{Planner, PlannerConfig};
 use migrater::sampling::Schedule;
 
 pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
-    let m = &cfg.monitor;
+    let m = &cfg.advanced.monitor;
     let mut mc = MonitorConfig::default();
-    if !m.cpus.is_empty() {
-        mc.cpus = m.cpus.clone();
+    if !cfg.monitor.cpus.is_empty() {
+        mc.cpus = cfg.monitor.cpus.clone();
     }
     mc.period = Duration::from_micros(m.period_us);
     mc.probe_period = Duration::from_micros(m.probe_period_us);
@@ -52,10 +52,10 @@ pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
 
 fn classifier_config(cfg: &Config) -> ClassifierConfig {
     ClassifierConfig {
-        window_ns: cfg.detector.window_ms * 1_000_000,
+        window_ns: cfg.advanced.detector.window_ms * 1_000_000,
         // A sample (250 ms) at the default window: a server in lock-step with deschedules
         // issues a request every period or two.
-        max_window_ns: cfg.detector.window_ms * 50_000_000,
+        max_window_ns: cfg.advanced.detector.window_ms * 50_000_000,
         ..ClassifierConfig::default()
     }
 }
@@ -63,7 +63,7 @@ fn classifier_config(cfg: &Config) -> ClassifierConfig {
 /// The engine's settings. `measures_contention`: whether the monitor's out times tell how
 /// contended the vCPUs are.
 fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> EngineConfig {
-    let d = &cfg.detector;
+    let d = &cfg.advanced.detector;
     EngineConfig {
         window: Duration::from_millis(d.window_ms),
         idle: Duration::from_millis(d.idle_poll_ms.max(d.window_ms)),
@@ -78,7 +78,7 @@ fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> Eng
         // too, to show what would happen), no probe and no move there.
         gate_on_contention: cfg.migration.guard && measures_contention,
         guard: (cfg.migration.guard && !cfg.dry_run).then(|| GuardConfig {
-            epoch_ns: cfg.migration.guard_epoch_ms * 1_000_000,
+            epoch_ns: cfg.advanced.migration.guard_epoch_ms * 1_000_000,
             ..GuardConfig::default()
         }),
         completion_prior: if cfg.migration.follow_completions {
@@ -141,17 +141,17 @@ pub fn run(
     let mon_cfg = monitor_config(&cfg)?;
     let cpus = mon_cfg.cpus.clone();
     let board = Arc::new(VcpuBoard::new(&cpus, &mon_cfg));
-    let metrics = Arc::new(Metrics::new(attach_mode, cfg.dry_run));
-    let shared = shared_placement(&cfg, metrics.clone())?;
+    let moves = Arc::new(Moves::default());
+    let shared = shared_placement(&cfg, moves.clone())?;
     let planner = Planner::new(PlannerConfig {
-        push_threshold_ns: cfg.migration.push_threshold_us * 1_000,
-        max_load_per_vcpu: cfg.migration.max_load_per_vcpu,
+        push_threshold_ns: cfg.advanced.migration.push_threshold_us * 1_000,
+        max_load_per_vcpu: cfg.advanced.migration.max_load_per_vcpu,
         ..PlannerConfig::default()
     });
     let hook = Arc::new(MigrationHook::new(
         shared.clone(),
         planner,
-        cfg.migration.push_threshold_us * 1_000,
+        cfg.advanced.migration.push_threshold_us * 1_000,
         &cpus,
     ));
     let (monitor, fallback) = AnyMonitor::start(
@@ -159,15 +159,14 @@ pub fn run(
         mon_cfg,
         board.clone(),
         hook,
-        Duration::from_micros(cfg.migration.push_threshold_us),
+        Duration::from_micros(cfg.advanced.migration.push_threshold_us),
     )
     .context("starting the vCPU monitor")?;
     if let Some(why) = fallback {
         warn!("kernel-timer vCPU monitor unavailable, using sleepers: {why}");
     }
     let monitor_source = monitor.source();
-    metrics.set_monitor_source(monitor_source);
-    info!(cpus = ?cpus, source = monitor_source.as_str(), period_us = cfg.monitor.period_us, "vCPU monitor started");
+    info!(cpus = ?cpus, source = monitor_source.as_str(), period_us = cfg.advanced.monitor.period_us, "vCPU monitor started");
 
     // Every sleep of the detector and channel threads is a nap on this: shutdown wakes
     // them at once, whatever the configured periods.
@@ -192,7 +191,7 @@ pub fn run(
     let running = Arc::new(Running {
         shared: shared.clone(),
         board: board.clone(),
-        metrics,
+        moves,
         engine,
         attach_mode,
         monitor_source,
@@ -232,7 +231,7 @@ pub fn run(
 
 /// The placement shared by the monitor threads, the engine and the control plane, with
 /// the executor and its journal (none in dry run).
-fn shared_placement(cfg: &Config, metrics: Arc<Metrics>) -> Result<Arc<Shared>> {
+fn shared_placement(cfg: &Config, moves: Arc<Moves>) -> Result<Arc<Shared>> {
     let executor = if cfg.dry_run {
         info!("dry-run: migrations are planned and logged, no mask is changed");
         None
@@ -249,7 +248,7 @@ fn shared_placement(cfg: &Config, metrics: Arc<Metrics>) -> Result<Arc<Shared>> 
             latencies: LatencyRing::new(4096),
             hands_off: HashSet::new(),
         }),
-        moves: metrics,
+        moves,
         migrations: AtomicU64::new(0),
     }))
 }
@@ -264,7 +263,7 @@ fn spawn_channel(
         return Ok(None);
     }
     let (running, stop, path) = (running.clone(), stop.clone(), cfg.channel.path.clone());
-    let period = Duration::from_millis(cfg.channel.period_ms);
+    let period = Duration::from_millis(cfg.advanced.channel.period_ms);
     let handle = std::thread::Builder::new()
         .name("vmigrater-chan".into())
         .spawn(move || {

@@ -15,8 +15,8 @@ use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use task_detector::{
-    AttachMode, ClassifierConfig, Detector, DetectorOutput, ForkSample, IoTaskInfo, IoTracker,
-    TrackerOptions, TrackerStorage,
+    AttachMode, ClassifierConfig, Detector, ForkSample, IoTaskInfo, IoTracker, TrackerOptions,
+    TrackerStorage,
 };
 use tracing::{info, warn};
 use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
@@ -25,8 +25,7 @@ use crate::channel::ChannelStats;
 use crate::config::Config;
 use migrater::affinity::Outcome;
 use migrater::engine::{
-    Actuator, BlockTracking, Engine, EngineConfig, EngineSnapshot, HostHints, Observation,
-    TaskPlacement,
+    Actuator, Engine, EngineConfig, EngineSnapshot, HostHints, Observation, TaskPlacement,
 };
 use migrater::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry, TaskId};
 use migrater::planner::Reason;
@@ -64,7 +63,7 @@ impl TaskPlacement for LivePlacement<'_> {
         anchor_on_held(self.shared, &mut placement, tasks, on, reason)
     }
     fn keep_short_slices(&mut self, kept: &[u32]) {
-        let ns = self.cfg.migration.kept_slice_us * 1_000;
+        let ns = self.cfg.advanced.migration.kept_slice_us * 1_000;
         // Set to 0 by a reload: every slice given goes back.
         let kept = if ns == 0 { &[][..] } else { kept };
         let mut placement = lock_placement(&self.shared.placement);
@@ -105,45 +104,11 @@ struct Live<'a, 'obj> {
     placement: LivePlacement<'a>,
 }
 
-impl BlockTracking for Live<'_, '_> {
-    fn tracking(&self) -> bool {
-        self.detector.tracking()
-    }
-    fn attached(&self) -> bool {
-        self.detector.attached()
-    }
-    fn pause(&mut self) -> Result<()> {
-        self.detector.pause()
-    }
-    fn resume(&mut self) -> Result<()> {
-        self.detector.resume()
-    }
-    fn detach(&mut self) -> Result<()> {
-        self.detector.detach()
-    }
-    fn poll(&mut self) -> Result<DetectorOutput> {
-        let out: Vec<(usize, u64)> = self
-            .placement
-            .board
-            .snapshot(monotonic_ns())
-            .iter()
-            .map(|v| (v.cpu, v.inactive_total_ns))
-            .collect();
-        self.detector.poll_seeing(&out)
-    }
-    fn entering(&self) -> bool {
-        self.detector.entering()
-    }
-    fn take_doorbell(&mut self) -> bool {
-        self.detector.take_doorbell()
-    }
-}
-
 impl<'a, 'obj> Actuator for Live<'a, 'obj> {
-    type Blocks = Self;
+    type Blocks = Detector<'obj>;
     type Placement = LivePlacement<'a>;
-    fn blocks(&mut self) -> &mut Self {
-        self
+    fn blocks(&mut self) -> &mut Detector<'obj> {
+        &mut self.detector
     }
     fn placement(&mut self) -> &mut LivePlacement<'a> {
         &mut self.placement

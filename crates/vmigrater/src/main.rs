@@ -7,11 +7,22 @@ use std::path::PathBuf;
 use vmigrater::config::{Config, DEFAULT_CONFIG_PATH};
 use vmigrater::{check, daemon, record, status};
 
-/// `--version`. The lab reads it to know that a daemon build has its oracle source.
+/// `--version`, with the commit it was built from (`build.rs`): the benchmarks record it
+/// beside their own. The lab reads it to know that a daemon build has its oracle source.
 #[cfg(feature = "lab-oracle")]
-const VERSION: &str = concat!(env!("CARGO_PKG_VERSION"), " (lab build: oracle source)");
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("VMIGRATER_COMMIT"),
+    "; lab build: oracle source)"
+);
 #[cfg(not(feature = "lab-oracle"))]
-const VERSION: &str = env!("CARGO_PKG_VERSION");
+const VERSION: &str = concat!(
+    env!("CARGO_PKG_VERSION"),
+    " (commit ",
+    env!("VMIGRATER_COMMIT"),
+    ")"
+);
 
 /// Keeps I/O-bound tasks on vCPUs that are running right now, so guest I/O does not stall
 /// while the hypervisor has a vCPU descheduled.
@@ -60,7 +71,8 @@ struct RunArgs {
     /// Directory of the affinity journal and the status socket (overrides `state_dir`).
     #[arg(long)]
     state_dir: Option<PathBuf>,
-    /// vCPU sleeper period in microseconds while I/O-bound tasks exist (overrides `monitor.period_us`).
+    /// vCPU sleeper period in microseconds while I/O-bound tasks exist (overrides
+    /// `advanced.monitor.period_us`).
     #[arg(long)]
     period_us: Option<u64>,
     /// Where vCPU deschedules are learnt from (overrides `monitor.source`): kernel timers,
@@ -135,7 +147,7 @@ fn run_config(config: &std::path::Path, explicit: bool, args: &RunArgs) -> Resul
         cfg.state_dir = d.clone();
     }
     if let Some(p) = args.period_us {
-        cfg.monitor.period_us = p;
+        cfg.advanced.monitor.period_us = p;
     }
     if let Some(src) = args.monitor_source {
         cfg.monitor.source = src;

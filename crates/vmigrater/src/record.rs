@@ -107,7 +107,7 @@ pub fn run(cfg: &Config, length: Duration, out: Option<&Path>) -> Result<()> {
         mon_cfg,
         board,
         recorder.clone(),
-        Duration::from_micros(cfg.migration.push_threshold_us),
+        Duration::from_micros(cfg.advanced.migration.push_threshold_us),
     )
     .context("starting the kernel-timer monitor (root, and a kernel with BTF: `vmigrater check` says more)")?;
     let t0 = monotonic_ns();

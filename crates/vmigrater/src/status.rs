@@ -83,7 +83,7 @@ pub enum DemandReport {
 }
 
 /// The name a report's mode has in the JSON, for the table.
-fn name_of<T: Serialize>(v: &T) -> String {
+pub(crate) fn name_of<T: Serialize>(v: &T) -> String {
     serde_json::to_value(v)
         .ok()
         .and_then(|j| j.as_str().map(str::to_string))
@@ -118,8 +118,26 @@ pub struct StatusReport {
     pub guard_pays: u64,
     #[serde(default)]
     pub guard_holds: u64,
+    /// I/O-bound tasks the planner may move (those kept with their completions are in
+    /// `kept_with_completions`).
     pub io_tasks: u64,
+    /// Threads classified I/O-bound: the managed ones, or while moves are on hold the ones
+    /// found (`vmigrater_io_bound_tasks`).
+    #[serde(default)]
+    pub io_bound_tasks: u64,
     pub managed_tasks: u64,
+    /// Tasks handed back with their own mask since start.
+    #[serde(default)]
+    pub releases: u64,
+    /// Failed polls of the block programs' maps.
+    #[serde(default)]
+    pub detector_errors: u64,
+    /// Block-tracking samples started before their period.
+    #[serde(default)]
+    pub early_samples: u64,
+    /// Children born with a managed task's pin and given their parent's own mask.
+    #[serde(default)]
+    pub inherited_pins_undone: u64,
     pub migrations: u64,
     pub hands_off_tasks: u64,
     /// Journal writes that failed (a full or read-only state directory): while they fail,

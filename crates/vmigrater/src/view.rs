@@ -11,7 +11,7 @@ use task_detector::AttachMode;
 use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
 
 use crate::channel::{ChannelStats, VcpuSample};
-use crate::metrics::Metrics;
+use crate::metrics::{self, Moves};
 use crate::status::{
     self, AttachReport, DemandReport, KeptStatus, SourceReport, StatusReport, TaskStatus,
     VcpuStatus,
@@ -23,7 +23,8 @@ use migrater::hook::{lock_placement, try_lock_placement, FoundTask, Shared};
 pub struct Running {
     pub shared: Arc<Shared>,
     pub board: Arc<VcpuBoard>,
-    pub metrics: Arc<Metrics>,
+    /// The migrations counted as the monitor threads make them (for /metrics).
+    pub moves: Arc<Moves>,
     pub engine: Arc<ArcSwap<EngineSnapshot>>,
     /// `None` where the block programs did not load.
     pub attach_mode: Option<AttachMode>,
@@ -132,6 +133,11 @@ impl Running {
                 Demand::Active => DemandReport::Active,
             },
             io_tasks: tasks.len() as u64,
+            io_bound_tasks: engine.io_bound_tasks as u64,
+            releases: engine.releases,
+            detector_errors: engine.detector_errors,
+            early_samples: engine.early_samples,
+            inherited_pins_undone: engine.inherited_pins_undone,
             managed_tasks: executor.map_or(0, |e| e.managed_count()) as u64,
             migrations: self.shared.migrations.load(Ordering::Relaxed),
             hands_off_tasks: placement.hands_off.len() as u64,
@@ -169,22 +175,8 @@ impl Running {
         }
     }
 
-    /// The metrics as of now, in OpenMetrics text.
+    /// The metrics as of now, in OpenMetrics text: the status report's figures.
     pub fn encode_metrics(&self) -> String {
-        let m = &self.metrics;
-        let managed = {
-            let placement = lock_placement(&self.shared.placement);
-            let executor = placement.executor.as_ref();
-            if let Some(errors) = executor.map(|e| e.journal_errors()) {
-                m.journal_errors.inner().store(errors, Ordering::Relaxed);
-            }
-            executor.map_or(0, |e| e.managed_count())
-        };
-        m.refresh(
-            &self.engine.load(),
-            &self.board.snapshot(monotonic_ns()),
-            managed,
-        );
-        m.encode()
+        metrics::encode(&self.report(), &self.moves)
     }
 }

@@ -7,24 +7,26 @@
 
 use tracing::info;
 
-use super::{Anchored, Engine, TaskPlacement, PARTNER_GRACE};
+use super::{Anchored, Engine, KeptTask, TaskPlacement, PARTNER_GRACE};
 use crate::hook::{FoundTask, TaskId};
 use crate::planner::Reason;
 
 impl Engine {
     /// Anchors each partner seen within `PARTNER_GRACE` on the vCPU of the kept task it
-    /// serves; returns those anchored now. `managed`: tids managed on their own (an
-    /// I/O-bound partner is placed by its own completions).
+    /// serves (`homed`: this step's tasks kept with their completions); returns those
+    /// anchored now. `managed`: tids managed on their own (an I/O-bound partner is placed
+    /// by its own completions).
     pub(super) fn keep_partners(
         &mut self,
         now: u64,
+        homed: &[KeptTask],
         managed: &[u32],
         act: &mut impl TaskPlacement,
     ) -> Vec<Anchored> {
         let grace = PARTNER_GRACE.as_nanos() as u64;
         self.partners
             .retain(|_, (_, seen)| now.saturating_sub(*seen) < grace);
-        if !self.cfg.keep_partners || self.snap.kept_with_completions.is_empty() {
+        if !self.cfg.keep_partners || homed.is_empty() {
             return Vec::new();
         }
         let hands_off = act.hands_off();
@@ -32,13 +34,7 @@ impl Engine {
         partners.sort_by_key(|p| p.tid);
         let mut kept = Vec::new();
         for p in partners {
-            let Some(of) = self
-                .snap
-                .kept_with_completions
-                .iter()
-                .find(|k| k.tid == p.of)
-                .copied()
-            else {
+            let Some(of) = homed.iter().find(|k| k.tid == p.of).copied() else {
                 continue;
             };
             if managed.contains(&p.tid)

@@ -9,7 +9,7 @@ use task_detector::IoTaskInfo;
 use tracing::{debug, info};
 use vcpu_monitor::Demand;
 
-use super::{Actuator, Anchored, BlockTracking, Engine, TaskPlacement, KEEP_GRACE};
+use super::{Actuator, Anchored, BlockTracking, Engine, KeptTask, TaskPlacement, KEEP_GRACE};
 use crate::admission::{self, Admission};
 use crate::completion::Home;
 use crate::guard::Burden;
@@ -43,7 +43,7 @@ impl Engine {
         let found = std::mem::take(&mut self.found);
         let eligible = admission::eligible(&found, self.cfg.own_pid, &self.cfg.exclude_comm);
         let candidates = eligible.len();
-        self.snap.found = eligible.iter().map(|i| found_task(i)).collect();
+        let found_tasks: Vec<FoundTask> = eligible.iter().map(|i| found_task(i)).collect();
         let host_holds = self.note_host_hold(held);
         // Moves that only keep tasks with their completions need not win, only not lose.
         let all_homed = self.cfg.follow_completions
@@ -67,13 +67,13 @@ impl Engine {
         } else {
             Vec::new()
         };
-        let homed = self.keep_with_completions(now, &found, &next, act.placement());
+        let (homed, kept_tasks) = self.keep_with_completions(now, &found, &next, act.placement());
         let managed: Vec<u32> = next.iter().map(|e| e.tid).collect();
-        let partners = self.keep_partners(now, &managed, act.placement());
+        let partners = self.keep_partners(now, &kept_tasks, &managed, act.placement());
         let kept: Vec<u32> = homed.iter().chain(&partners).map(|h| h.tid).collect();
         act.placement().keep_short_slices(&kept);
         let mut anchored_now: Vec<Anchored> = if host_holds {
-            let on_held = act.placement().anchor(&self.snap.found, held, Reason::Held);
+            let on_held = act.placement().anchor(&found_tasks, held, Reason::Held);
             eligible
                 .iter()
                 .filter(|i| on_held.contains(&i.task.tid))
@@ -109,6 +109,8 @@ impl Engine {
                 .any(|a| !self.anchored.iter().any(|b| b.tid == a.tid));
         self.placed_in_sample |= placed && act.blocks().tracking();
         act.placement().publish_tasks(Arc::new(free));
+        self.snap.found = found_tasks;
+        self.snap.kept_with_completions = kept_tasks;
         self.current = Arc::new(next);
         self.anchored = anchored_now;
         let demand = if active { Demand::Active } else { Demand::Idle };
@@ -124,17 +126,17 @@ impl Engine {
     /// Learns where each found task's completions land, and pins the managed tasks whose
     /// completions land on one fixed vCPU there, running or not: elsewhere each request
     /// would wait for two vCPUs' windows, and no move brings a completion sooner. Returns
-    /// the tasks so kept; they stay managed (admission keeps them) but are not the
-    /// planner's to move.
+    /// the tasks so kept, and where; they stay managed (admission keeps them) but are not
+    /// the planner's to move.
     fn keep_with_completions(
         &mut self,
         now: u64,
         found: &[IoTaskInfo],
         next: &[TaskEntry],
         act: &mut impl TaskPlacement,
-    ) -> Vec<Anchored> {
+    ) -> (Vec<Anchored>, Vec<KeptTask>) {
         if !self.cfg.follow_completions {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         // Each poll's window once: between samples the last one stands. A task carried
         // through its grace keeps what was learnt of it.
@@ -161,7 +163,7 @@ impl Engine {
             });
         }
         let mut homed = Vec::new();
-        self.snap.kept_with_completions.clear();
+        let mut kept = Vec::new();
         for e in next {
             let Home::Fixed(cpu) = self.homes.home(e.tid) else {
                 continue;
@@ -209,7 +211,7 @@ impl Engine {
             if found.iter().any(|i| i.task.tid == e.tid) {
                 self.kept_found_ns.insert(e.tid, now);
             }
-            self.snap.kept_with_completions.push(super::KeptTask {
+            kept.push(KeptTask {
                 tid: e.tid,
                 tgid: e.tgid,
                 cpu,
@@ -222,7 +224,7 @@ impl Engine {
         self.kept_found_ns
             .retain(|tid, _| homed.iter().any(|h| h.tid == *tid));
         self.unkept.retain(|tid| next.iter().any(|e| e.tid == *tid));
-        homed
+        (homed, kept)
     }
 
     /// Keeps managing the tasks kept with their completions that this window did not

@@ -5,7 +5,7 @@ use super::*;
 use crate::planner::Reason;
 use crate::sampling::Schedule;
 use std::collections::{BTreeMap, BTreeSet};
-use task_detector::{CompletionSite, ForkSample, IoTask};
+use task_detector::{CompletionSite, DetectorOutput, ForkSample, IoTask};
 
 const MS: u64 = 1_000_000;
 const S: u64 = 1_000 * MS;
@@ -42,6 +42,8 @@ struct Fake {
     forks_seen: Vec<ForkSample>,
     /// Operations that fail: "poll", "pause", "resume", "detach".
     failing: BTreeSet<&'static str>,
+    /// The vCPUs' out times the last poll was told.
+    polled_out_ns: Vec<(usize, u64)>,
     /// Tasks whose mask someone else changed.
     hands_off: HashSet<TaskId>,
 }
@@ -98,9 +100,10 @@ impl BlockTracking for Fake {
     fn take_doorbell(&mut self) -> bool {
         std::mem::take(&mut self.doorbell)
     }
-    fn poll(&mut self) -> anyhow::Result<DetectorOutput> {
+    fn poll(&mut self, cpu_out_ns: &[(usize, u64)]) -> anyhow::Result<DetectorOutput> {
         self.fails("poll")?;
         self.polls += 1;
+        self.polled_out_ns = cpu_out_ns.to_vec();
         Ok(DetectorOutput {
             tasks: self.window.clone(),
             cpus: Vec::new(),
@@ -468,6 +471,20 @@ fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only
     vm.run(&mut e, &mut f, 6, |_| 0);
     assert!(!f.attached);
     assert_eq!(f.detaches, 2);
+}
+
+#[test]
+fn the_poll_is_told_each_vcpus_out_time_from_the_board() {
+    // The classifier must not judge a thread CPU-bound on time its vCPU was out.
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    contended(&mut vm);
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.polls, 2);
+    assert_eq!(f.polled_out_ns, [(0, vm.inactive), (1, 0)]);
+    assert!(vm.inactive > 0);
 }
 
 #[test]
@@ -1049,4 +1066,62 @@ fn the_children_a_pinned_task_started_are_handed_to_the_placement_at_the_next_po
     vm.run(&mut e, &mut f, 1, |_| 0);
     assert_eq!(f.forks_seen.len(), 2);
     assert_eq!(e.snapshot().inherited_pins_undone, 1);
+}
+
+#[test]
+fn the_nap_rule_as_a_table() {
+    let (window, idle, limit) = (
+        Duration::from_millis(5),
+        Duration::from_millis(40),
+        Duration::from_millis(2_000),
+    );
+    // (tracking, managing, io_seen, moves_allowed, contended, probing) → nap
+    type Row = ((bool, bool, bool, bool, bool, bool), Duration);
+    let rows: &[Row] = &[
+        // Tracking where tasks may move, with a task or I/O: every window decides.
+        ((true, true, false, true, true, false), window),
+        ((true, false, true, true, true, false), window),
+        // Tracking with nothing to move, or moves on hold: the idle poll.
+        ((true, false, false, true, true, false), idle),
+        ((true, true, true, false, true, true), idle),
+        // Paused: nothing to measure without contention, or without a probe.
+        ((false, false, false, false, false, false), limit),
+        ((false, true, true, true, true, false), limit),
+        // Paused while the guard probes under contention: its epochs need counting.
+        ((false, false, false, false, true, true), idle),
+    ];
+    for &((tracking, managing, io_seen, moves_allowed, contended, probing), want) in rows {
+        let f = NapFacts {
+            tracking,
+            managing,
+            io_seen,
+            moves_allowed,
+            contended,
+            probing,
+        };
+        assert_eq!(nap(&f, window, idle, limit), want, "{f:?}");
+    }
+    // Never past the limit (the next sample is sooner than a window).
+    let f = NapFacts {
+        tracking: true,
+        managing: true,
+        io_seen: true,
+        moves_allowed: true,
+        contended: true,
+        probing: false,
+    };
+    let soon = Duration::from_millis(2);
+    assert_eq!(nap(&f, window, idle, soon), soon);
+    assert_eq!(
+        nap(
+            &NapFacts {
+                tracking: false,
+                ..f
+            },
+            window,
+            idle,
+            soon
+        ),
+        soon
+    );
 }

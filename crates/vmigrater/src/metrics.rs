@@ -175,26 +175,30 @@ pub fn encode(r: &StatusReport, moves: &Moves) -> String {
         "Where vCPU deschedules are learnt from: kernel (late kernel timers, BPF) or sleepers (value is always 1)",
         source,
     );
-    reg.register(
-        "moves_allowed",
-        "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
-        gauge(i64::from(r.moves_allowed)),
-    );
-    reg.register(
-        "host_holds",
-        "1 while the host agent favours vCPUs for our I/O: I/O-bound tasks are anchored there and nothing else moves",
-        gauge(i64::from(r.host_holds)),
-    );
-    reg.register(
-        "block_tracking",
-        "1 while the block I/O programs track requests, 0 between samples (advanced.detector.sample_ms of every sample_every_ms)",
-        gauge(i64::from(r.block_tracking)),
-    );
-    reg.register(
-        "block_programs_attached",
-        "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain or while the move guard holds",
-        gauge(i64::from(r.block_attached)),
-    );
+    for (name, help, on) in [
+        (
+            "moves_allowed",
+            "1 while tasks may be moved, 0 while the move guard holds them on their own masks",
+            r.moves_allowed,
+        ),
+        (
+            "host_holds",
+            "1 while the host agent favours vCPUs for our I/O: I/O-bound tasks are anchored there and nothing else moves",
+            r.host_holds,
+        ),
+        (
+            "block_tracking",
+            "1 while the block I/O programs track requests, 0 between samples (advanced.detector.sample_ms of every sample_every_ms)",
+            r.block_tracking,
+        ),
+        (
+            "block_programs_attached",
+            "1 while the block I/O programs sit on their tracepoints (tracking or paused), 0 once detached after a long time with nothing to gain or while the move guard holds",
+            r.block_attached,
+        ),
+    ] {
+        reg.register(name, help, gauge(i64::from(on)));
+    }
     let verdicts: Family<VerdictLabel, Counter> = Family::default();
     for (pays, n) in [("true", r.guard_pays), ("false", r.guard_holds)] {
         verdicts.get_or_create(&VerdictLabel { pays }).inc_by(n);

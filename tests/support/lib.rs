@@ -125,8 +125,13 @@ pub fn bench_dir() -> PathBuf {
 /// The build under test, as `git describe` names it (`-dirty` when the tree has changes):
 /// recorded in every results file, so that a table says which code it measured.
 pub fn commit() -> String {
+    git(&["describe", "--always", "--dirty", "--abbrev=12"])
+}
+
+/// `git ARGS` in this tree, its output trimmed, or "unknown".
+fn git(args: &[&str]) -> String {
     std::process::Command::new("git")
-        .args(["describe", "--always", "--dirty", "--abbrev=12"])
+        .args(args)
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .output()
         .ok()
@@ -153,14 +158,7 @@ pub fn daemon_build(bin: &std::path::Path) -> String {
 
 /// The commit this tree's HEAD names (without `-dirty`: compare with `daemon_build`).
 pub fn head_commit() -> String {
-    std::process::Command::new("git")
-        .args(["rev-parse", "--short=12", "HEAD"])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .output()
-        .ok()
-        .filter(|o| o.status.success())
-        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-        .unwrap_or_else(|| "unknown".into())
+    git(&["rev-parse", "--short=12", "HEAD"])
 }
 
 /// The calling thread's kernel thread id.

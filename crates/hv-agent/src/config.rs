@@ -15,6 +15,7 @@ pub const DEFAULT_STATE_DIR: &str = "/run/vmigrater-hv-agent";
 pub fn status_socket(state_dir: &Path) -> PathBuf {
     state_dir.join("status.sock")
 }
+
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {

@@ -329,7 +329,7 @@ impl Engine {
             managing: decided.active,
             io_seen,
             moves_allowed: decided.moves_allowed,
-            contended: self.contended,
+            contended: self.contended || self.out_together(),
             probing: self.guard.as_ref().is_some_and(|g| g.probing()),
         };
         nap(&facts, self.cfg.window, self.cfg.idle, nap_limit)
@@ -398,6 +398,7 @@ struct NapFacts {
     /// The window saw block I/O.
     io_seen: bool,
     moves_allowed: bool,
+    /// Moves (or keeps, with vCPUs out together) may pay.
     contended: bool,
     /// The move guard is probing (epochs with and without moves).
     probing: bool,

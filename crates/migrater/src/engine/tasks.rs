@@ -45,12 +45,16 @@ impl Engine {
         let candidates = eligible.len();
         let found_tasks: Vec<FoundTask> = eligible.iter().map(|i| found_task(i)).collect();
         let host_holds = self.note_host_hold(held);
+        // With vCPUs out all at once only keeps can pay: tasks are taken only once their
+        // completions are known to land on one vCPU (the planner gets none).
+        let together = self.out_together();
         // Moves that only keep tasks with their completions need not win, only not lose.
-        let all_homed = self.cfg.follow_completions
-            && !eligible.is_empty()
-            && eligible
-                .iter()
-                .all(|i| matches!(self.homes.home(i.task.tid), Home::Fixed(_)));
+        let all_homed = together
+            || (self.cfg.follow_completions
+                && !eligible.is_empty()
+                && eligible
+                    .iter()
+                    .all(|i| matches!(self.homes.home(i.task.tid), Home::Fixed(_))));
         if let Some(g) = self.guard.as_mut() {
             g.set_burden(if all_homed {
                 Burden::NotLose
@@ -60,7 +64,19 @@ impl Engine {
         }
         let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
         self.snap.moves_allowed = moves_allowed;
-        let next = if moves_allowed {
+        let mut next = if moves_allowed && together {
+            let keepable: Vec<IoTaskInfo> = found
+                .iter()
+                .filter(|i| {
+                    matches!(self.homes.home(i.task.tid), Home::Fixed(_))
+                        && !self.unkept.contains(&i.task.tid)
+                })
+                .cloned()
+                .collect();
+            let mut next = self.admit(&keepable, act.placement());
+            self.carry_kept(now, &mut next, act.placement());
+            next
+        } else if moves_allowed {
             let mut next = self.admit(&found, act.placement());
             self.carry_kept(now, &mut next, act.placement());
             next
@@ -68,6 +84,9 @@ impl Engine {
             Vec::new()
         };
         let (homed, kept_tasks) = self.keep_with_completions(now, &found, &next, act.placement());
+        if together {
+            next.retain(|e| homed.iter().any(|h| h.tid == e.tid));
+        }
         let managed: Vec<u32> = next.iter().map(|e| e.tid).collect();
         let partners = self.keep_partners(now, &kept_tasks, &managed, act.placement());
         let kept: Vec<u32> = homed.iter().chain(&partners).map(|h| h.tid).collect();
@@ -93,7 +112,14 @@ impl Engine {
             .collect();
         anchored_now.extend(homed);
         anchored_now.extend(partners);
-        self.release_left(&next, &anchored_now, moves_allowed, act.placement());
+        let why = if !moves_allowed {
+            "moves on hold"
+        } else if together {
+            "vCPUs are out all at once: only tasks kept with their completions stay managed"
+        } else {
+            "task no longer I/O-bound"
+        };
+        self.release_left(&next, &anchored_now, why, act.placement());
         let active = !free.is_empty();
         // On hold the I/O-bound tasks still exist; they are only left alone.
         self.snap.io_bound_tasks = if moves_allowed {
@@ -223,7 +249,11 @@ impl Engine {
         }
         self.kept_found_ns
             .retain(|tid, _| homed.iter().any(|h| h.tid == *tid));
-        self.unkept.retain(|tid| next.iter().any(|e| e.tid == *tid));
+        // Remembered while it is found, so that one not keepable is not taken again each
+        // window that only keeps.
+        self.unkept.retain(|tid| {
+            next.iter().any(|e| e.tid == *tid) || found.iter().any(|i| i.task.tid == *tid)
+        });
         (homed, kept)
     }
 
@@ -281,10 +311,11 @@ impl Engine {
         host_holds
     }
 
-    /// Whether the contention gate and the move guard let tasks move; feeds the guard
+    /// Whether the contention gate (or vCPUs out together, for keeps) and the move guard
+    /// let tasks move; feeds the guard
     /// this round's progress (only while it has I/O-bound tasks to judge by).
     fn moves_allowed(&mut self, now: u64, progress: u64, has_candidates: bool) -> bool {
-        let contended = self.contended;
+        let contended = self.contended || self.out_together();
         let Some(g) = self.guard.as_mut() else {
             // Guard off: always; dry run with the guard on: where it would move.
             return contended;
@@ -372,7 +403,7 @@ impl Engine {
         &mut self,
         next: &[TaskEntry],
         anchored_now: &[Anchored],
-        moves_allowed: bool,
+        why: &str,
         act: &mut impl TaskPlacement,
     ) {
         let kept = |tid: u32| {
@@ -394,10 +425,8 @@ impl Engine {
                 released += 1;
                 let why = if self.cfg.exclude_comm.iter().any(|c| c == comm) {
                     "its command is excluded (migration.exclude_comm)"
-                } else if moves_allowed {
-                    "task no longer I/O-bound"
                 } else {
-                    "moves on hold"
+                    why
                 };
                 info!(
                     tid,

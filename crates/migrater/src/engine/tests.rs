@@ -315,9 +315,63 @@ fn the_contention_gate_opens_when_vcpus_are_out_while_others_run_and_closes_when
     // Out all at once (nothing running through it): closes again, the task handed back.
     vm.covered_per_s = 0;
     vm.run(&mut e, &mut f, 5, |_| 0);
-    assert!(!e.snapshot().moves_allowed);
     assert!(f.published.is_empty());
     assert_eq!(f.released, [10]);
+    assert!(f.tracking, "out together: tracking for tasks to keep");
+    // vCPUs running all the time again: nothing to gain, tracking paused.
+    vm.out_per_s = 0;
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert!(!f.tracking);
+    assert!(!e.snapshot().moves_allowed);
+}
+
+#[test]
+fn with_vcpus_out_all_at_once_only_a_task_whose_completions_land_on_one_vcpu_is_kept_there() {
+    let mut e = Engine::new(
+        EngineConfig {
+            gate_on_contention: true,
+            ..config()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
+    let mut vm = Vm::new();
+    // vCPU 0 out half the time and no vCPU running through it: no contention.
+    vm.out_per_s = S / 2;
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)), "kept on vCPU 1");
+    assert!(!f.managed.contains_key(&11), "the other task is not taken");
+    assert!(f.published.is_empty(), "the planner moves nothing");
+    assert_eq!(f.short_slices, [10]);
+    assert!(f.released.is_empty());
+    // Contended now: the other task is the planner's, the kept one stays.
+    contended(&mut vm);
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert_eq!(f.published_tids(), [11]);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+    // Out together again: the planner's task is handed back, the kept one stays.
+    vm.covered_per_s = 0;
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert!(f.published.is_empty());
+    assert_eq!(f.released, [11]);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+    // Without following completions there is nothing to keep: no tracking, nothing taken.
+    let mut e = Engine::new(
+        EngineConfig {
+            gate_on_contention: true,
+            follow_completions: false,
+            ..config()
+        },
+        0,
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    let mut vm = Vm::new();
+    vm.out_per_s = S / 2;
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert!(f.managed.is_empty());
+    assert!(!f.tracking);
 }
 
 fn guarded() -> EngineConfig {

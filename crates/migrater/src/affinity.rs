@@ -362,8 +362,7 @@ impl AffinityExecutor {
                 cpu,
                 original = ?cpus_of(&m.original),
                 journal = %self.journal.path().display(),
-                "I/O-bound task taken over (its vCPU is descheduled or about to be): \
-                 moved to a running vCPU, its original mask is journaled"
+                "I/O-bound task taken over: pinned to one vCPU, its original mask is journaled"
             );
         }
         match sched_setaffinity(pid, &target) {

@@ -64,20 +64,22 @@ impl Engine {
         }
         let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
         self.snap.moves_allowed = moves_allowed;
-        let mut next = if moves_allowed && together {
-            let keepable: Vec<IoTaskInfo> = found
-                .iter()
-                .filter(|i| {
-                    matches!(self.homes.home(i.task.tid), Home::Fixed(_))
-                        && !self.unkept.contains(&i.task.tid)
-                })
-                .cloned()
-                .collect();
-            let mut next = self.admit(&keepable, act.placement());
-            self.carry_kept(now, &mut next, act.placement());
-            next
-        } else if moves_allowed {
-            let mut next = self.admit(&found, act.placement());
+        let mut next = if moves_allowed {
+            let keepable: Vec<IoTaskInfo>;
+            let admissible = if together {
+                keepable = found
+                    .iter()
+                    .filter(|i| {
+                        matches!(self.homes.home(i.task.tid), Home::Fixed(_))
+                            && !self.unkept.contains(&i.task.tid)
+                    })
+                    .cloned()
+                    .collect();
+                &keepable
+            } else {
+                &found
+            };
+            let mut next = self.admit(admissible, act.placement());
             self.carry_kept(now, &mut next, act.placement());
             next
         } else {
@@ -112,14 +114,19 @@ impl Engine {
             .collect();
         anchored_now.extend(homed);
         anchored_now.extend(partners);
-        let why = if !moves_allowed {
-            "moves on hold"
-        } else if together {
-            "vCPUs are out all at once: only tasks kept with their completions stay managed"
+        // Found and not kept: with vCPUs out together, a task the planner had.
+        let unkeepable: Vec<u32> = if together {
+            eligible.iter().map(|i| i.task.tid).collect()
         } else {
-            "task no longer I/O-bound"
+            Vec::new()
         };
-        self.release_left(&next, &anchored_now, why, act.placement());
+        self.release_left(
+            &next,
+            &anchored_now,
+            moves_allowed,
+            &unkeepable,
+            act.placement(),
+        );
         let active = !free.is_empty();
         // On hold the I/O-bound tasks still exist; they are only left alone.
         self.snap.io_bound_tasks = if moves_allowed {
@@ -312,8 +319,8 @@ impl Engine {
     }
 
     /// Whether the contention gate (or vCPUs out together, for keeps) and the move guard
-    /// let tasks move; feeds the guard
-    /// this round's progress (only while it has I/O-bound tasks to judge by).
+    /// let tasks move; feeds the guard this round's progress (only while it has I/O-bound
+    /// tasks to judge by).
     fn moves_allowed(&mut self, now: u64, progress: u64, has_candidates: bool) -> bool {
         let contended = self.contended || self.out_together();
         let Some(g) = self.guard.as_mut() else {
@@ -398,12 +405,14 @@ impl Engine {
     }
 
     /// Hands back the tasks managed or anchored before and neither now: no longer
-    /// I/O-bound, moves on hold, or the host stopped holding.
+    /// I/O-bound, moves on hold, the host stopped holding, or (`unkeepable`: still
+    /// I/O-bound) vCPUs out all at once, where only keeps stay.
     fn release_left(
         &mut self,
         next: &[TaskEntry],
         anchored_now: &[Anchored],
-        why: &str,
+        moves_allowed: bool,
+        unkeepable: &[u32],
         act: &mut impl TaskPlacement,
     ) {
         let kept = |tid: u32| {
@@ -425,8 +434,12 @@ impl Engine {
                 released += 1;
                 let why = if self.cfg.exclude_comm.iter().any(|c| c == comm) {
                     "its command is excluded (migration.exclude_comm)"
+                } else if !moves_allowed {
+                    "moves on hold"
+                } else if unkeepable.contains(&tid) {
+                    "vCPUs are out all at once: only tasks kept with their completions stay managed"
                 } else {
-                    why
+                    "task no longer I/O-bound"
                 };
                 info!(
                     tid,

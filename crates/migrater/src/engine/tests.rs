@@ -290,15 +290,16 @@ fn contended(vm: &mut Vm) {
     vm.covered_per_s = S / 2;
 }
 
+fn gated() -> EngineConfig {
+    EngineConfig {
+        gate_on_contention: true,
+        ..config()
+    }
+}
+
 #[test]
 fn the_contention_gate_opens_when_vcpus_are_out_while_others_run_and_closes_when_they_run() {
-    let mut e = Engine::new(
-        EngineConfig {
-            gate_on_contention: true,
-            ..config()
-        },
-        0,
-    );
+    let mut e = Engine::new(gated(), 0);
     let mut f = Fake::new();
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
@@ -327,13 +328,7 @@ fn the_contention_gate_opens_when_vcpus_are_out_while_others_run_and_closes_when
 
 #[test]
 fn with_vcpus_out_all_at_once_only_a_task_whose_completions_land_on_one_vcpu_is_kept_there() {
-    let mut e = Engine::new(
-        EngineConfig {
-            gate_on_contention: true,
-            ..config()
-        },
-        0,
-    );
+    let mut e = Engine::new(gated(), 0);
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
     let mut vm = Vm::new();

@@ -22,7 +22,7 @@ impl Engine {
         vcpus: &[VcpuSnapshot],
         steal: &[(usize, u64)],
     ) {
-        let was_contended = self.contended;
+        let was = (self.contended, self.out_together());
         let gate = self.cfg.gate_on_contention;
         self.contended = !gate || {
             let out: Vec<VcpuOut> = vcpus
@@ -35,7 +35,7 @@ impl Engine {
                 .collect();
             self.contention.observe(now, &out)
         };
-        if self.contended != was_contended && gate {
+        if (self.contended, self.out_together()) != was && gate {
             let c = &self.contention;
             info!(
                 most_out = format!("{:.0}%", c.last_fraction * 100.0),
@@ -57,8 +57,7 @@ impl Engine {
     /// The gate judges no contention although vCPUs are out: they go out all at once, so
     /// no move towards a running vCPU can pay, but keeping a task on the vCPU its
     /// completions land on still can (its wake-up then waits for that vCPU's window
-    /// alone, not for two). Measured on nginx under in-phase windows: 1.09x vanilla kept,
-    /// 0.96x idle (`benches/RESULTS.md`).
+    /// alone, not for two; measured in `benches/RESULTS.md`).
     pub(super) fn out_together(&self) -> bool {
         self.cfg.gate_on_contention
             && self.cfg.follow_completions

@@ -322,12 +322,12 @@ impl Engine {
     /// let tasks move; feeds the guard this round's progress (only while it has I/O-bound
     /// tasks to judge by).
     fn moves_allowed(&mut self, now: u64, progress: u64, has_candidates: bool) -> bool {
-        let contended = self.contended || self.out_together();
+        let may_pay = self.contended || self.out_together();
         let Some(g) = self.guard.as_mut() else {
             // Guard off: always; dry run with the guard on: where it would move.
-            return contended;
+            return may_pay;
         };
-        if let Some(v) = g.observe(now, progress, has_candidates && contended) {
+        if let Some(v) = g.observe(now, progress, has_candidates && may_pay) {
             if v.pays {
                 self.snap.guard_verdicts.pays += 1;
             } else {
@@ -346,7 +346,7 @@ impl Engine {
                 }
             );
         }
-        contended && g.moves_allowed()
+        may_pay && g.moves_allowed()
     }
 
     /// This window's managed tasks: the ones managed before keep their entry, new ones

@@ -11,6 +11,7 @@
 //! The window of the block programs is read through the actuator, not passed in: the step
 //! first decides whether they track (pause, resume, detach) and reads what they saw after.
 
+mod decision;
 mod partners;
 mod tasks;
 mod tracking;

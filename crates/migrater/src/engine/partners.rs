@@ -5,77 +5,67 @@
 //! keeps a partner whose own task is not kept, nor one the user excluded or someone else
 //! placed.
 
-use tracing::info;
-
-use super::{Anchored, Engine, KeptTask, TaskPlacement, PARTNER_GRACE};
+use super::decision::{Beside, Keep, Otherwise, Pin};
+use super::tasks::Facts;
+use super::{Engine, PARTNER_GRACE};
 use crate::hook::{FoundTask, TaskId};
-use crate::planner::Reason;
 
 impl Engine {
-    /// Anchors each partner seen within `PARTNER_GRACE` on the vCPU of the kept task it
-    /// serves (`homed`: this step's tasks kept with their completions); returns those
-    /// anchored now. `managed`: tids managed on their own (an I/O-bound partner is placed
-    /// by its own completions).
-    pub(super) fn keep_partners(
-        &mut self,
-        now: u64,
-        homed: &[KeptTask],
+    /// Each partner seen within `PARTNER_GRACE`, beside the kept task it serves (`keep`:
+    /// this step's keeps). `managed`: tids managed on their own (an I/O-bound partner is
+    /// placed by its own completions). `was_ours`: what happens if its pin fails.
+    pub(super) fn plan_partners(
+        &self,
+        f: &Facts,
+        keep: &[Keep],
         managed: &[u32],
-        act: &mut impl TaskPlacement,
-    ) -> Vec<Anchored> {
-        let grace = PARTNER_GRACE.as_nanos() as u64;
-        self.partners
-            .retain(|_, (_, seen)| now.saturating_sub(*seen) < grace);
-        if !self.cfg.keep_partners || homed.is_empty() {
+        was_ours: &impl Fn(u32, &str) -> Otherwise,
+    ) -> Vec<Beside> {
+        if !self.cfg.keep_partners || keep.is_empty() {
             return Vec::new();
         }
-        let hands_off = act.hands_off();
         let mut partners: Vec<_> = self.partners.values().map(|(p, _)| p.clone()).collect();
         partners.sort_by_key(|p| p.tid);
-        let mut kept = Vec::new();
+        let mut beside: Vec<Beside> = Vec::new();
         for p in partners {
-            let Some(of) = homed.iter().find(|k| k.tid == p.of).copied() else {
+            let Some(of) = keep.iter().find(|k| k.pin.task.tid == p.of) else {
                 continue;
             };
             if managed.contains(&p.tid)
-                || kept.iter().any(|a: &Anchored| a.tid == p.tid)
+                || beside.iter().any(|b| b.pin.task.tid == p.tid)
                 || p.tgid == self.cfg.own_pid
                 || self.cfg.exclude_comm.contains(&p.comm)
-                || hands_off.contains(&TaskId {
+                || f.hands_off.contains(&TaskId {
                     tid: p.tid,
                     start_time: p.start_time,
                 })
             {
                 continue;
             }
-            let task = FoundTask {
-                tid: p.tid,
-                tgid: p.tgid,
-                start_time: p.start_time,
-                last_cpu: of.cpu,
-            };
-            if !act
-                .anchor(&[task], &[of.cpu], Reason::Partner)
-                .contains(&p.tid)
-            {
-                continue;
-            }
-            if !self.anchored.iter().any(|a| a.tid == p.tid) {
-                info!(
-                    tid = p.tid,
-                    comm = %p.comm,
-                    of = p.of,
-                    cpu = of.cpu,
-                    wakes = p.wakes,
-                    "wakes and is woken by a task kept on vCPU {}: kept beside it",
-                    of.cpu
-                );
-            }
-            kept.push(Anchored {
-                tid: p.tid,
-                comm: p.comm,
+            let otherwise = was_ours(p.tid, &p.comm);
+            beside.push(Beside {
+                pin: Pin {
+                    task: FoundTask {
+                        tid: p.tid,
+                        tgid: p.tgid,
+                        start_time: p.start_time,
+                        last_cpu: of.cpu,
+                    },
+                    comm: p.comm,
+                    otherwise,
+                },
+                of: p.of,
+                cpu: of.cpu,
+                wakes: p.wakes,
             });
         }
-        kept
+        beside
+    }
+
+    /// Forgets the partners no sample has seen for `PARTNER_GRACE`.
+    pub(super) fn forget_partners(&mut self, now: u64) {
+        let grace = PARTNER_GRACE.as_nanos() as u64;
+        self.partners
+            .retain(|_, (_, seen)| now.saturating_sub(*seen) < grace);
     }
 }

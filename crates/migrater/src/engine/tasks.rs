@@ -1,20 +1,25 @@
 //! The engine's second half: which tasks the monitor threads may move. The host's hold
 //! first (anchor, no other moves), then the move guard (probe, trust, hold), then
-//! admission of this window's I/O-bound tasks, and the release of every task that is
-//! neither managed nor anchored any more. Never moves a task for the planner's reasons:
-//! that is the hook's, on the monitor threads.
+//! admission of this window's I/O-bound tasks, the tasks kept with their completions and
+//! their partners, and the release of every task that is neither managed nor anchored
+//! any more. Taking a task over is the one act the decision waits for (it journals the
+//! task's mask and says which CPUs it may use); the rest is decided as a `Decision`, then
+//! carried out by `decision::apply`, then noted. Never moves a task for the planner's
+//! reasons: that is the hook's, on the monitor threads.
 
+use std::collections::HashSet;
 use std::sync::Arc;
+use task_detector::BlockTracking;
 use task_detector::IoTaskInfo;
 use tracing::{debug, info};
 use vcpu_monitor::Demand;
 
-use super::{Actuator, Anchored, BlockTracking, Engine, KeptTask, TaskPlacement, KEEP_GRACE};
+use super::decision::{self, Applied, Decision, Keep, Otherwise, Pin, Release, Why};
+use super::{Actuator, Anchored, Engine, KeptTask, TaskPlacement, KEEP_GRACE};
 use crate::admission::{self, Admission};
 use crate::completion::Home;
 use crate::guard::Burden;
-use crate::hook::{FoundTask, TaskEntry};
-use crate::planner::Reason;
+use crate::hook::{FoundTask, TaskEntry, TaskId};
 
 /// What the step decided about tasks, for its nap.
 pub(super) struct Decided {
@@ -32,6 +37,19 @@ fn found_task(i: &IoTaskInfo) -> FoundTask {
     }
 }
 
+/// What the decision is made from, besides the engine's own state.
+pub(super) struct Facts<'a> {
+    pub now: u64,
+    pub found: &'a [IoTaskInfo],
+    pub eligible: &'a [&'a IoTaskInfo],
+    /// The vCPUs the host holds (empty when it holds none).
+    pub held: &'a [usize],
+    pub hands_off: &'a HashSet<TaskId>,
+    pub moves_allowed: bool,
+    /// vCPUs out all at once: only keeps stay managed.
+    pub together: bool,
+}
+
 impl Engine {
     pub(super) fn decide_tasks(
         &mut self,
@@ -41,9 +59,8 @@ impl Engine {
         act: &mut impl Actuator,
     ) -> Decided {
         let found = std::mem::take(&mut self.found);
+        let hands_off = act.placement().hands_off();
         let eligible = admission::eligible(&found, self.cfg.own_pid, &self.cfg.exclude_comm);
-        let candidates = eligible.len();
-        let found_tasks: Vec<FoundTask> = eligible.iter().map(|i| found_task(i)).collect();
         let host_holds = self.note_host_hold(held);
         // With vCPUs out all at once only keeps can pay: tasks are taken only once their
         // completions are known to land on one vCPU (the planner gets none).
@@ -62,93 +79,38 @@ impl Engine {
                 Burden::Win
             });
         }
-        let moves_allowed = !host_holds && self.moves_allowed(now, progress, candidates > 0);
+        let moves_allowed = !host_holds && self.moves_allowed(now, progress, !eligible.is_empty());
         self.snap.moves_allowed = moves_allowed;
-        let mut next = if moves_allowed {
-            let keepable: Vec<IoTaskInfo>;
-            let admissible = if together {
-                keepable = found
-                    .iter()
-                    .filter(|i| {
-                        matches!(self.homes.home(i.task.tid), Home::Fixed(_))
-                            && !self.unkept.contains(&i.task.tid)
-                    })
-                    .cloned()
-                    .collect();
-                &keepable
-            } else {
-                &found
-            };
-            let mut next = self.admit(admissible, act.placement());
-            self.carry_kept(now, &mut next, act.placement());
+        let next = if moves_allowed {
+            let admissible: Vec<IoTaskInfo> = found
+                .iter()
+                .filter(|i| {
+                    !together
+                        || (matches!(self.homes.home(i.task.tid), Home::Fixed(_))
+                            && !self.unkept.contains(&i.task.tid))
+                })
+                .cloned()
+                .collect();
+            let mut next = self.admit(&admissible, &hands_off, act.placement());
+            self.carry_kept(now, &mut next, &hands_off);
             next
         } else {
             Vec::new()
         };
-        let (homed, kept_tasks) = self.keep_with_completions(now, &found, &next, act.placement());
-        if together {
-            next.retain(|e| homed.iter().any(|h| h.tid == e.tid));
-        }
-        let managed: Vec<u32> = next.iter().map(|e| e.tid).collect();
-        let partners = self.keep_partners(now, &kept_tasks, &managed, act.placement());
-        let kept: Vec<u32> = homed.iter().chain(&partners).map(|h| h.tid).collect();
-        act.placement().keep_short_slices(&kept);
-        let mut anchored_now: Vec<Anchored> = if host_holds {
-            let on_held = act.placement().anchor(&found_tasks, held, Reason::Held);
-            eligible
-                .iter()
-                .filter(|i| on_held.contains(&i.task.tid))
-                .map(|i| Anchored {
-                    tid: i.task.tid,
-                    comm: i.comm.clone(),
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        // The planner moves the managed tasks that are not kept with their completions.
-        let free: Vec<TaskEntry> = next
-            .iter()
-            .filter(|e| !homed.iter().any(|h| h.tid == e.tid))
-            .cloned()
-            .collect();
-        anchored_now.extend(homed);
-        anchored_now.extend(partners);
-        // Found and not kept: with vCPUs out together, a task the planner had.
-        let unkeepable: Vec<u32> = if together {
-            eligible.iter().map(|i| i.task.tid).collect()
-        } else {
-            Vec::new()
-        };
-        self.release_left(
-            &next,
-            &anchored_now,
+        let facts = Facts {
+            now,
+            found: &found,
+            eligible: &eligible,
+            held: if host_holds { held } else { &[] },
+            hands_off: &hands_off,
             moves_allowed,
-            &unkeepable,
-            act.placement(),
-        );
-        let active = !free.is_empty();
-        // On hold the I/O-bound tasks still exist; they are only left alone.
-        self.snap.io_bound_tasks = if moves_allowed {
-            next.len()
-        } else {
-            candidates
+            together,
         };
-        let placed = next
-            .iter()
-            .any(|e| !self.current.iter().any(|c| c.tid == e.tid))
-            || anchored_now
-                .iter()
-                .any(|a| !self.anchored.iter().any(|b| b.tid == a.tid));
-        self.placed_in_sample |= placed && act.blocks().tracking();
-        act.placement().publish_tasks(Arc::new(free));
-        self.snap.found = found_tasks;
-        self.snap.kept_with_completions = kept_tasks;
-        self.current = Arc::new(next);
-        self.anchored = anchored_now;
-        let demand = if active { Demand::Active } else { Demand::Idle };
-        self.snap.demand = demand;
-        act.placement().set_demand(demand);
+        let (managed, d) = self.decide(&facts, next);
+        let done = decision::apply(&d, act.placement());
+        let tracking = act.blocks().tracking();
+        self.note(&facts, managed, &d, done, tracking);
+        let active = self.snap.demand == Demand::Active;
         self.found = found;
         Decided {
             moves_allowed,
@@ -156,47 +118,127 @@ impl Engine {
         }
     }
 
-    /// Learns where each found task's completions land, and pins the managed tasks whose
-    /// completions land on one fixed vCPU there, running or not: elsewhere each request
-    /// would wait for two vCPUs' windows, and no move brings a completion sooner. Returns
-    /// the tasks so kept, and where; they stay managed (admission keeps them) but are not
-    /// the planner's to move.
-    fn keep_with_completions(
+    /// The decision: which managed tasks are kept with their completions, which threads
+    /// beside them, which tasks gather on the host's held vCPUs, which are handed back and
+    /// which the planner moves. Returns the managed tasks with it.
+    pub(super) fn decide(
         &mut self,
-        now: u64,
-        found: &[IoTaskInfo],
-        next: &[TaskEntry],
-        act: &mut impl TaskPlacement,
-    ) -> (Vec<Anchored>, Vec<KeptTask>) {
-        if !self.cfg.follow_completions {
-            return (Vec::new(), Vec::new());
-        }
-        // Each poll's window once: between samples the last one stands. A task carried
-        // through its grace keeps what was learnt of it.
-        if self.fresh {
-            for i in found {
-                let was = self.homes.home(i.task.tid);
-                let home = self.homes.observe(i.task.tid, &i.task.completion);
-                if home != was && next.iter().any(|e| e.tid == i.task.tid) {
-                    let c = &i.task.completion;
-                    info!(
-                        tid = i.task.tid,
-                        comm = %i.comm,
-                        ?was,
-                        ?home,
-                        on_cpu = c.cpu,
-                        completions = c.count,
-                        remote = c.remote,
-                        "where its requests complete changed"
-                    );
-                }
+        f: &Facts,
+        mut next: Vec<TaskEntry>,
+    ) -> (Vec<TaskEntry>, Decision) {
+        self.learn_homes(f.found, &next);
+        self.forget_partners(f.now);
+        let excluded = self.cfg.exclude_comm.clone();
+        let why = |tid: u32, comm: &str| {
+            if excluded.iter().any(|c| c == comm) {
+                Why::Excluded
+            } else if !f.moves_allowed {
+                Why::OnHold
+            } else if f.together && f.eligible.iter().any(|i| i.task.tid == tid) {
+                Why::OutTogether
+            } else {
+                Why::NotIoBound
             }
-            self.homes.retain(|tid| {
-                found.iter().any(|i| i.task.tid == tid) || next.iter().any(|e| e.tid == tid)
-            });
+        };
+        let keep = self.plan_keeps(&next, |e: &TaskEntry| {
+            if f.together {
+                Otherwise::Release(why(e.tid, &e.comm))
+            } else {
+                Otherwise::Planner(e.clone())
+            }
+        });
+        if f.together {
+            next.retain(|e| keep.iter().any(|k| k.pin.task.tid == e.tid));
         }
-        let mut homed = Vec::new();
-        let mut kept = Vec::new();
+        // A task pinned before and not managed now is handed back if its pin fails.
+        let was_ours = |tid: u32, comm: &str| {
+            let before = self.current.iter().any(|e| e.tid == tid)
+                || self.anchored.iter().any(|a| a.tid == tid);
+            if before && !next.iter().any(|e| e.tid == tid) {
+                Otherwise::Release(why(tid, comm))
+            } else {
+                Otherwise::Nothing
+            }
+        };
+        let managed: Vec<u32> = next.iter().map(|e| e.tid).collect();
+        let beside = self.plan_partners(f, &keep, &managed, &was_ours);
+        let hold: Vec<Pin> = if f.held.is_empty() {
+            Vec::new()
+        } else {
+            f.eligible
+                .iter()
+                .map(|i| Pin {
+                    task: found_task(i),
+                    comm: i.comm.clone(),
+                    otherwise: was_ours(i.task.tid, &i.comm),
+                })
+                .collect()
+        };
+        let pinned = |tid: u32| {
+            keep.iter().any(|k| k.pin.task.tid == tid)
+                || beside.iter().any(|b| b.pin.task.tid == tid)
+                || hold.iter().any(|p| p.task.tid == tid)
+        };
+        let release = self.plan_releases(&next, &pinned, &why);
+        // The planner moves the managed tasks that are not kept with their completions.
+        let publish = next
+            .iter()
+            .filter(|e| !keep.iter().any(|k| k.pin.task.tid == e.tid))
+            .cloned()
+            .collect();
+        let d = Decision {
+            keep,
+            beside,
+            hold,
+            held: f.held.to_vec(),
+            release,
+            publish,
+        };
+        (next, d)
+    }
+
+    /// Learns where each found task's completions land, once per poll's window (between
+    /// samples the last one stands; a task carried through its grace keeps what was learnt
+    /// of it).
+    fn learn_homes(&mut self, found: &[IoTaskInfo], next: &[TaskEntry]) {
+        if !self.cfg.follow_completions || !self.fresh {
+            return;
+        }
+        for i in found {
+            let was = self.homes.home(i.task.tid);
+            let home = self.homes.observe(i.task.tid, &i.task.completion);
+            if home != was && next.iter().any(|e| e.tid == i.task.tid) {
+                let c = &i.task.completion;
+                info!(
+                    tid = i.task.tid,
+                    comm = %i.comm,
+                    ?was,
+                    ?home,
+                    on_cpu = c.cpu,
+                    completions = c.count,
+                    remote = c.remote,
+                    "where its requests complete changed"
+                );
+            }
+        }
+        self.homes.retain(|tid| {
+            found.iter().any(|i| i.task.tid == tid) || next.iter().any(|e| e.tid == tid)
+        });
+    }
+
+    /// The managed tasks whose completions land on one fixed vCPU, pinned there, running
+    /// or not: elsewhere each request would wait for two vCPUs' windows, and no move
+    /// brings a completion sooner. They stay managed (admission keeps them) but are not
+    /// the planner's to move. `otherwise`: what happens to one the placement cannot pin.
+    fn plan_keeps(
+        &mut self,
+        next: &[TaskEntry],
+        otherwise: impl Fn(&TaskEntry) -> Otherwise,
+    ) -> Vec<Keep> {
+        if !self.cfg.follow_completions {
+            return Vec::new();
+        }
+        let mut keep = Vec::new();
         for e in next {
             let Home::Fixed(cpu) = self.homes.home(e.tid) else {
                 continue;
@@ -213,60 +255,170 @@ impl Engine {
                 }
                 continue;
             }
-            let task = FoundTask {
-                tid: e.tid,
+            keep.push(Keep {
+                pin: Pin {
+                    task: FoundTask {
+                        tid: e.tid,
+                        tgid: e.tgid,
+                        start_time: e.start_time,
+                        last_cpu: e.last_cpu,
+                    },
+                    comm: e.comm.clone(),
+                    otherwise: otherwise(e),
+                },
                 tgid: e.tgid,
-                start_time: e.start_time,
-                last_cpu: e.last_cpu,
-            };
-            if !act
-                .anchor(&[task], &[cpu], Reason::Completion)
-                .contains(&e.tid)
-            {
-                if self.unkept.insert(e.tid) {
+                cpu,
+            });
+        }
+        keep
+    }
+
+    /// The tasks managed or pinned before and neither now: no longer I/O-bound, moves on
+    /// hold, the host stopped holding, or (still I/O-bound) vCPUs out all at once, where
+    /// only keeps stay.
+    fn plan_releases(
+        &self,
+        next: &[TaskEntry],
+        pinned: &impl Fn(u32) -> bool,
+        why: &impl Fn(u32, &str) -> Why,
+    ) -> Vec<Release> {
+        let stays = |tid: u32| next.iter().any(|n| n.tid == tid) || pinned(tid);
+        let unanchored = self
+            .anchored
+            .iter()
+            .filter(|a| !stays(a.tid) && !self.current.iter().any(|e| e.tid == a.tid))
+            .map(|a| (a.tid, a.comm.as_str()));
+        admission::leaving(&self.current, next)
+            .into_iter()
+            .filter(|e| !stays(e.tid))
+            .map(|e| (e.tid, e.comm.as_str()))
+            .chain(unanchored)
+            .map(|(tid, comm)| Release {
+                tid,
+                comm: comm.to_string(),
+                why: why(tid, comm),
+            })
+            .collect()
+    }
+
+    /// Notes what was done: the tasks kept and pinned, the ones handed back (logged with
+    /// why), the managed set, and the snapshot.
+    fn note(
+        &mut self,
+        f: &Facts,
+        mut managed: Vec<TaskEntry>,
+        d: &Decision,
+        done: Applied,
+        tracking: bool,
+    ) {
+        let mut kept_tasks = Vec::new();
+        let mut anchored_now = Vec::new();
+        for k in &d.keep {
+            let (tid, cpu) = (k.pin.task.tid, k.cpu);
+            let comm = &k.pin.comm;
+            if !done.kept.contains(&tid) {
+                if self.unkept.insert(tid) {
                     info!(
-                        tid = e.tid,
-                        comm = %e.comm,
+                        tid,
+                        comm = %comm,
                         cpu,
                         "could not be kept on vCPU {cpu}: its mask was changed by someone else, or it is gone"
                     );
                 }
                 continue;
             }
-            if !self.anchored.iter().any(|a| a.tid == e.tid) {
+            if !self.anchored.iter().any(|a| a.tid == tid) {
                 info!(
-                    tid = e.tid,
-                    comm = %e.comm,
+                    tid,
+                    comm = %comm,
                     cpu,
                     "its requests complete on vCPU {cpu} wherever it submits: kept there"
                 );
             }
-            if found.iter().any(|i| i.task.tid == e.tid) {
-                self.kept_found_ns.insert(e.tid, now);
+            if f.found.iter().any(|i| i.task.tid == tid) {
+                self.kept_found_ns.insert(tid, f.now);
             }
-            kept.push(KeptTask {
-                tid: e.tid,
-                tgid: e.tgid,
+            kept_tasks.push(KeptTask {
+                tid,
+                tgid: k.tgid,
                 cpu,
             });
-            homed.push(Anchored {
-                tid: e.tid,
-                comm: e.comm.clone(),
+            anchored_now.push(Anchored {
+                tid,
+                comm: comm.clone(),
             });
         }
-        self.kept_found_ns
-            .retain(|tid, _| homed.iter().any(|h| h.tid == *tid));
+        self.kept_found_ns.retain(|tid, _| done.kept.contains(tid));
+        for b in d
+            .beside
+            .iter()
+            .filter(|b| done.beside.contains(&b.pin.task.tid))
+        {
+            let tid = b.pin.task.tid;
+            if !self.anchored.iter().any(|a| a.tid == tid) {
+                info!(
+                    tid,
+                    comm = %b.pin.comm,
+                    of = b.of,
+                    cpu = b.cpu,
+                    wakes = b.wakes,
+                    "wakes and is woken by a task kept on vCPU {}: kept beside it",
+                    b.cpu
+                );
+            }
+            anchored_now.push(Anchored {
+                tid,
+                comm: b.pin.comm.clone(),
+            });
+        }
+        anchored_now.extend(
+            d.hold
+                .iter()
+                .filter(|p| done.held.contains(&p.task.tid))
+                .map(|p| Anchored {
+                    tid: p.task.tid,
+                    comm: p.comm.clone(),
+                }),
+        );
+        managed.retain(|e| !done.dropped.contains(&e.tid));
         // Remembered while it is found, so that one not keepable is not taken again each
         // window that only keeps.
         self.unkept.retain(|tid| {
-            next.iter().any(|e| e.tid == *tid) || found.iter().any(|i| i.task.tid == *tid)
+            managed.iter().any(|e| e.tid == *tid) || f.found.iter().any(|i| i.task.tid == *tid)
         });
-        (homed, kept)
+        for (r, outcome) in &done.released {
+            info!(
+                tid = r.tid,
+                comm = %r.comm,
+                result = outcome.as_str(),
+                "{}: original affinity restored",
+                r.why.as_str()
+            );
+        }
+        self.snap.releases += done.released.len() as u64;
+        // On hold the I/O-bound tasks still exist; they are only left alone.
+        self.snap.io_bound_tasks = if f.moves_allowed {
+            managed.len()
+        } else {
+            f.eligible.len()
+        };
+        let placed = managed
+            .iter()
+            .any(|e| !self.current.iter().any(|c| c.tid == e.tid))
+            || anchored_now
+                .iter()
+                .any(|a| !self.anchored.iter().any(|b| b.tid == a.tid));
+        self.placed_in_sample |= placed && tracking;
+        self.snap.found = f.eligible.iter().map(|i| found_task(i)).collect();
+        self.snap.kept_with_completions = kept_tasks;
+        self.snap.demand = done.demand;
+        self.current = Arc::new(managed);
+        self.anchored = anchored_now;
     }
 
     /// Keeps managing the tasks kept with their completions that this window did not
     /// find, for `KEEP_GRACE` after it last did (unless someone else changed their mask).
-    fn carry_kept(&mut self, now: u64, next: &mut Vec<TaskEntry>, act: &impl TaskPlacement) {
+    fn carry_kept(&mut self, now: u64, next: &mut Vec<TaskEntry>, hands_off: &HashSet<TaskId>) {
         if !self.cfg.follow_completions {
             return;
         }
@@ -286,7 +438,6 @@ impl Engine {
             return;
         }
         // Someone else's mask, or a command the user now excludes (a reload): at once.
-        let hands_off = act.hands_off();
         carried
             .retain(|e| !hands_off.contains(&e.id()) && !self.cfg.exclude_comm.contains(&e.comm));
         for e in &carried {
@@ -351,12 +502,16 @@ impl Engine {
 
     /// This window's managed tasks: the ones managed before keep their entry, new ones
     /// are taken over (their mask journaled first).
-    fn admit(&self, found: &[IoTaskInfo], act: &mut impl TaskPlacement) -> Vec<TaskEntry> {
-        let hands_off = act.hands_off();
+    fn admit(
+        &self,
+        found: &[IoTaskInfo],
+        hands_off: &HashSet<TaskId>,
+        act: &mut impl TaskPlacement,
+    ) -> Vec<TaskEntry> {
         let ex = admission::Exclusions {
             own_pid: self.cfg.own_pid,
             comm: &self.cfg.exclude_comm,
-            hands_off: &hands_off,
+            hands_off,
         };
         let mut next = Vec::with_capacity(found.len());
         for verdict in admission::admit(found, &self.current, ex) {
@@ -402,53 +557,5 @@ impl Engine {
             });
         }
         next
-    }
-
-    /// Hands back the tasks managed or anchored before and neither now: no longer
-    /// I/O-bound, moves on hold, the host stopped holding, or (`unkeepable`: still
-    /// I/O-bound) vCPUs out all at once, where only keeps stay.
-    fn release_left(
-        &mut self,
-        next: &[TaskEntry],
-        anchored_now: &[Anchored],
-        moves_allowed: bool,
-        unkeepable: &[u32],
-        act: &mut impl TaskPlacement,
-    ) {
-        let kept = |tid: u32| {
-            next.iter().any(|n| n.tid == tid) || anchored_now.iter().any(|a| a.tid == tid)
-        };
-        let current = &self.current;
-        let unanchored = self
-            .anchored
-            .iter()
-            .filter(|a| !kept(a.tid) && !current.iter().any(|e| e.tid == a.tid))
-            .map(|a| (a.tid, a.comm.as_str()));
-        let leaving = admission::leaving(current, next)
-            .into_iter()
-            .filter(|e| !kept(e.tid))
-            .map(|e| (e.tid, e.comm.as_str()));
-        let mut released = 0;
-        for (tid, comm) in leaving.chain(unanchored) {
-            if let Some(outcome) = act.release(tid) {
-                released += 1;
-                let why = if self.cfg.exclude_comm.iter().any(|c| c == comm) {
-                    "its command is excluded (migration.exclude_comm)"
-                } else if !moves_allowed {
-                    "moves on hold"
-                } else if unkeepable.contains(&tid) {
-                    "vCPUs are out all at once: only tasks kept with their completions stay managed"
-                } else {
-                    "task no longer I/O-bound"
-                };
-                info!(
-                    tid,
-                    comm = %comm,
-                    result = outcome.as_str(),
-                    "{why}: original affinity restored"
-                );
-            }
-        }
-        self.snap.releases += released;
     }
 }

@@ -46,6 +46,8 @@ struct Fake {
     polled_out_ns: Vec<(usize, u64)>,
     /// Tasks whose mask someone else changed.
     hands_off: HashSet<TaskId>,
+    /// Tasks the placement cannot pin (gone, or their mask changed since the decision).
+    unpinnable: BTreeSet<u32>,
 }
 
 impl Fake {
@@ -136,11 +138,12 @@ impl TaskPlacement for Fake {
         0
     }
     fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
-        for t in tasks {
+        let pinnable = tasks.iter().filter(|t| !self.unpinnable.contains(&t.tid));
+        for t in pinnable.clone() {
             self.managed.insert(t.tid, Some(on[0]));
             self.anchors.push((t.tid, on[0], reason));
         }
-        tasks.iter().map(|t| t.tid).collect()
+        pinnable.map(|t| t.tid).collect()
     }
     fn keep_short_slices(&mut self, kept: &[u32]) {
         self.short_slices = kept.to_vec();
@@ -932,6 +935,106 @@ fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
     e.set_exclude_comm(vec!["fio".into()]);
     vm.step(&mut e, &mut f, 100 * MS, 0);
     assert_eq!(f.released, [10, 11]);
+}
+
+#[test]
+fn a_keep_the_placement_cannot_make_is_the_planners_at_once_or_handed_back_where_only_keeps_stay() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    f.unpinnable.insert(10);
+    let mut vm = Vm::new();
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.published_tids(), [10], "the planner's in the same step");
+    assert_eq!(f.demand, Some(Demand::Active));
+    assert!(f.short_slices.is_empty());
+    assert!(e.snapshot().kept_with_completions.is_empty());
+    f.unpinnable.clear();
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)), "kept once it can be");
+    assert!(f.published.is_empty());
+    // With vCPUs out all at once only keeps stay: the task taken over is handed back at
+    // once, and not taken again while it is found.
+    let mut e = Engine::new(gated(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    f.unpinnable.insert(10);
+    let mut vm = Vm::new();
+    vm.out_per_s = S / 2;
+    vm.run(&mut e, &mut f, 5, |_| 0);
+    assert_eq!(f.released, [10]);
+    assert!(!f.managed.contains_key(&10));
+    assert!(f.published.is_empty());
+    assert_eq!(e.snapshot().io_bound_tasks, 0);
+}
+
+#[test]
+fn the_decision_is_a_value_made_without_the_placement() {
+    let mut e = Engine::new(config(), 0);
+    e.fresh = true;
+    let found = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
+    let eligible: Vec<&IoTaskInfo> = found.iter().collect();
+    let entry = |tid: u32| TaskEntry {
+        tid,
+        tgid: tid,
+        start_time: 1,
+        comm: "fio".into(),
+        load: 0.9,
+        priority: 0,
+        last_cpu: 0,
+        allowed: vec![0, 1],
+    };
+    e.current = Arc::new(vec![entry(12)]);
+    let facts = tasks::Facts {
+        now: S,
+        found: &found,
+        eligible: &eligible,
+        held: &[],
+        hands_off: &HashSet::new(),
+        moves_allowed: true,
+        together: false,
+    };
+    let (managed, d) = e.decide(&facts, vec![entry(10), entry(11)]);
+    assert_eq!(managed.len(), 2);
+    assert_eq!(d.keep.len(), 1);
+    assert_eq!((d.keep[0].pin.task.tid, d.keep[0].cpu), (10, 1));
+    assert_eq!(
+        d.keep[0].pin.otherwise,
+        decision::Otherwise::Planner(entry(10)),
+        "the planner's if it cannot be pinned"
+    );
+    assert_eq!(d.publish, [entry(11)]);
+    assert_eq!(d.release.len(), 1);
+    assert_eq!(
+        (d.release[0].tid, d.release[0].why),
+        (12, decision::Why::NotIoBound)
+    );
+}
+
+#[test]
+fn a_pinned_partner_or_held_task_whose_pin_fails_is_handed_back_in_the_same_step() {
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    f.partners = vec![partner(10, 20, "pgbench")];
+    let mut vm = Vm::new();
+    vm.run(&mut e, &mut f, 1, |_| 0);
+    assert_eq!(f.managed.get(&20), Some(&Some(1)));
+    f.unpinnable.insert(20);
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.released, [20]);
+    assert_eq!(f.short_slices, [10], "its short slice goes too");
+    // A task anchored on a held vCPU that can no longer be pinned there.
+    let mut e = Engine::new(config(), 0);
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.window = vec![io_task(10)];
+    vm.held = vec![1];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.managed.get(&10), Some(&Some(1)));
+    f.unpinnable.insert(10);
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.released, [10]);
 }
 
 #[test]

@@ -209,7 +209,7 @@ impl Default for EngineSnapshot {
     }
 }
 
-/// An I/O-bound task anchored on a held vCPU, to hand back when the hold ends.
+/// A task the engine pinned itself, to hand back when that ends.
 #[derive(Clone, Debug, PartialEq)]
 struct Anchored {
     tid: u32,
@@ -218,26 +218,52 @@ struct Anchored {
 
 pub struct Engine {
     cfg: EngineConfig,
+    /// Whether anything can gain, and so whether the block programs track (`tracking.rs`).
+    tracking: Tracking,
+    /// What the block programs saw.
+    window: Window,
+    guard: Option<MoveGuard>,
+    /// The tasks managed, kept and anchored (`tasks.rs`).
+    tasks: Tasks,
+    snap: EngineSnapshot,
+}
+
+/// The contention gate and the block programs' tracking and sampling.
+struct Tracking {
     contention: Contention,
     contended: bool,
     wanted_tracking: bool,
     /// Whether tracking was wanted at any time since start.
     ever_wanted: bool,
-    sample_start_ns: u64,
     /// Since when nothing could gain (`None` while something could).
     quiet_since_ns: Option<u64>,
-    guard: Option<MoveGuard>,
-    estimate: CompletionEstimate,
-    sampled_cpus: Vec<CpuIoSample>,
-    /// What the last window found; stands between samples.
+    sample_start_ns: u64,
+    /// Follow-up samples (see `sampling::FOLLOW_UPS`): whether this sample placed a
+    /// task or set back an inherited pin, the next one's time, and how many in a row.
+    placed_in_sample: bool,
+    follow_up_at_ns: Option<u64>,
+    follow_ups: u32,
+}
+
+/// What the block programs' last window said.
+struct Window {
+    /// The I/O-bound tasks found; they stand between samples.
     found: Vec<IoTaskInfo>,
     /// Whether `found` came from this step's poll (not one that stands from before).
     fresh: bool,
     last_completions: u64,
+    estimate: CompletionEstimate,
+    sampled_cpus: Vec<CpuIoSample>,
+}
+
+/// The tasks the engine answers for.
+struct Tasks {
     host_held: bool,
     /// The managed tasks (the monitor threads move those not kept with their
     /// completions).
     current: Arc<Vec<TaskEntry>>,
+    /// Tasks pinned by the engine itself (kept with their completions, beside them, or on
+    /// held vCPUs), to hand back when that ends.
     anchored: Vec<Anchored>,
     /// Where each I/O-bound task's completions land.
     homes: CompletionHomes,
@@ -247,43 +273,43 @@ pub struct Engine {
     unkept: HashSet<u32>,
     /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
     partners: HashMap<u32, (Partner, u64)>,
-    /// Follow-up samples (see `sampling::FOLLOW_UPS`): whether this sample placed a
-    /// task or set back an inherited pin, the next one's time, and how many in a row.
-    placed_in_sample: bool,
-    follow_up_at_ns: Option<u64>,
-    follow_ups: u32,
-    snap: EngineSnapshot,
 }
 
 impl Engine {
     pub fn new(cfg: EngineConfig, now_ns: u64) -> Self {
         Engine {
-            contention: Contention::new(
-                CONTENTION_WINDOW.as_nanos() as u64,
-                Contention::DEFAULT_MIN_FRACTION,
-                Contention::DEFAULT_MIN_COVERED,
-            ),
-            contended: false,
-            wanted_tracking: true,
-            ever_wanted: false,
-            sample_start_ns: now_ns,
-            quiet_since_ns: None,
+            tracking: Tracking {
+                contention: Contention::new(
+                    CONTENTION_WINDOW.as_nanos() as u64,
+                    Contention::DEFAULT_MIN_FRACTION,
+                    Contention::DEFAULT_MIN_COVERED,
+                ),
+                contended: false,
+                wanted_tracking: true,
+                ever_wanted: false,
+                quiet_since_ns: None,
+                sample_start_ns: now_ns,
+                placed_in_sample: false,
+                follow_up_at_ns: None,
+                follow_ups: 0,
+            },
+            window: Window {
+                found: Vec::new(),
+                fresh: false,
+                last_completions: 0,
+                estimate: CompletionEstimate::default(),
+                sampled_cpus: Vec::new(),
+            },
             guard: cfg.guard.clone().map(MoveGuard::new),
-            estimate: CompletionEstimate::default(),
-            sampled_cpus: Vec::new(),
-            found: Vec::new(),
-            fresh: false,
-            last_completions: 0,
-            host_held: false,
-            current: Arc::new(Vec::new()),
-            anchored: Vec::new(),
-            homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
-            kept_found_ns: HashMap::new(),
-            unkept: HashSet::new(),
-            partners: HashMap::new(),
-            placed_in_sample: false,
-            follow_up_at_ns: None,
-            follow_ups: 0,
+            tasks: Tasks {
+                host_held: false,
+                current: Arc::new(Vec::new()),
+                anchored: Vec::new(),
+                homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
+                kept_found_ns: HashMap::new(),
+                unkept: HashSet::new(),
+                partners: HashMap::new(),
+            },
             snap: EngineSnapshot::default(),
             cfg,
         }
@@ -323,14 +349,14 @@ impl Engine {
         };
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
-        let progress = disk.unwrap_or(self.last_completions);
+        let progress = disk.unwrap_or(self.window.last_completions);
         let decided = self.decide_tasks(now, progress, &obs.host.held, act);
         let facts = NapFacts {
             tracking: act.blocks().tracking(),
             managing: decided.active,
             io_seen,
             moves_allowed: decided.moves_allowed,
-            contended: self.contended || self.out_together(),
+            contended: self.tracking.contended || self.out_together(),
             probing: self.guard.as_ref().is_some_and(|g| g.probing()),
         };
         nap(&facts, self.cfg.window, self.cfg.idle, nap_limit)
@@ -357,13 +383,13 @@ impl Engine {
                 }
             };
             let completions: u64 = out.cpus.iter().map(|c| c.completions).sum();
-            let io_seen = completions != self.last_completions;
-            self.last_completions = completions;
+            let io_seen = completions != self.window.last_completions;
+            self.window.last_completions = completions;
             self.snap.cpu_io = match (self.cfg.schedule, disk) {
-                (Some(_), Some(d)) => self.estimate.update(&out.cpus, d),
+                (Some(_), Some(d)) => self.window.estimate.update(&out.cpus, d),
                 _ => out.cpus.clone(),
             };
-            self.sampled_cpus = out.cpus;
+            self.window.sampled_cpus = out.cpus;
             let undone = act.placement().undo_inherited(&out.forks);
             if undone > 0 {
                 tracing::info!(
@@ -371,18 +397,18 @@ impl Engine {
                     "threads started by pinned tasks had inherited the pin: set back to their parents' own masks"
                 );
                 self.snap.inherited_pins_undone += undone as u64;
-                self.placed_in_sample = true;
+                self.tracking.placed_in_sample = true;
             }
-            self.found = out.tasks;
+            self.window.found = out.tasks;
             for p in out.partners {
-                self.partners.insert(p.tid, (p, now));
+                self.tasks.partners.insert(p.tid, (p, now));
             }
-            self.fresh = true;
+            self.window.fresh = true;
             Some(io_seen)
         } else {
-            self.fresh = false;
+            self.window.fresh = false;
             if let Some(d) = disk.filter(|_| act.blocks().attached()) {
-                self.snap.cpu_io = self.estimate.update(&self.sampled_cpus, d);
+                self.snap.cpu_io = self.window.estimate.update(&self.window.sampled_cpus, d);
             }
             Some(false)
         }

@@ -24,7 +24,12 @@ impl Engine {
         if !self.cfg.keep_partners || keep.is_empty() {
             return Vec::new();
         }
-        let mut partners: Vec<_> = self.partners.values().map(|(p, _)| p.clone()).collect();
+        let mut partners: Vec<_> = self
+            .tasks
+            .partners
+            .values()
+            .map(|(p, _)| p.clone())
+            .collect();
         partners.sort_by_key(|p| p.tid);
         let mut beside: Vec<Beside> = Vec::new();
         for p in partners {
@@ -65,7 +70,8 @@ impl Engine {
     /// Forgets the partners no sample has seen for `PARTNER_GRACE`.
     pub(super) fn forget_partners(&mut self, now: u64) {
         let grace = PARTNER_GRACE.as_nanos() as u64;
-        self.partners
+        self.tasks
+            .partners
             .retain(|_, (_, seen)| now.saturating_sub(*seen) < grace);
     }
 }

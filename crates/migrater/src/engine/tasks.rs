@@ -58,7 +58,7 @@ impl Engine {
         held: &[usize],
         act: &mut impl Actuator,
     ) -> Decided {
-        let found = std::mem::take(&mut self.found);
+        let found = std::mem::take(&mut self.window.found);
         let hands_off = act.placement().hands_off();
         let eligible = admission::eligible(&found, self.cfg.own_pid, &self.cfg.exclude_comm);
         let host_holds = self.note_host_hold(held);
@@ -71,7 +71,7 @@ impl Engine {
                 && !eligible.is_empty()
                 && eligible
                     .iter()
-                    .all(|i| matches!(self.homes.home(i.task.tid), Home::Fixed(_))));
+                    .all(|i| matches!(self.tasks.homes.home(i.task.tid), Home::Fixed(_))));
         if let Some(g) = self.guard.as_mut() {
             g.set_burden(if all_homed {
                 Burden::NotLose
@@ -86,8 +86,8 @@ impl Engine {
                 .iter()
                 .filter(|i| {
                     !together
-                        || (matches!(self.homes.home(i.task.tid), Home::Fixed(_))
-                            && !self.unkept.contains(&i.task.tid))
+                        || (matches!(self.tasks.homes.home(i.task.tid), Home::Fixed(_))
+                            && !self.tasks.unkept.contains(&i.task.tid))
                 })
                 .cloned()
                 .collect();
@@ -109,9 +109,9 @@ impl Engine {
         let (managed, d) = self.decide(&facts, next);
         let done = decision::apply(&d, act.placement());
         let tracking = act.blocks().tracking();
+        let active = done.demand == Demand::Active;
         self.note(&facts, managed, &d, done, tracking);
-        let active = self.snap.demand == Demand::Active;
-        self.found = found;
+        self.window.found = found;
         Decided {
             moves_allowed,
             active,
@@ -152,8 +152,8 @@ impl Engine {
         }
         // A task pinned before and not managed now is handed back if its pin fails.
         let was_ours = |tid: u32, comm: &str| {
-            let before = self.current.iter().any(|e| e.tid == tid)
-                || self.anchored.iter().any(|a| a.tid == tid);
+            let before = self.tasks.current.iter().any(|e| e.tid == tid)
+                || self.tasks.anchored.iter().any(|a| a.tid == tid);
             if before && !next.iter().any(|e| e.tid == tid) {
                 Otherwise::Release(why(tid, comm))
             } else {
@@ -201,12 +201,12 @@ impl Engine {
     /// samples the last one stands; a task carried through its grace keeps what was learnt
     /// of it).
     fn learn_homes(&mut self, found: &[IoTaskInfo], next: &[TaskEntry]) {
-        if !self.cfg.follow_completions || !self.fresh {
+        if !self.cfg.follow_completions || !self.window.fresh {
             return;
         }
         for i in found {
-            let was = self.homes.home(i.task.tid);
-            let home = self.homes.observe(i.task.tid, &i.task.completion);
+            let was = self.tasks.homes.home(i.task.tid);
+            let home = self.tasks.homes.observe(i.task.tid, &i.task.completion);
             if home != was && next.iter().any(|e| e.tid == i.task.tid) {
                 let c = &i.task.completion;
                 info!(
@@ -221,7 +221,7 @@ impl Engine {
                 );
             }
         }
-        self.homes.retain(|tid| {
+        self.tasks.homes.retain(|tid| {
             found.iter().any(|i| i.task.tid == tid) || next.iter().any(|e| e.tid == tid)
         });
     }
@@ -240,11 +240,11 @@ impl Engine {
         }
         let mut keep = Vec::new();
         for e in next {
-            let Home::Fixed(cpu) = self.homes.home(e.tid) else {
+            let Home::Fixed(cpu) = self.tasks.homes.home(e.tid) else {
                 continue;
             };
             if !e.allowed.contains(&cpu) {
-                if self.unkept.insert(e.tid) {
+                if self.tasks.unkept.insert(e.tid) {
                     info!(
                         tid = e.tid,
                         comm = %e.comm,
@@ -284,11 +284,12 @@ impl Engine {
     ) -> Vec<Release> {
         let stays = |tid: u32| next.iter().any(|n| n.tid == tid) || pinned(tid);
         let unanchored = self
+            .tasks
             .anchored
             .iter()
-            .filter(|a| !stays(a.tid) && !self.current.iter().any(|e| e.tid == a.tid))
+            .filter(|a| !stays(a.tid) && !self.tasks.current.iter().any(|e| e.tid == a.tid))
             .map(|a| (a.tid, a.comm.as_str()));
-        admission::leaving(&self.current, next)
+        admission::leaving(&self.tasks.current, next)
             .into_iter()
             .filter(|e| !stays(e.tid))
             .map(|e| (e.tid, e.comm.as_str()))
@@ -317,7 +318,7 @@ impl Engine {
             let (tid, cpu) = (k.pin.task.tid, k.cpu);
             let comm = &k.pin.comm;
             if !done.kept.contains(&tid) {
-                if self.unkept.insert(tid) {
+                if self.tasks.unkept.insert(tid) {
                     info!(
                         tid,
                         comm = %comm,
@@ -327,7 +328,7 @@ impl Engine {
                 }
                 continue;
             }
-            if !self.anchored.iter().any(|a| a.tid == tid) {
+            if !self.tasks.anchored.iter().any(|a| a.tid == tid) {
                 info!(
                     tid,
                     comm = %comm,
@@ -336,7 +337,7 @@ impl Engine {
                 );
             }
             if f.found.iter().any(|i| i.task.tid == tid) {
-                self.kept_found_ns.insert(tid, f.now);
+                self.tasks.kept_found_ns.insert(tid, f.now);
             }
             kept_tasks.push(KeptTask {
                 tid,
@@ -348,14 +349,16 @@ impl Engine {
                 comm: comm.clone(),
             });
         }
-        self.kept_found_ns.retain(|tid, _| done.kept.contains(tid));
+        self.tasks
+            .kept_found_ns
+            .retain(|tid, _| done.kept.contains(tid));
         for b in d
             .beside
             .iter()
             .filter(|b| done.beside.contains(&b.pin.task.tid))
         {
             let tid = b.pin.task.tid;
-            if !self.anchored.iter().any(|a| a.tid == tid) {
+            if !self.tasks.anchored.iter().any(|a| a.tid == tid) {
                 info!(
                     tid,
                     comm = %b.pin.comm,
@@ -383,7 +386,7 @@ impl Engine {
         managed.retain(|e| !done.dropped.contains(&e.tid));
         // Remembered while it is found, so that one not keepable is not taken again each
         // window that only keeps.
-        self.unkept.retain(|tid| {
+        self.tasks.unkept.retain(|tid| {
             managed.iter().any(|e| e.tid == *tid) || f.found.iter().any(|i| i.task.tid == *tid)
         });
         for (r, outcome) in &done.released {
@@ -404,16 +407,16 @@ impl Engine {
         };
         let placed = managed
             .iter()
-            .any(|e| !self.current.iter().any(|c| c.tid == e.tid))
+            .any(|e| !self.tasks.current.iter().any(|c| c.tid == e.tid))
             || anchored_now
                 .iter()
-                .any(|a| !self.anchored.iter().any(|b| b.tid == a.tid));
-        self.placed_in_sample |= placed && tracking;
+                .any(|a| !self.tasks.anchored.iter().any(|b| b.tid == a.tid));
+        self.tracking.placed_in_sample |= placed && tracking;
         self.snap.found = f.eligible.iter().map(|i| found_task(i)).collect();
         self.snap.kept_with_completions = kept_tasks;
         self.snap.demand = done.demand;
-        self.current = Arc::new(managed);
-        self.anchored = anchored_now;
+        self.tasks.current = Arc::new(managed);
+        self.tasks.anchored = anchored_now;
     }
 
     /// Keeps managing the tasks kept with their completions that this window did not
@@ -424,11 +427,13 @@ impl Engine {
         }
         let grace = KEEP_GRACE.as_nanos() as u64;
         let mut carried: Vec<TaskEntry> = self
+            .tasks
             .current
             .iter()
             .filter(|e| !next.iter().any(|n| n.tid == e.tid))
             .filter(|e| {
-                self.kept_found_ns
+                self.tasks
+                    .kept_found_ns
                     .get(&e.tid)
                     .is_some_and(|&at| now.saturating_sub(at) < grace)
             })
@@ -441,7 +446,7 @@ impl Engine {
         carried
             .retain(|e| !hands_off.contains(&e.id()) && !self.cfg.exclude_comm.contains(&e.comm));
         for e in &carried {
-            if self.fresh {
+            if self.window.fresh {
                 debug!(
                     tid = e.tid,
                     comm = %e.comm,
@@ -457,8 +462,8 @@ impl Engine {
     /// else moves them. Returns whether the host holds now.
     fn note_host_hold(&mut self, held: &[usize]) -> bool {
         let host_holds = !held.is_empty();
-        if host_holds != self.host_held {
-            self.host_held = host_holds;
+        if host_holds != self.tasks.host_held {
+            self.tasks.host_held = host_holds;
             self.snap.host_holds = host_holds;
             if host_holds {
                 info!(?held, "the host agent favours these vCPUs for our I/O: I/O-bound tasks anchored there, no other moves");
@@ -473,7 +478,7 @@ impl Engine {
     /// let tasks move; feeds the guard this round's progress (only while it has I/O-bound
     /// tasks to judge by).
     fn moves_allowed(&mut self, now: u64, progress: u64, has_candidates: bool) -> bool {
-        let may_pay = self.contended || self.out_together();
+        let may_pay = self.tracking.contended || self.out_together();
         let Some(g) = self.guard.as_mut() else {
             // Guard off: always; dry run with the guard on: where it would move.
             return may_pay;
@@ -514,7 +519,7 @@ impl Engine {
             hands_off,
         };
         let mut next = Vec::with_capacity(found.len());
-        for verdict in admission::admit(found, &self.current, ex) {
+        for verdict in admission::admit(found, &self.tasks.current, ex) {
             let (info, allowed, priority) = match verdict {
                 Admission::Keep { managed, now } => {
                     // Asked again: the executor may have corrected what it may use (a pin

@@ -971,7 +971,7 @@ fn a_keep_the_placement_cannot_make_is_the_planners_at_once_or_handed_back_where
 #[test]
 fn the_decision_is_a_value_made_without_the_placement() {
     let mut e = Engine::new(config(), 0);
-    e.fresh = true;
+    e.window.fresh = true;
     let found = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
     let eligible: Vec<&IoTaskInfo> = found.iter().collect();
     let entry = |tid: u32| TaskEntry {
@@ -984,7 +984,7 @@ fn the_decision_is_a_value_made_without_the_placement() {
         last_cpu: 0,
         allowed: vec![0, 1],
     };
-    e.current = Arc::new(vec![entry(12)]);
+    e.tasks.current = Arc::new(vec![entry(12)]);
     let facts = tasks::Facts {
         now: S,
         found: &found,

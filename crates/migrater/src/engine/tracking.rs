@@ -22,9 +22,9 @@ impl Engine {
         vcpus: &[VcpuSnapshot],
         steal: &[(usize, u64)],
     ) {
-        let was = (self.contended, self.out_together());
+        let was = (self.tracking.contended, self.out_together());
         let gate = self.cfg.gate_on_contention;
-        self.contended = !gate || {
+        self.tracking.contended = !gate || {
             let out: Vec<VcpuOut> = vcpus
                 .iter()
                 .map(|v| VcpuOut {
@@ -33,15 +33,15 @@ impl Engine {
                     steal_ns: steal.iter().find(|s| s.0 == v.cpu).map_or(0, |s| s.1),
                 })
                 .collect();
-            self.contention.observe(now, &out)
+            self.tracking.contention.observe(now, &out)
         };
-        if (self.contended, self.out_together()) != was && gate {
-            let c = &self.contention;
+        if (self.tracking.contended, self.out_together()) != was && gate {
+            let c = &self.tracking.contention;
             info!(
                 most_out = format!("{:.0}%", c.last_fraction * 100.0),
                 others_running = format!("{:.0}%", c.last_covered * 100.0),
                 "{}",
-                if self.contended {
+                if self.tracking.contended {
                     "vCPUs are descheduled while others run: moves may pay, the guard will probe"
                 } else if self.out_together() {
                     "vCPUs are descheduled all at once: nowhere to move to; only tasks whose completions land on one vCPU are kept there"
@@ -61,8 +61,8 @@ impl Engine {
     pub(super) fn out_together(&self) -> bool {
         self.cfg.gate_on_contention
             && self.cfg.follow_completions
-            && !self.contended
-            && self.contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION
+            && !self.tracking.contended
+            && self.tracking.contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION
     }
 
     /// Whether the block programs should track now: finding I/O-bound tasks serves moves,
@@ -77,14 +77,16 @@ impl Engine {
     /// too: a daemon that cannot help must cost nothing where it stays for days. They come
     /// back `HOLD_LEAD` before the probe, so that it finds the I/O-bound tasks.
     fn wants_tracking(&self, now: u64, agent_answers: bool) -> (bool, bool) {
-        let descheduled = self.contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION;
+        let descheduled =
+            self.tracking.contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION;
         let guard_holds = self
             .guard
             .as_ref()
             .is_some_and(|g| g.holds_past(now + ns(HOLD_LEAD)));
-        let wants = ((!self.cfg.gate_on_contention || self.contended || self.out_together())
-            && !guard_holds)
-            || (agent_answers && descheduled);
+        let wants =
+            ((!self.cfg.gate_on_contention || self.tracking.contended || self.out_together())
+                && !guard_holds)
+                || (agent_answers && descheduled);
         (wants, guard_holds)
     }
 
@@ -98,16 +100,18 @@ impl Engine {
         act: &mut impl BlockTracking,
     ) -> (bool, Duration) {
         let (wants, guard_holds) = self.wants_tracking(now, agent_answers);
-        if wants && !self.wanted_tracking && !act.tracking() {
+        if wants && !self.tracking.wanted_tracking && !act.tracking() {
             // Something can gain again: sample at once rather than at the next period.
             if let Some(s) = self.cfg.schedule {
-                self.sample_start_ns = now.checked_sub(ns(s.every)).unwrap_or(self.sample_start_ns);
+                self.tracking.sample_start_ns = now
+                    .checked_sub(ns(s.every))
+                    .unwrap_or(self.tracking.sample_start_ns);
             }
         }
-        self.wanted_tracking = wants;
+        self.tracking.wanted_tracking = wants;
         if wants {
-            self.ever_wanted = true;
-            self.quiet_since_ns = None;
+            self.tracking.ever_wanted = true;
+            self.tracking.quiet_since_ns = None;
             if !act.attached() {
                 info!("something to gain: the block programs go (back) on their tracepoints");
             }
@@ -138,8 +142,8 @@ impl Engine {
         let Some(after) = self.cfg.detach_after else {
             return;
         };
-        let quiet_ns = now.saturating_sub(*self.quiet_since_ns.get_or_insert(now));
-        if !act.attached() || (self.ever_wanted && quiet_ns < ns(after)) {
+        let quiet_ns = now.saturating_sub(*self.tracking.quiet_since_ns.get_or_insert(now));
+        if !act.attached() || (self.tracking.ever_wanted && quiet_ns < ns(after)) {
             return;
         }
         match act.detach() {
@@ -147,13 +151,13 @@ impl Engine {
                 // What the last sample found goes stale with no sample to come; the
                 // per-vCPU counts stand still too, so the host is told nothing and the
                 // channel goes quiet until something could gain.
-                self.found.clear();
+                self.window.found.clear();
                 info!(
                     quiet_ms = quiet_ns / 1_000_000,
                     "{}: the block programs come off their tracepoints",
                     if guard_holds {
                         "moves do not pay here"
-                    } else if self.ever_wanted {
+                    } else if self.tracking.ever_wanted {
                         "nothing to gain"
                     } else {
                         "nothing to gain yet"
@@ -176,8 +180,8 @@ impl Engine {
         wants: bool,
         act: &mut impl BlockTracking,
     ) -> Duration {
-        let into = Duration::from_nanos(now.saturating_sub(self.sample_start_ns));
-        let follow_up = self.follow_up_at_ns.is_some_and(|at| now >= at);
+        let into = Duration::from_nanos(now.saturating_sub(self.tracking.sample_start_ns));
+        let follow_up = self.tracking.follow_up_at_ns.is_some_and(|at| now >= at);
         // Only a loop that would sample reads the doorbell; otherwise it stays rung for
         // when something can gain again.
         let rung = wants && !act.tracking() && (act.take_doorbell() || follow_up);
@@ -210,7 +214,7 @@ impl Engine {
             sampling::Step::Wait(left) => left,
             sampling::Step::Resume if !wants => {
                 // Nothing to gain: skip this sample.
-                self.sample_start_ns = now;
+                self.tracking.sample_start_ns = now;
                 s.every
             }
             sampling::Step::Resume => {
@@ -225,9 +229,9 @@ impl Engine {
                     // A ring from before this sample: the sample sees that thread now.
                     act.take_doorbell();
                 }
-                self.sample_start_ns = now;
-                self.follow_up_at_ns = None;
-                self.placed_in_sample = false;
+                self.tracking.sample_start_ns = now;
+                self.tracking.follow_up_at_ns = None;
+                self.tracking.placed_in_sample = false;
                 match act.resume() {
                     Ok(()) => s.length,
                     Err(e) => {
@@ -243,12 +247,12 @@ impl Engine {
     /// At a sample's end: one that placed tasks is followed by another a sample's length
     /// later, up to `FOLLOW_UPS` in a row; one that placed none ends the run.
     fn plan_follow_up(&mut self, now: u64, s: sampling::Schedule) {
-        if !self.placed_in_sample {
-            self.follow_ups = 0;
-        } else if self.follow_ups < sampling::FOLLOW_UPS {
-            self.follow_ups += 1;
-            self.follow_up_at_ns = Some(now + ns(s.length));
+        if !self.tracking.placed_in_sample {
+            self.tracking.follow_ups = 0;
+        } else if self.tracking.follow_ups < sampling::FOLLOW_UPS {
+            self.tracking.follow_ups += 1;
+            self.tracking.follow_up_at_ns = Some(now + ns(s.length));
         }
-        self.placed_in_sample = false;
+        self.tracking.placed_in_sample = false;
     }
 }

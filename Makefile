@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-detection bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -81,6 +81,12 @@ bench-mq: build
 # The bench gate (root; ~8 min): anti-phase and no deschedules, 4 KiB reads and requests,
 # 4 repetitions of 4 s, judged against the floors stated in benches/gate.py. Run before any
 # results claim; not in CI (too noisy on a shared machine to fail a build by).
+# How soon the detector finds a request task under Xen-like deschedules, by rate or time
+# against time in flight alone (root; 8 rounds of 2 s, ~30 s).
+bench-detection:
+	$(CARGO) bench -p vmigrater-testbed --bench detection -- $(DETECTION_ARGS)
+	cp target/bench/detection.json benches/results/
+
 bench-gate: build
 	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-gate $(CARGO) bench -p vmigrater-testbed --bench steal -- \
 		--reps 4 --secs 4 --only anti,none --workloads rand4k,request --modes vanilla,vmigrater,pinned_slice

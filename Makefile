@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test lab-daemon build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-detection bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-detection bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -25,7 +25,6 @@ lint: setup
 	$(CARGO) fmt --all -- --check
 	scripts/alerts-check.sh
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
-	$(CARGO) clippy -p vcpu-monitor -p vmigrater --features vmigrater/lab-oracle --all-targets -- -D warnings
 
 # Unit tests, then the real-kernel tests (root; built by another user, cargo reports them
 # ignored, and run by another user they fail saying so). The integration tests share the
@@ -33,7 +32,6 @@ lint: setup
 test: lint lab-setup
 	$(CARGO) build --workspace --bins
 	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
-	$(CARGO) test -p vcpu-monitor -p vmigrater --features vmigrater/lab-oracle --lib
 
 bench-micro: setup
 	$(CARGO) bench -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse
@@ -44,16 +42,10 @@ bench-contention: build
 
 # The nested-VM benefit benchmark (~40 min; root): JSON + charts in target/bench/, copied to
 # benches/results/. Options: make bench-lab LAB_ARGS="--secs 10 --reps 1 --only main".
-# The lab's build of the daemon, the only one with the oracle source (mode
-# vmigrater_oracle: the host's known steal schedule instead of detection). Its own target
-# directory, so that target/release and the packages stay the product's.
-LAB_DAEMON_DIR ?= target/lab-daemon
-lab-daemon: setup
-	$(CARGO) build --release -p vmigrater --features lab-oracle --target-dir $(LAB_DAEMON_DIR)
-
-bench-lab: lab-setup build lab-daemon
-	./target/release/vmigrater-lab bench --bin-dir target/release --daemon $(LAB_DAEMON_DIR)/release/vmigrater \
-		--out target/bench/lab.json $(LAB_ARGS)
+# Mode vmigrater_oracle runs the lab's daemon, vmigrater-oracle (crate lab-oracle: the
+# daemon on the host's known steal schedule), which no package ships.
+bench-lab: lab-setup build
+	./target/release/vmigrater-lab bench --bin-dir target/release --out target/bench/lab.json $(LAB_ARGS)
 	/usr/bin/python3 benches/plot_lab.py target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png
 	cp target/bench/lab.json target/bench/lab.png target/bench/lab-sweep.png benches/results/
 

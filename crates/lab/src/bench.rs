@@ -120,8 +120,9 @@ impl Scenario {
 
 pub struct Options {
     pub bin_dir: PathBuf,
-    /// The guest daemon of every mode (None: `bin_dir`'s). The oracle mode needs the lab's
-    /// build, the only one with the oracle source (`--features lab-oracle`).
+    /// The guest daemon of every mode but the oracle's (None: `bin_dir`'s). The oracle mode
+    /// runs `bin_dir`'s vmigrater-oracle (crate `lab-oracle`): the daemon on the host's
+    /// known schedule, which the product's build has no way to take.
     pub daemon: Option<PathBuf>,
     pub secs: u64,
     pub reps: u32,
@@ -153,24 +154,24 @@ impl Options {
             .unwrap_or_else(|| self.bin_dir.join("vmigrater"))
     }
 
-    /// Fails, before any VM boots, when the oracle mode would run a daemon without the
-    /// oracle source: the product's builds refuse `monitor.source = "oracle"`, and the
-    /// guest's refusal would surface only as a run without a daemon.
+    /// The lab's daemon on the host's known schedule (mode vmigrater_oracle).
+    pub fn oracle_daemon_path(&self) -> PathBuf {
+        self.bin_dir.join("vmigrater-oracle")
+    }
+
+    /// Fails, before any VM boots, when the oracle mode has no lab daemon to run: the
+    /// guest's failure would surface only as a run without a daemon.
     fn check_oracle_daemon(&self) -> Result<()> {
-        let path = self.daemon_path();
+        let path = self.oracle_daemon_path();
         let out = Command::new(&path)
             .arg("--version")
             .output()
             .with_context(|| format!("running {} --version", path.display()))?;
-        let version = String::from_utf8_lossy(&out.stdout);
         anyhow::ensure!(
-            version.contains("oracle source"),
-            "mode vmigrater_oracle: the daemon {} ({}) has no oracle source; build the lab's \
-             with `cargo build --release -p vmigrater --features lab-oracle --target-dir \
-             target/lab-daemon` (`make bench-lab` does) and pass it with --daemon, or leave \
-             the mode out with --modes",
-            path.display(),
-            version.trim()
+            out.status.success(),
+            "mode vmigrater_oracle: {} --version failed; build it with `cargo build --release \
+             -p lab-oracle` (`make build` does), or leave the mode out with --modes",
+            path.display()
         );
         Ok(())
     }
@@ -197,6 +198,7 @@ pub fn boot(
     let contents = Contents {
         binaries: [
             (opts.daemon_path(), "vmigrater".to_string()),
+            (opts.oracle_daemon_path(), "vmigrater-oracle".to_string()),
             (
                 opts.bin_dir.join("vmigrater-workload"),
                 "vmigrater-workload".to_string(),
@@ -584,25 +586,26 @@ fn run_once(
                 .context("the oracle needs a host_steal scenario")?;
             let (offset, err) = offset_before.context("offset measured above")?;
             let epoch = (emu.epoch_ns() as i64 + offset) as u64;
-            let schedule: Vec<String> = sc.host_steal.iter().map(|p| format!("{p:?}")).collect();
+            let schedule: Vec<String> = sc
+                .host_steal
+                .iter()
+                .map(|p| format!("--schedule {p}"))
+                .collect();
             let base = opts.guest_config.clone().unwrap_or_default();
-            let cfg = base
-                .replace("source = \"kernel\"", "source = \"oracle\"")
-                // The oracle measures what moves gain, so nothing may switch them off.
-                .replace("[migration]\n", "[migration]\nguard = false\n")
-                .replace(
-                    "[monitor]\n",
-                    &format!(
-                        "[monitor]\noracle_schedule = [{}]\noracle_epoch_ns = {epoch}\n",
-                        schedule.join(", ")
-                    ),
-                );
+            // The oracle measures what moves gain, so nothing may switch them off.
+            let cfg = base.replace("[migration]\n", "[migration]\nguard = false\n");
             anyhow::ensure!(
-                cfg.contains("source = \"oracle\""),
-                "the lab guest config sets no kernel source to replace"
+                cfg.contains("guard = false"),
+                "the lab guest config has no [migration] table to turn the guard off in"
             );
             guest::write_file(&mut a.vm, "/tmp/oracle.toml", &cfg)?;
-            guest::start_daemon_with(&mut a.vm, "--config /tmp/oracle.toml")?;
+            guest::start_oracle_daemon(
+                &mut a.vm,
+                &format!(
+                    "--config /tmp/oracle.toml --epoch-ns {epoch} {}",
+                    schedule.join(" ")
+                ),
+            )?;
             oracle_offset = Some((offset, err));
         }
         Mode::Variant(name) | Mode::BothVariant(name) => {

@@ -19,10 +19,20 @@ pub fn start_daemon_with(vm: &mut Vm, args: &str) -> Result<()> {
     start_daemon_bin(vm, "vmigrater", args)
 }
 
+/// The lab's daemon on the host's known schedule (`vmigrater-oracle ARGS`).
+pub fn start_oracle_daemon(vm: &mut Vm, args: &str) -> Result<()> {
+    start(vm, &format!("vmigrater-oracle {args}"))
+}
+
 /// `start_daemon_with` the daemon binary `bin` (another build, see `Options::daemon_bins`).
 pub fn start_daemon_bin(vm: &mut Vm, bin: &str, args: &str) -> Result<()> {
+    start(vm, &format!("{bin} run {args}"))
+}
+
+/// Starts the daemon command `cmd` in the background and waits until it answers `status`.
+fn start(vm: &mut Vm, cmd: &str) -> Result<()> {
     vm.sh(
-        &format!("setsid {bin} run {args} </dev/null >/tmp/vmigrater.log 2>&1 &"),
+        &format!("setsid {cmd} </dev/null >/tmp/vmigrater.log 2>&1 &"),
         Duration::from_secs(20),
     )?;
     let t0 = Instant::now();

@@ -52,6 +52,18 @@ pub struct VcpuSnapshot {
     pub hiccups: u64,
 }
 
+/// A vCPU as a source that knows the schedule says it is (`VcpuBoard::publish_known`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KnownVcpu {
+    /// While running: now; while out: when it went out.
+    pub last_seen_ns: u64,
+    /// While running: the current run's start and length.
+    pub run: Option<(u64, u64)>,
+    pub deschedules: u64,
+    pub inactive_total_ns: u64,
+    pub last_inactive_ns: u64,
+}
+
 #[derive(Default)]
 pub(crate) struct Slot {
     pub cpu: usize,
@@ -151,6 +163,29 @@ impl VcpuBoard {
 
     pub(crate) fn slot(&self, cpu: usize) -> Option<&Slot> {
         self.slots.iter().find(|s| s.cpu == cpu)
+    }
+
+    /// Whether `cpu` is on the board.
+    pub fn monitors(&self, cpu: usize) -> bool {
+        self.slot(cpu).is_some()
+    }
+
+    /// Publishes what an `ExternalSource` knows of `cpu` rather than detects: no tolerance,
+    /// out means not seen since `last_seen_ns`. Nothing happens for a CPU not on the board.
+    pub fn publish_known(&self, cpu: usize, k: KnownVcpu) {
+        let Some(slot) = self.slot(cpu) else {
+            return;
+        };
+        slot.last_seen_ns.store(k.last_seen_ns, Relaxed);
+        if let Some((start, len)) = k.run {
+            slot.slice_start_ns.store(start, Relaxed);
+            slot.est_slice_ns.store(len, Relaxed);
+        }
+        slot.period_ns.store(0, Relaxed);
+        slot.gap_threshold_ns.store(0, Relaxed);
+        slot.deschedules.store(k.deschedules, Relaxed);
+        slot.inactive_total_ns.store(k.inactive_total_ns, Relaxed);
+        slot.last_inactive_ns.store(k.last_inactive_ns, Relaxed);
     }
 
     fn read(s: &Slot, now_ns: u64) -> VcpuSnapshot {

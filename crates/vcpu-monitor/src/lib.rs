@@ -5,9 +5,9 @@
 //!   pinned to it, sleeps on absolute CLOCK_MONOTONIC deadlines; a wake-up much later
 //!   than asked means the hypervisor had that vCPU descheduled (`Monitor`).
 //!
-//! A third source, the nested-VM lab's oracle (the host's known steal schedule), exists
-//! only with the `lab-oracle` feature, which the lab's build of the daemon turns on and the
-//! product's never does: on a real hypervisor nobody knows the schedule.
+//! A source from outside this crate (`ExternalSource`) can feed the same board and hook:
+//! the nested-VM lab's oracle (the host's known steal schedule, crate `lab-oracle`) is
+//! one. The product has none: on a real hypervisor nobody knows the schedule.
 //!
 //! Every source feeds the same board and hook. The pure `SliceEstimator`
 //! turns wake-ups into slices; the lock-free `VcpuBoard` publishes each vCPU's state to
@@ -24,10 +24,8 @@ mod cpu_schedule;
 mod estimator;
 mod kernel;
 mod monitor;
-#[cfg(feature = "lab-oracle")]
-mod schedule;
 
-pub use board::{Demand, VcpuBoard, VcpuSnapshot};
+pub use board::{Demand, KnownVcpu, VcpuBoard, VcpuSnapshot};
 pub use config::{
     online_cpus, MonitorConfig, DEFAULT_IDLE_PERIOD, DEFAULT_MIN_GAP_THRESHOLD, DEFAULT_PERIOD,
     DEFAULT_PROBE_PERIOD, DEFAULT_RT_PRIORITY, DEFAULT_SLICE,
@@ -36,8 +34,6 @@ pub use cpu_schedule::parse_cpu_schedule;
 pub use estimator::{EstimatorConfig, Observation, SliceEstimator};
 pub use kernel::{KernelMonitor, TimerAttach, MIN_KERNEL_GAP_THRESHOLD};
 pub use monitor::{Monitor, TickEvent, TickHook};
-#[cfg(feature = "lab-oracle")]
-pub use schedule::{ScheduleMonitor, StealSchedule, Window};
 
 /// CLOCK_MONOTONIC: the one clock of the sleepers, the board and callers.
 pub use os_layer::{monotonic_ns, sleep_until};
@@ -49,9 +45,8 @@ pub enum Source {
     Kernel,
     /// Timed sleeps of a SCHED_FIFO thread per vCPU.
     Sleepers,
-    /// The lab's known steal schedule (perfect knowledge; nested-VM lab only).
-    #[cfg(feature = "lab-oracle")]
-    Oracle,
+    /// A source linked in from outside this crate (the nested-VM lab's oracle).
+    External,
 }
 
 impl Source {
@@ -59,8 +54,7 @@ impl Source {
         match self {
             Source::Kernel => "kernel",
             Source::Sleepers => "sleepers",
-            #[cfg(feature = "lab-oracle")]
-            Source::Oracle => "oracle",
+            Source::External => "external",
         }
     }
 }
@@ -69,23 +63,44 @@ impl Source {
 pub enum AnyMonitor {
     Kernel(KernelMonitor),
     Sleepers(Monitor),
-    #[cfg(feature = "lab-oracle")]
-    Oracle(ScheduleMonitor),
+    External(Box<dyn ExternalSource>),
 }
 
+/// A tick source from outside this crate: it feeds the board and the hook as the kernel
+/// and sleeper sources do (the nested-VM lab's oracle, which knows the host's schedule).
+pub trait ExternalSource: Send {
+    /// Stops its threads; the board keeps what it last said.
+    fn stop(self: Box<Self>);
+}
+
+/// Starts an external source on the board and the hook, with the push threshold.
+pub type StartExternal = Box<
+    dyn FnOnce(
+            std::sync::Arc<VcpuBoard>,
+            std::sync::Arc<dyn TickHook>,
+            std::time::Duration,
+        ) -> anyhow::Result<Box<dyn ExternalSource>>
+        + Send,
+>;
+
 /// What `AnyMonitor::start` should run.
-#[derive(Clone, Debug)]
 pub enum Wanted {
     /// The kernel source, the sleepers where it does not load.
     Auto,
     Kernel,
     Sleepers,
-    /// The lab oracle: these schedules from `epoch_ns` (guest CLOCK_MONOTONIC).
-    #[cfg(feature = "lab-oracle")]
-    Oracle {
-        schedules: Vec<StealSchedule>,
-        epoch_ns: u64,
-    },
+    External(StartExternal),
+}
+
+impl std::fmt::Debug for Wanted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Wanted::Auto => "Auto",
+            Wanted::Kernel => "Kernel",
+            Wanted::Sleepers => "Sleepers",
+            Wanted::External(_) => "External",
+        })
+    }
 }
 
 impl AnyMonitor {
@@ -100,18 +115,8 @@ impl AnyMonitor {
     ) -> anyhow::Result<(AnyMonitor, Option<String>)> {
         use anyhow::Context;
         match wanted {
-            #[cfg(feature = "lab-oracle")]
-            Wanted::Oracle {
-                schedules,
-                epoch_ns,
-            } => Ok((
-                AnyMonitor::Oracle(ScheduleMonitor::start(
-                    board,
-                    hook,
-                    push_threshold,
-                    schedules,
-                    epoch_ns,
-                )?),
+            Wanted::External(start) => Ok((
+                AnyMonitor::External(start(board, hook, push_threshold)?),
                 None,
             )),
             Wanted::Sleepers => Ok((
@@ -142,8 +147,7 @@ impl AnyMonitor {
         match self {
             AnyMonitor::Kernel(_) => Source::Kernel,
             AnyMonitor::Sleepers(_) => Source::Sleepers,
-            #[cfg(feature = "lab-oracle")]
-            AnyMonitor::Oracle(_) => Source::Oracle,
+            AnyMonitor::External(_) => Source::External,
         }
     }
 
@@ -151,8 +155,7 @@ impl AnyMonitor {
         match self {
             AnyMonitor::Kernel(k) => k.stop(),
             AnyMonitor::Sleepers(m) => m.stop(),
-            #[cfg(feature = "lab-oracle")]
-            AnyMonitor::Oracle(o) => o.stop(),
+            AnyMonitor::External(o) => o.stop(),
         }
     }
 }

@@ -8,7 +8,7 @@ use std::time::Instant;
 use task_detector::{IoTracker, TrackerOptions, TrackerStorage};
 
 use crate::config::{Config, MonitorSource};
-use crate::daemon::monitor_config;
+use crate::settings::monitor_config;
 
 const HINT_PORT: &str = "/dev/virtio-ports/org.vmigrater.hint.0";
 
@@ -129,13 +129,6 @@ fn monitor_source(cfg: &Config, m: vcpu_monitor::MonitorConfig, root: bool) -> S
     );
     if cfg.monitor.source == MonitorSource::Sleepers {
         return format!("{sleepers}, as configured");
-    }
-    #[cfg(feature = "lab-oracle")]
-    if cfg.monitor.source == MonitorSource::Oracle {
-        return format!(
-            "oracle (nested-VM lab only): the host's steal schedule {:?}",
-            cfg.monitor.oracle_schedule
-        );
     }
     if !root {
         return "kernel timers (not verified: loading BPF needs root)".into();

@@ -54,17 +54,8 @@ pub struct MonitorSection {
     /// Where deschedules are learnt from: "kernel" (late kernel timers seen by BPF, no
     /// wake-up of our own per tick), "sleepers" (a SCHED_FIFO sleeper per vCPU: the only
     /// source that also sees a steal emulator inside the same kernel) or "auto" (kernel,
-    /// else sleepers). The lab's build alone also has "oracle": the host's known steal
-    /// schedule (`oracle_schedule`, `oracle_epoch_ns`) stands in for detection.
+    /// else sleepers).
     pub source: MonitorSource,
-    /// Lab oracle: one `CPU:OUT_US:RUN_US[:PHASE_US]` per vCPU.
-    #[cfg(feature = "lab-oracle")]
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub oracle_schedule: Vec<String>,
-    /// Lab oracle: the schedule's epoch in this guest's CLOCK_MONOTONIC, ns.
-    #[cfg(feature = "lab-oracle")]
-    #[serde(default, skip_serializing_if = "is_zero")]
-    pub oracle_epoch_ns: u64,
     /// vCPUs to monitor; empty means every online CPU.
     pub cpus: Vec<usize>,
 }
@@ -76,29 +67,17 @@ pub enum MonitorSource {
     Auto,
     Kernel,
     Sleepers,
-    /// The nested-VM lab's known steal schedule: in the lab's build only.
-    #[cfg(feature = "lab-oracle")]
-    Oracle,
 }
 
 impl TryFrom<String> for MonitorSource {
     type Error = String;
 
-    /// By hand rather than derived, so that a product build says why it refuses "oracle".
+    /// By hand rather than derived, so that the error names the three values.
     fn try_from(s: String) -> std::result::Result<Self, String> {
         match s.as_str() {
             "auto" => Ok(MonitorSource::Auto),
             "kernel" => Ok(MonitorSource::Kernel),
             "sleepers" => Ok(MonitorSource::Sleepers),
-            #[cfg(feature = "lab-oracle")]
-            "oracle" => Ok(MonitorSource::Oracle),
-            #[cfg(not(feature = "lab-oracle"))]
-            "oracle" => Err(
-                "monitor.source = \"oracle\": this build has no oracle source (it is the \
-                 nested-VM lab's, built with `--features lab-oracle`); use `auto`, `kernel` \
-                 or `sleepers`"
-                    .into(),
-            ),
             other => Err(format!(
                 "unknown monitor.source {other:?}: expected `auto`, `kernel` or `sleepers`"
             )),
@@ -136,28 +115,14 @@ fn us(d: std::time::Duration) -> u64 {
     d.as_micros() as u64
 }
 
-#[cfg(feature = "lab-oracle")]
-fn is_zero(v: &u64) -> bool {
-    *v == 0
-}
-
 impl MonitorSection {
-    /// What the daemon should start (the oracle's schedule was checked by `validate`).
+    /// What the daemon should start.
     pub fn wanted(&self) -> vcpu_monitor::Wanted {
         use vcpu_monitor::Wanted;
         match self.source {
             MonitorSource::Auto => Wanted::Auto,
             MonitorSource::Kernel => Wanted::Kernel,
             MonitorSource::Sleepers => Wanted::Sleepers,
-            #[cfg(feature = "lab-oracle")]
-            MonitorSource::Oracle => Wanted::Oracle {
-                schedules: self
-                    .oracle_schedule
-                    .iter()
-                    .filter_map(|s| s.parse().ok())
-                    .collect(),
-                epoch_ns: self.oracle_epoch_ns,
-            },
         }
     }
 }
@@ -582,8 +547,6 @@ impl Config {
         // The status socket lives in the state directory.
         control::socket_path_fits("state_dir", &crate::status::socket_path(&self.state_dir))?;
         self.advanced.validate()?;
-        #[cfg(feature = "lab-oracle")]
-        validate_oracle(&self.monitor)?;
         for name in &self.migration.exclude_comm {
             comm_fits("migration.exclude_comm", name, "")?;
         }
@@ -634,27 +597,6 @@ fn comm_fits(key: &str, name: &str, which: &str) -> std::result::Result<(), Inva
                 "{key}{which}: \"{name}\" can never match a command: the kernel keeps 1 to \
                  {COMM_MAX} bytes of one (`ps -o comm` shows them)"
             ),
-        ));
-    }
-    Ok(())
-}
-
-/// The lab oracle's keys: a parseable schedule, and both keys whenever the source is "oracle".
-#[cfg(feature = "lab-oracle")]
-fn validate_oracle(m: &MonitorSection) -> std::result::Result<(), Invalid> {
-    for sch in &m.oracle_schedule {
-        if let Err(e) = sch.parse::<vcpu_monitor::StealSchedule>() {
-            return Err(Invalid::new(
-                "monitor.oracle_schedule",
-                format!("monitor.oracle_schedule: {e:#}"),
-            ));
-        }
-    }
-    if m.source == MonitorSource::Oracle && (m.oracle_schedule.is_empty() || m.oracle_epoch_ns == 0)
-    {
-        return Err(Invalid::new(
-            "monitor.source",
-            "monitor.source = \"oracle\" needs monitor.oracle_schedule and monitor.oracle_epoch_ns (nested-VM lab only)",
         ));
     }
     Ok(())
@@ -1088,57 +1030,23 @@ mod tests {
         );
     }
 
-    #[cfg(not(feature = "lab-oracle"))]
     #[test]
-    fn a_product_build_refuses_the_oracle_naming_the_line() {
+    fn the_oracle_is_no_source_of_the_daemon_naming_the_line() {
         let err = format!(
             "{:#}",
             Config::parse("# lab\n[monitor]\nsource = \"oracle\"\n", "c.toml").unwrap_err()
         );
         assert!(err.starts_with("c.toml:3:"), "{err}");
-        assert!(err.contains("this build has no oracle source"), "{err}");
-        // The lab's keys are unknown keys here, like any other.
+        assert!(
+            err.contains("expected `auto`, `kernel` or `sleepers`"),
+            "{err}"
+        );
+        // The lab's old keys are unknown keys, like any other.
         let err = format!(
             "{:#}",
             Config::parse("[monitor]\noracle_epoch_ns = 5\n", "c.toml").unwrap_err()
         );
         assert!(err.starts_with("c.toml:2:"), "{err}");
-    }
-
-    #[cfg(feature = "lab-oracle")]
-    #[test]
-    fn the_oracle_needs_its_schedule_and_epoch() {
-        let err = format!(
-            "{:#}",
-            Config::parse("[monitor]\nsource = \"oracle\"\n", "c").unwrap_err()
-        );
-        assert!(err.contains("oracle_schedule"), "{err}");
-        let err = format!(
-            "{:#}",
-            Config::parse(
-                "[monitor]\nsource = \"oracle\"\noracle_schedule = [\"0:x:1\"]\noracle_epoch_ns = 5\n",
-                "c"
-            )
-            .unwrap_err()
-        );
-        assert!(err.contains("not a number"), "{err}");
-        let cfg = Config::parse(
-            "[monitor]\nsource = \"oracle\"\noracle_schedule = [\"0:11000:11000\", \"1:11000:11000:5500\"]\noracle_epoch_ns = 5\n",
-            "c",
-        )
-        .unwrap();
-        match cfg.monitor.wanted() {
-            vcpu_monitor::Wanted::Oracle {
-                schedules,
-                epoch_ns,
-            } => {
-                assert_eq!(schedules.len(), 2);
-                assert_eq!(epoch_ns, 5);
-            }
-            other => panic!("{other:?}"),
-        }
-        // Lab-only keys stay out of the default configuration a package ships.
-        assert!(!Config::default_toml().contains("oracle"));
     }
 
     #[test]

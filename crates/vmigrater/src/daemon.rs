@@ -1,7 +1,8 @@
-//! `vmigrater run`: wires monitor → detector → engine together, serves metrics and status,
-//! and on SIGTERM/SIGINT/SIGQUIT hands every task back with its original mask; SIGHUP
-//! reloads the configuration (`control::reload`). Owns start-up order (the instance lock, then crash
-//! recovery, before anything can be moved) and shutdown order (stop moving, then restore).
+//! `vmigrater run`: wires monitor → detector → engine together (their settings from
+//! `settings`), serves metrics and status, and on SIGTERM/SIGINT/SIGQUIT hands every task
+//! back with its original mask; SIGHUP reloads the configuration (`control::reload`). Owns
+//! start-up order (the instance lock, then crash recovery, before anything can be moved)
+//! and shutdown order (stop moving, then restore).
 //! The signals were blocked in `main` before this runs, so one sent at any moment of
 //! start-up waits for the control plane and takes the same shutdown path. It must never
 //! leave a task pinned on any exit path it controls; for the ones it does not (kill -9),
@@ -9,120 +10,44 @@
 
 use anyhow::{Context, Result};
 use arc_swap::ArcSwap;
-use os_layer::Root;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
-use task_detector::queues::QueueMap;
-use task_detector::{ClassifierConfig, TrackerOptions};
+use task_detector::TrackerOptions;
 use tracing::{info, warn};
-use vcpu_monitor::{AnyMonitor, MonitorConfig, VcpuBoard};
+use vcpu_monitor::{AnyMonitor, VcpuBoard};
 
 use crate::channel::{self, ChannelStats};
 use crate::config::Config;
 use crate::detect::{DetectStart, DetectorThread, LivePlacement};
 use crate::metrics::Moves;
+use crate::settings::{classifier_config, engine_config, monitor_config};
 use crate::status;
 use crate::view::Running;
 use crate::{instance, recovery};
 use migrater::affinity::AffinityExecutor;
-use migrater::completion::{prior, Home};
-use migrater::engine::{self, EngineConfig, EngineSnapshot};
-use migrater::guard::GuardConfig;
+use migrater::engine::{self, EngineSnapshot};
 use migrater::hook::{LatencyRing, MigrationHook, Placement, Shared};
 use migrater::planner::{Planner, PlannerConfig};
-use migrater::sampling::Schedule;
-
-pub fn monitor_config(cfg: &Config) -> Result<MonitorConfig> {
-    let m = &cfg.advanced.monitor;
-    let mut mc = MonitorConfig::default();
-    if !cfg.monitor.cpus.is_empty() {
-        mc.cpus = cfg.monitor.cpus.clone();
-    }
-    mc.period = Duration::from_micros(m.period_us);
-    mc.probe_period = Duration::from_micros(m.probe_period_us);
-    mc.idle_period = Duration::from_micros(m.idle_period_us);
-    mc.min_gap_threshold = Duration::from_micros(m.min_gap_threshold_us);
-    mc.default_slice = Duration::from_micros(m.default_slice_us);
-    mc.rt_priority = (m.rt_priority > 0).then_some(m.rt_priority);
-    anyhow::ensure!(!mc.cpus.is_empty(), "no CPUs to monitor");
-    Ok(mc)
-}
-
-fn classifier_config(cfg: &Config) -> ClassifierConfig {
-    ClassifierConfig {
-        window_ns: cfg.advanced.detector.window_ms * 1_000_000,
-        // A sample (250 ms) at the default window: a server in lock-step with deschedules
-        // issues a request every period or two.
-        max_window_ns: cfg.advanced.detector.window_ms * 50_000_000,
-        ..ClassifierConfig::default()
-    }
-}
-
-/// The engine's settings. `measures_contention`: whether the monitor's out times tell how
-/// contended the vCPUs are.
-fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) -> EngineConfig {
-    let d = &cfg.advanced.detector;
-    EngineConfig {
-        window: Duration::from_millis(d.window_ms),
-        idle: Duration::from_millis(d.idle_poll_ms.max(d.window_ms)),
-        own_pid: std::process::id(),
-        exclude_comm: cfg.migration.exclude_comm.clone(),
-        schedule: (d.sample_every_ms > 0).then(|| Schedule {
-            length: Duration::from_millis(d.sample_ms),
-            every: Duration::from_millis(d.sample_every_ms),
-        }),
-        detach_after: (d.detach_after_ms > 0).then(|| Duration::from_millis(d.detach_after_ms)),
-        // Where nothing is descheduled there is nothing to gain: with the guard on (dry run
-        // too, to show what would happen), no probe and no move there.
-        gate_on_contention: cfg.migration.guard && measures_contention,
-        guard: (cfg.migration.guard && !cfg.dry_run).then(|| GuardConfig {
-            epoch_ns: cfg.advanced.migration.guard_epoch_ms * 1_000_000,
-            ..GuardConfig::default()
-        }),
-        completion_prior: if cfg.migration.follow_completions {
-            completion_prior(cpus)
-        } else {
-            info!("migration.follow_completions = false: I/O-bound tasks follow the running vCPUs wherever their requests complete");
-            Home::Unknown
-        },
-        follow_completions: cfg.migration.follow_completions,
-        keep_partners: cfg.migration.keep_partners,
-    }
-}
-
-/// Where block requests complete, by the kernel's queue and interrupt maps, said once.
-fn completion_prior(cpus: &[usize]) -> Home {
-    let map = match QueueMap::read(&Root::real()) {
-        Ok(m) => m,
-        Err(e) => {
-            warn!("reading the disks' queue map failed ({e:#}): where requests complete is learned from the block programs alone");
-            return Home::Unknown;
-        }
-    };
-    for d in &map.disks {
-        let queues: Vec<String> = d
-            .queues
-            .iter()
-            .map(|q| format!("{:?}→{:?}", q.submit_cpus, q.completion_cpus))
-            .collect();
-        info!(disk = %d.disk, queues = %queues.join(" "), "block queues: submitting vCPUs → completing vCPUs");
-    }
-    let home = prior(&map.completion_cpus(), cpus);
-    match home {
-        Home::Fixed(c) => info!("every vCPU's requests complete on vCPU {c}: I/O-bound tasks are kept there while moves may pay"),
-        Home::FollowsSubmitter => info!("requests complete on the vCPU that submits them: I/O-bound tasks follow the running vCPUs"),
-        Home::Unknown => info!("where requests complete is learned per task from the block programs"),
-    }
-    home
-}
 
 /// Runs the daemon until a stop signal; `load` reads the configuration again at SIGHUP.
 pub fn run(
     cfg: Config,
+    signals: control::signals::Signals,
+    load: Box<dyn Fn() -> Result<Config>>,
+) -> Result<()> {
+    run_with_source(cfg, signals, load, None)
+}
+
+/// `run`, with the vCPU monitor's ticks from `external` instead of `monitor.source` when
+/// given: how the nested-VM lab's build (`vmigrater-oracle`) runs this daemon on the
+/// host's known schedule.
+pub fn run_with_source(
+    cfg: Config,
     mut signals: control::signals::Signals,
     load: Box<dyn Fn() -> Result<Config>>,
+    external: Option<vcpu_monitor::StartExternal>,
 ) -> Result<()> {
     let _instance = instance::lock()?;
     let state_dir = cfg.state_dir.clone();
@@ -154,8 +79,9 @@ pub fn run(
         cfg.advanced.migration.push_threshold_us * 1_000,
         &cpus,
     ));
+    let wanted = external.map_or_else(|| cfg.monitor.wanted(), vcpu_monitor::Wanted::External);
     let (monitor, fallback) = AnyMonitor::start(
-        cfg.monitor.wanted(),
+        wanted,
         mon_cfg,
         board.clone(),
         hook,

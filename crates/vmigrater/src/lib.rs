@@ -10,5 +10,6 @@ pub mod instance;
 pub mod metrics;
 pub mod record;
 pub mod recovery;
+pub mod settings;
 pub mod status;
 pub mod view;

@@ -8,15 +8,7 @@ use vmigrater::config::{Config, DEFAULT_CONFIG_PATH};
 use vmigrater::{check, daemon, record, status};
 
 /// `--version`, with the commit it was built from (`build.rs`): the benchmarks record it
-/// beside their own. The lab reads it to know that a daemon build has its oracle source.
-#[cfg(feature = "lab-oracle")]
-const VERSION: &str = concat!(
-    env!("CARGO_PKG_VERSION"),
-    " (commit ",
-    env!("VMIGRATER_COMMIT"),
-    "; lab build: oracle source)"
-);
-#[cfg(not(feature = "lab-oracle"))]
+/// beside their own.
 const VERSION: &str = concat!(
     env!("CARGO_PKG_VERSION"),
     " (commit ",

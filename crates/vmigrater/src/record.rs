@@ -97,7 +97,7 @@ pub fn replay_text(outs: &[Out], t0_ns: u64, length: Duration, header: &str) -> 
 
 /// Records for `length` and writes the replay text to `out` (standard output when `None`).
 pub fn run(cfg: &Config, length: Duration, out: Option<&Path>) -> Result<()> {
-    let mon_cfg = crate::daemon::monitor_config(cfg)?;
+    let mon_cfg = crate::settings::monitor_config(cfg)?;
     let cpus = mon_cfg.cpus.clone();
     let board = Arc::new(VcpuBoard::new(&cpus, &mon_cfg));
     // The programs raise gap events only while something asks for them.

@@ -61,14 +61,14 @@ pub enum AttachReport {
     None,
 }
 
-/// Where vCPU deschedules are learnt from (`oracle`: the lab's build); `unknown` from a
-/// daemon too old to say.
+/// Where vCPU deschedules are learnt from (`external`: a source another build links in,
+/// the nested-VM lab's oracle); `unknown` from a daemon too old to say.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SourceReport {
     Kernel,
     Sleepers,
-    Oracle,
+    External,
     #[default]
     Unknown,
 }

@@ -47,8 +47,7 @@ fn source_report(s: vcpu_monitor::Source) -> SourceReport {
     match s {
         vcpu_monitor::Source::Kernel => SourceReport::Kernel,
         vcpu_monitor::Source::Sleepers => SourceReport::Sleepers,
-        #[cfg(feature = "lab-oracle")]
-        vcpu_monitor::Source::Oracle => SourceReport::Oracle,
+        vcpu_monitor::Source::External => SourceReport::External,
     }
 }
 

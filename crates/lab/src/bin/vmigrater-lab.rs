@@ -33,12 +33,12 @@ enum Cmd {
     },
     /// The benefit benchmark: every scenario and mode, JSON to --out.
     Bench {
-        /// Where vmigrater, vmigrater-workload and vmigrater-hv-agent are (release builds).
+        /// Where vmigrater, vmigrater-oracle (the lab's daemon, mode vmigrater_oracle),
+        /// vmigrater-workload and vmigrater-hv-agent are (release builds).
         #[arg(long, default_value = "target/release")]
         bin_dir: PathBuf,
-        /// The guest daemon of every mode instead of BIN_DIR's vmigrater: the mode
-        /// vmigrater_oracle needs the lab's build (`--features lab-oracle`, which `make
-        /// bench-lab` builds into target/lab-daemon), the product's has no oracle source.
+        /// The guest daemon of every mode but vmigrater_oracle, instead of BIN_DIR's
+        /// vmigrater.
         #[arg(long)]
         daemon: Option<PathBuf>,
         /// Length of each run's workload, seconds.

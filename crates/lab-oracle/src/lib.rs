@@ -7,7 +7,9 @@
 //!
 //! One thread wakes at each resume (hook `Resumed`) and at each push point (run end −
 //! push threshold, hook `Running`) of a vCPU holding tasks. It must never be used outside
-//! the lab: on a real hypervisor nobody knows the schedule.
+//! the lab: on a real hypervisor nobody knows the schedule. So it lives here, beside the
+//! lab's build of the daemon (`vmigrater-oracle`), and the product's crates carry none of
+//! it: the daemon takes it as a `vcpu_monitor::ExternalSource`.
 
 use anyhow::{Context, Result};
 use std::str::FromStr;
@@ -16,11 +18,10 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use crate::board::VcpuBoard;
-use crate::cpu_schedule::parse_cpu_schedule;
-use crate::monitor::{TickEvent, TickHook};
-use crate::monotonic_ns;
-use crate::sleep_until;
+use vcpu_monitor::{
+    monotonic_ns, parse_cpu_schedule, sleep_until, ExternalSource, KnownVcpu, StartExternal,
+    TickEvent, TickHook, VcpuBoard,
+};
 
 /// One vCPU's known steal schedule: out for `out_ns`, then running for `run_ns`, the first
 /// outage `phase_ns` after the epoch (the steal emulator's `CPU:BUSY_US:IDLE_US:PHASE_US`).
@@ -93,6 +94,21 @@ impl StealSchedule {
     }
 }
 
+/// Starts the oracle on the daemon's board and hook: `schedules` from `epoch_ns` (the
+/// guest's CLOCK_MONOTONIC).
+pub fn start_external(schedules: Vec<StealSchedule>, epoch_ns: u64) -> StartExternal {
+    Box::new(move |board, hook, push_threshold| {
+        let m = ScheduleMonitor::start(board, hook, push_threshold, schedules, epoch_ns)?;
+        Ok(Box::new(m) as Box<dyn ExternalSource>)
+    })
+}
+
+impl ExternalSource for ScheduleMonitor {
+    fn stop(self: Box<Self>) {
+        ScheduleMonitor::stop(*self)
+    }
+}
+
 pub struct ScheduleMonitor {
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
@@ -108,7 +124,7 @@ impl ScheduleMonitor {
     ) -> Result<ScheduleMonitor> {
         for s in &schedules {
             anyhow::ensure!(
-                board.slot(s.cpu).is_some(),
+                board.monitors(s.cpu),
                 "schedule for CPU {}, which is not monitored",
                 s.cpu
             );
@@ -169,19 +185,13 @@ fn oracle_thread(
         let mut resumed = Vec::new();
         let mut next = now + MAX_SLEEP_NS;
         for (i, s) in schedules.iter().enumerate() {
-            let Some(slot) = board.slot(s.cpu) else {
-                continue;
-            };
             let w = s.at(t);
-            match w {
+            let (last_seen_ns, run) = match w {
                 Window::Running {
                     since,
                     until,
                     outages,
                 } => {
-                    slot.last_seen_ns.store(now, Relaxed);
-                    slot.slice_start_ns.store(epoch_ns + since, Relaxed);
-                    slot.est_slice_ns.store(until - since, Relaxed);
                     // Back from an outage seen while out, or one that fell between wakes.
                     if seen_outages[i] != u64::MAX && (was_out[i] || outages > seen_outages[i]) {
                         resumed.push((s.cpu, s.out_ns));
@@ -196,25 +206,30 @@ fn oracle_thread(
                     }
                     next = next.min(epoch_ns + until + s.out_ns);
                     seen_outages[i] = outages;
+                    (now, Some((epoch_ns + since, until - since)))
                 }
                 Window::Out {
                     since,
                     until,
                     outages,
                 } => {
-                    slot.last_seen_ns.store(epoch_ns + since, Relaxed);
                     next = next.min(epoch_ns + until);
                     seen_outages[i] = outages;
                     was_out[i] = true;
+                    (epoch_ns + since, None)
                 }
-            }
-            // Out means "not seen since `since`", with no tolerance.
-            slot.period_ns.store(0, Relaxed);
-            slot.gap_threshold_ns.store(0, Relaxed);
+            };
             let outages = seen_outages[i];
-            slot.deschedules.store(outages, Relaxed);
-            slot.inactive_total_ns.store(outages * s.out_ns, Relaxed);
-            slot.last_inactive_ns.store(s.out_ns, Relaxed);
+            board.publish_known(
+                s.cpu,
+                KnownVcpu {
+                    last_seen_ns,
+                    run,
+                    deschedules: outages,
+                    inactive_total_ns: outages * s.out_ns,
+                    last_inactive_ns: s.out_ns,
+                },
+            );
         }
         for (cpu, inactive_ns) in resumed {
             hook.on_tick(
@@ -288,5 +303,59 @@ mod tests {
                 outages: 2
             }
         );
+    }
+
+    /// Counts the resumes the hook is told of, per vCPU.
+    #[derive(Default)]
+    struct Resumes(std::sync::Mutex<Vec<usize>>);
+
+    impl TickHook for Resumes {
+        fn on_tick(&self, cpu: usize, event: TickEvent, _: &VcpuBoard, _: u64) {
+            if matches!(event, TickEvent::Resumed { .. }) {
+                self.0.lock().unwrap().push(cpu);
+            }
+        }
+    }
+
+    #[test]
+    fn the_daemons_monitor_runs_the_oracle_as_an_external_source() {
+        let cfg = vcpu_monitor::MonitorConfig {
+            cpus: vec![0, 1],
+            ..Default::default()
+        };
+        let board = Arc::new(VcpuBoard::new(&cfg.cpus, &cfg));
+        let hook = Arc::new(Resumes::default());
+        let epoch = monotonic_ns();
+        // vCPU 0 out 5 ms of every 10; vCPU 1 never within the test.
+        let schedules = vec![
+            "0:5000:5000".parse().unwrap(),
+            "1:5000:5000:10000000".parse().unwrap(),
+        ];
+        let (monitor, fallback) = vcpu_monitor::AnyMonitor::start(
+            vcpu_monitor::Wanted::External(start_external(schedules, epoch)),
+            cfg,
+            board.clone(),
+            hook.clone(),
+            Duration::from_micros(500),
+        )
+        .unwrap();
+        assert!(fallback.is_none());
+        assert_eq!(monitor.source(), vcpu_monitor::Source::External);
+        std::thread::sleep(Duration::from_millis(200));
+        monitor.stop();
+        let now = monotonic_ns();
+        let cpu0 = board.cpu_snapshot(0, now).unwrap();
+        let cpu1 = board.cpu_snapshot(1, now).unwrap();
+        // Written from the schedule, not detected: every outage up to the last wake (a
+        // loaded machine may wake it late, never early).
+        assert!(cpu0.deschedules >= 5, "{cpu0:?}");
+        assert_eq!(cpu0.inactive_total_ns, cpu0.deschedules * 5 * MS);
+        assert_eq!(cpu1.deschedules, 0, "{cpu1:?}");
+        let resumes = hook.0.lock().unwrap();
+        assert!(
+            resumes.iter().filter(|&&c| c == 0).count() >= 8,
+            "{resumes:?}"
+        );
+        assert!(!resumes.contains(&1));
     }
 }

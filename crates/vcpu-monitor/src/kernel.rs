@@ -362,15 +362,16 @@ fn event_thread(
 
     let cpus: Vec<usize> = board.cpus().filter(|&c| c < MAX_CPUS).collect();
     let mut history: Vec<SliceHistory> = cpus.iter().map(|_| SliceHistory::default()).collect();
-    // Slice start of the last push point handled per vCPU: one push check per slice.
-    let mut pushed: Vec<u64> = vec![0; cpus.len()];
+    let mut points = PushPoints {
+        pushed: vec![0; cpus.len()],
+        push_ns: push_threshold.as_nanos() as u64,
+    };
     let view = BoardView {
         cpus: &cpus,
         vcpus,
         default_slice: cfg.default_slice.as_nanos() as u64,
         threshold_ns,
     };
-    let push_ns = push_threshold.as_nanos() as u64;
     let mut emitting = false;
     let mut slicing = vec![false; cpus.len()];
     while !stop.load(Relaxed) {
@@ -391,13 +392,7 @@ fn event_thread(
         }
         publish_task_cpus(task_cpus, &cpus, hook);
         // Sleep until the earliest push point of a vCPU holding tasks, or an event.
-        let mut wait = MAX_WAIT.as_nanos() as u64;
-        for (i, &cpu) in cpus.iter().enumerate() {
-            if let Some((_, at)) = push_point(board, cpu, now, slicing[i], pushed[i], push_ns, hook)
-            {
-                wait = wait.min(at.saturating_sub(now));
-            }
-        }
+        let wait = points.wait_ns(board, &cpus, now, &slicing, hook);
         if wait > 0 {
             wait_for_events(rb.epoll_fd(), wait);
         }
@@ -426,18 +421,74 @@ fn event_thread(
                 now,
             );
         }
+        points.run_due(board, &cpus, now, &slicing, hook);
+    }
+    set_emit(emit, false);
+    debug!("vCPU event thread stopped");
+}
+
+/// The push points of the monitored vCPUs (`push_point`), one handled per slice.
+struct PushPoints {
+    /// Slice start of the last push point handled, per vCPU.
+    pushed: Vec<u64>,
+    push_ns: u64,
+}
+
+impl PushPoints {
+    /// How long until the earliest push point of a vCPU holding tasks (`MAX_WAIT` at most).
+    fn wait_ns(
+        &self,
+        board: &VcpuBoard,
+        cpus: &[usize],
+        now: u64,
+        slicing: &[bool],
+        hook: &dyn TickHook,
+    ) -> u64 {
+        let mut wait = MAX_WAIT.as_nanos() as u64;
         for (i, &cpu) in cpus.iter().enumerate() {
-            match push_point(board, cpu, now, slicing[i], pushed[i], push_ns, hook) {
+            let point = push_point(
+                board,
+                cpu,
+                now,
+                slicing[i],
+                self.pushed[i],
+                self.push_ns,
+                hook,
+            );
+            if let Some((_, at)) = point {
+                wait = wait.min(at.saturating_sub(now));
+            }
+        }
+        wait
+    }
+
+    /// Tells the hook of every push point due by `now` (`TickEvent::Running`).
+    fn run_due(
+        &mut self,
+        board: &VcpuBoard,
+        cpus: &[usize],
+        now: u64,
+        slicing: &[bool],
+        hook: &dyn TickHook,
+    ) {
+        for (i, &cpu) in cpus.iter().enumerate() {
+            match push_point(
+                board,
+                cpu,
+                now,
+                slicing[i],
+                self.pushed[i],
+                self.push_ns,
+                hook,
+            ) {
                 Some((slice_start, at)) if at <= now => {
-                    pushed[i] = slice_start;
+                    self.pushed[i] = slice_start;
                     hook.on_tick(cpu, TickEvent::Running, board, now);
                 }
                 _ => {}
             }
         }
     }
-    set_emit(emit, false);
-    debug!("vCPU event thread stopped");
 }
 
 /// The push point (slice start, time) of `cpu`'s current run, if one is due at all: it

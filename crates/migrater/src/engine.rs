@@ -16,6 +16,7 @@ mod partners;
 mod tasks;
 mod tracking;
 
+use os_layer::Mono;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::time::Duration;
@@ -90,7 +91,7 @@ pub struct HostHints {
 #[derive(Clone, Debug)]
 pub struct Observation {
     /// The monotonic clock.
-    pub now_ns: u64,
+    pub now: Mono,
     /// The monitor's board.
     pub vcpus: Vec<VcpuSnapshot>,
     /// The kernel's count of completed block requests; only needed where
@@ -236,12 +237,12 @@ struct Tracking {
     /// Whether tracking was wanted at any time since start.
     ever_wanted: bool,
     /// Since when nothing could gain (`None` while something could).
-    quiet_since_ns: Option<u64>,
-    sample_start_ns: u64,
+    quiet_since: Option<Mono>,
+    sample_start: Mono,
     /// Follow-up samples (see `sampling::FOLLOW_UPS`): whether this sample placed a
     /// task or set back an inherited pin, the next one's time, and how many in a row.
     placed_in_sample: bool,
-    follow_up_at_ns: Option<u64>,
+    follow_up_at: Option<Mono>,
     follow_ups: u32,
 }
 
@@ -268,29 +269,29 @@ struct Tasks {
     /// Where each I/O-bound task's completions land.
     homes: CompletionHomes,
     /// Tasks kept with their completions: when the classifier last found each.
-    kept_found_ns: HashMap<u32, u64>,
+    kept_found: HashMap<u32, Mono>,
     /// Managed tasks said once not to be keepable with their completions.
     unkept: HashSet<u32>,
     /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
-    partners: HashMap<u32, (Partner, u64)>,
+    partners: HashMap<u32, (Partner, Mono)>,
 }
 
 impl Engine {
-    pub fn new(cfg: EngineConfig, now_ns: u64) -> Self {
+    pub fn new(cfg: EngineConfig, now: Mono) -> Self {
         Engine {
             tracking: Tracking {
                 contention: Contention::new(
-                    CONTENTION_WINDOW.as_nanos() as u64,
+                    CONTENTION_WINDOW,
                     Contention::DEFAULT_MIN_FRACTION,
                     Contention::DEFAULT_MIN_COVERED,
                 ),
                 contended: false,
                 wanted_tracking: true,
                 ever_wanted: false,
-                quiet_since_ns: None,
-                sample_start_ns: now_ns,
+                quiet_since: None,
+                sample_start: now,
                 placed_in_sample: false,
-                follow_up_at_ns: None,
+                follow_up_at: None,
                 follow_ups: 0,
             },
             window: Window {
@@ -306,7 +307,7 @@ impl Engine {
                 current: Arc::new(Vec::new()),
                 anchored: Vec::new(),
                 homes: CompletionHomes::new(HomeConfig::default(), cfg.completion_prior),
-                kept_found_ns: HashMap::new(),
+                kept_found: HashMap::new(),
                 unkept: HashSet::new(),
                 partners: HashMap::new(),
             },
@@ -333,7 +334,7 @@ impl Engine {
 
     /// One round of the loop; returns how long to nap before the next.
     pub fn step(&mut self, obs: Observation, act: &mut impl Actuator) -> Duration {
-        let now = obs.now_ns;
+        let now = obs.now;
         self.judge_contention(now, &obs.vcpus, &obs.steal_ns);
         let (wants_tracking, mut nap_limit) =
             self.steer_tracking(now, obs.host.agent_answers, act.blocks());
@@ -366,7 +367,7 @@ impl Engine {
     /// forward; returns whether new completions were seen, `None` when the poll failed.
     fn read_window(
         &mut self,
-        now: u64,
+        now: Mono,
         vcpus: &[VcpuSnapshot],
         disk: Option<u64>,
         act: &mut impl Actuator,

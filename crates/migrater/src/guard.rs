@@ -8,29 +8,32 @@
 //!
 //! A probe alternates epochs with moves and epochs without (ABBA order, so a trend does
 //! not favour either side), comparing completed block requests per second. Moves are
-//! trusted for `trust_ns` when the median rate with moves beats the one without by
+//! trusted for `trust` when the median rate with moves beats the one without by
 //! `min_gain` and moves won every pair of epochs (one lucky epoch is not a gain: in the
 //! lab, on a VM with nothing to gain, 1 s rates vary by more than `min_gain`, and a
 //! median-only rule trusted moves there by chance); otherwise the daemon holds (tasks back on their original masks, the monitor
-//! idle) for a back-off that doubles up to `max_hold_ns`, then probes again. The first
+//! idle) for a back-off that doubles up to `max_hold`, then probes again. The first
 //! pair that moves do not win ends the probe at once: the verdict cannot change, and where
 //! moves cost (every contended lab scenario) the rest of the probe was pure cost.
 //!
 //! Pure: time and counters come in as plain values, so every verdict is reproducible.
 
+use os_layer::Mono;
+use std::time::Duration;
+
 /// Settings of the guard.
 #[derive(Clone, Debug)]
 pub struct GuardConfig {
-    pub epoch_ns: u64,
+    pub epoch: Duration,
     /// Epoch pairs per probe (each pair: one with moves, one without).
     pub probe_pairs: usize,
     /// Moves must raise the I/O rate by at least this factor.
     pub min_gain: f64,
-    pub trust_ns: u64,
-    pub hold_ns: u64,
-    pub max_hold_ns: u64,
+    pub trust: Duration,
+    pub hold: Duration,
+    pub max_hold: Duration,
     /// A guard's first judgement of moves that only keep tasks with their completions
-    /// (`Burden::NotLose`) trusts them for `trust_ns` and probes after, instead of probing
+    /// (`Burden::NotLose`) trusts them for `trust` and probes after, instead of probing
     /// at once: an application started while the daemon runs is helped from its first
     /// requests rather than through a probe's epochs without moves, which its start-up
     /// tasks (a shell, a readiness check loading binaries) begin before its first request.
@@ -41,12 +44,12 @@ pub struct GuardConfig {
 impl Default for GuardConfig {
     fn default() -> Self {
         GuardConfig {
-            epoch_ns: 1_000_000_000,
+            epoch: Duration::from_secs(1),
             probe_pairs: 3,
             min_gain: 1.03,
-            trust_ns: 30_000_000_000,
-            hold_ns: 30_000_000_000,
-            max_hold_ns: 240_000_000_000,
+            trust: Duration::from_secs(30),
+            hold: Duration::from_secs(30),
+            max_hold: Duration::from_secs(240),
             trust_kept_first: true,
         }
     }
@@ -81,9 +84,9 @@ pub enum Phase {
     /// Epoch `epoch` of the probe (0-based); moves are on in the ABBA pattern.
     Probing { epoch: usize },
     /// Moves paid in the last probe.
-    Trusting { until_ns: u64 },
-    /// Moves did not pay: none until `until_ns`.
-    Holding { until_ns: u64 },
+    Trusting { until: Mono },
+    /// Moves did not pay: none until `until`.
+    Holding { until: Mono },
 }
 
 /// What a probe concluded, for the log and the metrics.
@@ -94,16 +97,16 @@ pub struct Verdict {
     pub with_moves: f64,
     pub without_moves: f64,
     /// How long the verdict holds.
-    pub for_ns: u64,
+    pub lasts: Duration,
 }
 
 pub struct MoveGuard {
     cfg: GuardConfig,
     phase: Phase,
-    epoch_start: Option<(u64, u64)>,
+    epoch_start: Option<(Mono, u64)>,
     with: Vec<f64>,
     without: Vec<f64>,
-    hold_ns: u64,
+    hold: Duration,
     burden: Burden,
     /// No I/O-bound task seen yet: nothing judged.
     fresh: bool,
@@ -133,14 +136,14 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 impl MoveGuard {
     pub fn new(cfg: GuardConfig) -> Self {
-        let hold_ns = cfg.hold_ns;
+        let hold = cfg.hold;
         MoveGuard {
             cfg,
             phase: Phase::Probing { epoch: 0 },
             epoch_start: None,
             with: Vec::new(),
             without: Vec::new(),
-            hold_ns,
+            hold,
             burden: Burden::Win,
             fresh: true,
         }
@@ -161,10 +164,10 @@ impl MoveGuard {
         matches!(self.phase, Phase::Probing { .. })
     }
 
-    /// Whether moves stay on hold past `t_ns`: until then nothing is decided or measured,
+    /// Whether moves stay on hold past `t`: until then nothing is decided or measured,
     /// so nothing needs to be tracked either.
-    pub fn holds_past(&self, t_ns: u64) -> bool {
-        matches!(self.phase, Phase::Holding { until_ns } if until_ns > t_ns)
+    pub fn holds_past(&self, t: Mono) -> bool {
+        matches!(self.phase, Phase::Holding { until } if until > t)
     }
 
     /// Whether the daemon may move tasks now.
@@ -176,10 +179,10 @@ impl MoveGuard {
         }
     }
 
-    /// Feeds the cumulative count of completed block requests at `now_ns`. `busy` says
+    /// Feeds the cumulative count of completed block requests at `now`. `busy` says
     /// whether I/O-bound tasks exist: without them there is nothing to judge, and an
     /// epoch in progress is dropped. Returns a verdict when a probe ends.
-    pub fn observe(&mut self, now_ns: u64, completed: u64, busy: bool) -> Option<Verdict> {
+    pub fn observe(&mut self, now: Mono, completed: u64, busy: bool) -> Option<Verdict> {
         if !busy {
             self.epoch_start = None;
             return None;
@@ -189,33 +192,33 @@ impl MoveGuard {
             && self.burden == Burden::NotLose
         {
             self.phase = Phase::Trusting {
-                until_ns: now_ns + self.cfg.trust_ns,
+                until: now + self.cfg.trust,
             };
             return None;
         }
         match self.phase {
-            Phase::Trusting { until_ns } | Phase::Holding { until_ns } => {
-                if now_ns >= until_ns {
-                    self.start_probe(now_ns, completed);
+            Phase::Trusting { until } | Phase::Holding { until } => {
+                if now >= until {
+                    self.start_probe(now, completed);
                 }
                 None
             }
             Phase::Probing { epoch } => {
                 let Some((t0, c0)) = self.epoch_start else {
-                    self.epoch_start = Some((now_ns, completed));
+                    self.epoch_start = Some((now, completed));
                     return None;
                 };
-                let dt = now_ns.saturating_sub(t0);
-                if dt < self.cfg.epoch_ns {
+                let dt = now.since(t0);
+                if dt < self.cfg.epoch {
                     return None;
                 }
-                let rate = completed.saturating_sub(c0) as f64 * 1e9 / dt as f64;
+                let rate = completed.saturating_sub(c0) as f64 / dt.as_secs_f64();
                 if probe_moves(epoch) {
                     self.with.push(rate);
                 } else {
                     self.without.push(rate);
                 }
-                self.epoch_start = Some((now_ns, completed));
+                self.epoch_start = Some((now, completed));
                 // A pair that settles the verdict ends the probe: under `Win` one that
                 // moves did not win (every pair must win), under `NotLose` one they did
                 // not clearly lose (every pair must, to hold them back).
@@ -232,19 +235,19 @@ impl MoveGuard {
                     self.phase = Phase::Probing { epoch: epoch + 1 };
                     return None;
                 }
-                Some(self.conclude(now_ns))
+                Some(self.conclude(now))
             }
         }
     }
 
-    fn start_probe(&mut self, now_ns: u64, completed: u64) {
+    fn start_probe(&mut self, now: Mono, completed: u64) {
         self.phase = Phase::Probing { epoch: 0 };
-        self.epoch_start = Some((now_ns, completed));
+        self.epoch_start = Some((now, completed));
         self.with.clear();
         self.without.clear();
     }
 
-    fn conclude(&mut self, now_ns: u64) -> Verdict {
+    fn conclude(&mut self, now: Mono) -> Verdict {
         // Epochs were pushed in order, so the k-th of each side form pair k.
         let pairs = || self.with.iter().zip(&self.without);
         let won_every_pair = pairs().all(|(w, wo)| w > wo);
@@ -259,30 +262,28 @@ impl MoveGuard {
             }
             Burden::NotLose => !lost_every_pair,
         };
-        let for_ns = if pays {
-            self.hold_ns = self.cfg.hold_ns;
+        let lasts = if pays {
+            self.hold = self.cfg.hold;
             self.phase = Phase::Trusting {
-                until_ns: now_ns + self.cfg.trust_ns,
+                until: now + self.cfg.trust,
             };
-            self.cfg.trust_ns
+            self.cfg.trust
         } else {
-            let hold = self.hold_ns;
-            self.hold_ns = (self.hold_ns * 2).min(self.cfg.max_hold_ns);
-            self.phase = Phase::Holding {
-                until_ns: now_ns + hold,
-            };
+            let hold = self.hold;
+            self.hold = (self.hold * 2).min(self.cfg.max_hold);
+            self.phase = Phase::Holding { until: now + hold };
             hold
         };
         Verdict {
             pays,
             with_moves,
             without_moves,
-            for_ns,
+            lasts,
         }
     }
 }
 
-/// Whether moves have anything to gain, judged over each `window_ns`:
+/// Whether moves have anything to gain, judged over each `window`:
 /// - some vCPU was out for at least `min_fraction` of the time, as the monitor saw it or as
 ///   the host's paravirtual steal clock reports it, whichever is more: on a VM whose vCPUs run
 ///   (nearly) all the time there is no running vCPU to prefer. In the lab a VM alone on
@@ -302,10 +303,10 @@ impl MoveGuard {
 /// probe while either fails.
 #[derive(Clone, Debug)]
 pub struct Contention {
-    window_ns: u64,
+    window: Duration,
     min_fraction: f64,
     min_covered: f64,
-    start: Option<(u64, Vec<VcpuOut>)>,
+    start: Option<(Mono, Vec<VcpuOut>)>,
     contended: bool,
     /// Whole windows in a row whose own judgement differed from `contended`.
     against: u32,
@@ -339,9 +340,9 @@ impl Contention {
     /// judgement changes.
     pub const WINDOWS_TO_CHANGE: u32 = 2;
 
-    pub fn new(window_ns: u64, min_fraction: f64, min_covered: f64) -> Self {
+    pub fn new(window: Duration, min_fraction: f64, min_covered: f64) -> Self {
         Contention {
-            window_ns,
+            window,
             min_fraction,
             min_covered,
             start: None,
@@ -354,11 +355,13 @@ impl Contention {
 
     /// Feeds each vCPU's cumulative out time; returns whether the last whole window was
     /// contended (false until one has passed).
-    pub fn observe(&mut self, now_ns: u64, vcpus: &[VcpuOut]) -> bool {
+    pub fn observe(&mut self, now: Mono, vcpus: &[VcpuOut]) -> bool {
         match &self.start {
             Some((t0, before)) if before.len() == vcpus.len() => {
-                let dt = now_ns.saturating_sub(*t0);
-                if dt >= self.window_ns {
+                let dt = now.since(*t0);
+                if dt >= self.window {
+                    // The vCPUs' counters are cumulative ns on the board's clock.
+                    let dt_ns = dt.as_nanos() as f64;
                     let (mut out, mut covered) = (0u64, 0u64);
                     self.last_fraction = 0.0;
                     for (b, n) in before.iter().zip(vcpus) {
@@ -366,9 +369,8 @@ impl Contention {
                         let d_steal = n.steal_ns.saturating_sub(b.steal_ns);
                         out += d_out;
                         covered += n.covered_ns.saturating_sub(b.covered_ns).min(d_out);
-                        self.last_fraction = self
-                            .last_fraction
-                            .max(d_out.max(d_steal) as f64 / dt as f64);
+                        self.last_fraction =
+                            self.last_fraction.max(d_out.max(d_steal) as f64 / dt_ns);
                     }
                     self.last_covered = if out == 0 {
                         0.0
@@ -389,12 +391,12 @@ impl Contention {
                         self.contended = window;
                         self.against = 0;
                     }
-                    self.start = Some((now_ns, vcpus.to_vec()));
+                    self.start = Some((now, vcpus.to_vec()));
                 }
             }
             _ => {
                 // vCPUs hot-added or removed: judge them afresh.
-                self.start = Some((now_ns, vcpus.to_vec()));
+                self.start = Some((now, vcpus.to_vec()));
                 self.contended = false;
                 self.against = 0;
             }
@@ -409,6 +411,15 @@ mod tests {
 
     const S: u64 = 1_000_000_000;
 
+    /// A moment `t` ns after the clock's start: the tests keep time as plain ns.
+    fn at(t: u64) -> Mono {
+        Mono::from_ns(t)
+    }
+
+    fn ns(d: Duration) -> u64 {
+        d.as_nanos() as u64
+    }
+
     fn guard() -> MoveGuard {
         MoveGuard::new(GuardConfig {
             trust_kept_first: false,
@@ -421,26 +432,30 @@ mod tests {
         let mut g = MoveGuard::new(GuardConfig::default());
         g.set_burden(Burden::NotLose);
         assert!(g.probing() && g.moves_allowed());
-        assert_eq!(g.observe(5 * S, 0, false), None, "no task: nothing judged");
+        assert_eq!(
+            g.observe(at(5 * S), 0, false),
+            None,
+            "no task: nothing judged"
+        );
         assert!(g.probing());
-        assert_eq!(g.observe(6 * S, 0, true), None);
+        assert_eq!(g.observe(at(6 * S), 0, true), None);
         assert_eq!(
             g.phase(),
             &Phase::Trusting {
-                until_ns: 6 * S + GuardConfig::default().trust_ns
+                until: at(6 * S + ns(GuardConfig::default().trust))
             }
         );
         assert!(g.moves_allowed(), "kept from the first task on");
         // The trust over, a probe as usual: its epoch without moves comes.
-        let end = 6 * S + GuardConfig::default().trust_ns;
-        assert_eq!(g.observe(end, 100, true), None);
+        let end = 6 * S + ns(GuardConfig::default().trust);
+        assert_eq!(g.observe(at(end), 100, true), None);
         assert!(g.probing());
-        assert_eq!(g.observe(end + S, 1000, true), None);
+        assert_eq!(g.observe(at(end + S), 1000, true), None);
         assert!(!g.moves_allowed(), "the probe's epoch without moves");
         // Moves that must win are probed at once, trusted first or not.
         let mut g = MoveGuard::new(GuardConfig::default());
         g.set_burden(Burden::Win);
-        assert_eq!(g.observe(S, 0, true), None);
+        assert_eq!(g.observe(at(S), 0, true), None);
         assert!(g.probing());
     }
 
@@ -451,12 +466,12 @@ mod tests {
         c: &mut u64,
         mut rate: impl FnMut(bool) -> u64,
     ) -> Verdict {
-        g.observe(*t, *c, true);
+        g.observe(at(*t), *c, true);
         loop {
             let moves = g.moves_allowed();
             *t += S;
             *c += rate(moves);
-            if let Some(v) = g.observe(*t, *c, true) {
+            if let Some(v) = g.observe(at(*t), *c, true) {
                 return v;
             }
         }
@@ -466,15 +481,18 @@ mod tests {
     fn a_hold_is_seen_until_its_end_and_never_while_probing_or_trusting() {
         let mut g = guard();
         let (mut t, mut c) = (0, 0);
-        assert!(!g.holds_past(t), "a new guard probes first");
+        assert!(!g.holds_past(at(t)), "a new guard probes first");
         let v = probe(&mut g, &mut t, &mut c, |_| 100);
         assert!(!v.pays);
-        let end = t + v.for_ns;
-        assert!(g.holds_past(t) && g.holds_past(end - 1));
-        assert!(!g.holds_past(end), "the hold ends when its probe is due");
+        let end = t + ns(v.lasts);
+        assert!(g.holds_past(at(t)) && g.holds_past(at(end - 1)));
+        assert!(
+            !g.holds_past(at(end)),
+            "the hold ends when its probe is due"
+        );
         // The next probe starts at the end of the hold; moves that pay end the hold.
         t = end;
-        g.observe(t, c, true);
+        g.observe(at(t), c, true);
         let v = probe(
             &mut g,
             &mut t,
@@ -482,7 +500,7 @@ mod tests {
             |moves| if moves { 200 } else { 100 },
         );
         assert!(v.pays);
-        assert!(!g.holds_past(t));
+        assert!(!g.holds_past(at(t)));
     }
 
     #[test]
@@ -500,7 +518,7 @@ mod tests {
         assert!(g.moves_allowed());
         assert!(matches!(g.phase(), Phase::Trusting { .. }));
         // After the trust period a new probe starts.
-        g.observe(t + 31 * S, c, true);
+        g.observe(at(t + 31 * S), c, true);
         assert_eq!(g.phase(), &Phase::Probing { epoch: 0 });
     }
 
@@ -509,35 +527,35 @@ mod tests {
         let (mut g, mut t, mut c) = (guard(), 0, 0);
         let v = probe(&mut g, &mut t, &mut c, |m| if m { 990 } else { 1000 });
         assert!(!v.pays);
-        assert_eq!(v.for_ns, 30 * S);
+        assert_eq!(ns(v.lasts), 30 * S);
         assert!(!g.moves_allowed());
         t += 30 * S;
-        g.observe(t, c, true);
+        g.observe(at(t), c, true);
         assert!(g.moves_allowed(), "probing again with moves first");
         // A gain below min_gain is no gain: noise must not turn moves on.
         let v = probe(&mut g, &mut t, &mut c, |m| if m { 1020 } else { 1000 });
         assert!(!v.pays);
-        assert_eq!(v.for_ns, 60 * S, "the back-off doubled");
+        assert_eq!(ns(v.lasts), 60 * S, "the back-off doubled");
         // A paying probe resets the back-off.
         t += 60 * S;
-        g.observe(t, c, true);
+        g.observe(at(t), c, true);
         assert!(probe(&mut g, &mut t, &mut c, |m| if m { 2000 } else { 1000 }).pays);
         t += 30 * S;
-        g.observe(t, c, true);
+        g.observe(at(t), c, true);
         let v = probe(&mut g, &mut t, &mut c, |_| 1000);
-        assert_eq!(v.for_ns, 30 * S);
+        assert_eq!(ns(v.lasts), 30 * S);
     }
 
     #[test]
     fn idle_time_does_not_count() {
         let (mut g, mut c) = (guard(), 0);
-        g.observe(0, 0, true);
+        g.observe(at(0), 0, true);
         // No I/O-bound task for a minute: the epoch in progress is dropped, not judged.
-        assert_eq!(g.observe(60 * S, 0, false), None);
+        assert_eq!(g.observe(at(60 * S), 0, false), None);
         assert_eq!(g.phase(), &Phase::Probing { epoch: 0 });
-        g.observe(61 * S, c, true);
+        g.observe(at(61 * S), c, true);
         c += 1000;
-        g.observe(62 * S, c, true);
+        g.observe(at(62 * S), c, true);
         assert_eq!(g.phase(), &Phase::Probing { epoch: 1 });
     }
 
@@ -555,20 +573,20 @@ mod tests {
                     without
                 }
             });
-            t += v.for_ns;
-            g.observe(t, c, true);
+            t += ns(v.lasts);
+            g.observe(at(t), c, true);
             (v, epochs)
         };
         let (v, epochs) = run(&mut g, 900, 1000);
         assert!(!v.pays);
         assert_eq!(epochs, 2, "one pair decides: moves lost it");
         assert_eq!((v.with_moves, v.without_moves), (900.0, 1000.0));
-        assert_eq!(v.for_ns, 30 * S, "a hold, as after a whole probe");
+        assert_eq!(ns(v.lasts), 30 * S, "a hold, as after a whole probe");
         // A tie is not a win either.
         let (v, epochs) = run(&mut g, 1000, 1000);
         assert!(!v.pays);
         assert_eq!(epochs, 2);
-        assert_eq!(v.for_ns, 60 * S, "the back-off doubles as before");
+        assert_eq!(ns(v.lasts), 60 * S, "the back-off doubles as before");
         // Pairs that moves win go on to the end of the probe.
         let (v, epochs) = run(&mut g, 1500, 1000);
         assert!(v.pays);
@@ -638,7 +656,7 @@ mod tests {
 
     fn contention() -> Contention {
         Contention::new(
-            2 * S,
+            Duration::from_secs(2),
             Contention::DEFAULT_MIN_FRACTION,
             Contention::DEFAULT_MIN_COVERED,
         )
@@ -648,25 +666,25 @@ mod tests {
     fn contention_is_the_busiest_vcpus_time_out_per_window() {
         let mut c = contention();
         assert!(
-            !c.observe(0, &alternating(&[0, 0])),
+            !c.observe(at(0), &alternating(&[0, 0])),
             "nothing known before a window"
         );
         // 10% out on each vCPU: a VM alone on its host CPUs.
         assert!(
-            !c.observe(S, &alternating(&[100_000_000, 100_000_000])),
+            !c.observe(at(S), &alternating(&[100_000_000, 100_000_000])),
             "mid-window"
         );
-        assert!(!c.observe(2 * S, &alternating(&[200_000_000, 200_000_000])));
+        assert!(!c.observe(at(2 * S), &alternating(&[200_000_000, 200_000_000])));
         assert!((c.last_fraction - 0.1).abs() < 1e-9);
         // One vCPU out half the time, every gap covered: contended at once.
-        assert!(c.observe(4 * S, &alternating(&[1_200_000_000, 200_000_000])));
-        assert!(c.observe(6 * S, &alternating(&[2_200_000_000, 200_000_000])));
+        assert!(c.observe(at(4 * S), &alternating(&[1_200_000_000, 200_000_000])));
+        assert!(c.observe(at(6 * S), &alternating(&[2_200_000_000, 200_000_000])));
         // The verdict stands until the next whole window.
-        assert!(c.observe(7 * S, &alternating(&[2_200_000_000, 200_000_000])));
+        assert!(c.observe(at(7 * S), &alternating(&[2_200_000_000, 200_000_000])));
         // Nothing out at all: closed at once.
-        assert!(!c.observe(8 * S, &alternating(&[2_200_000_000, 200_000_000])));
+        assert!(!c.observe(at(8 * S), &alternating(&[2_200_000_000, 200_000_000])));
         // vCPUs hot-added: start over.
-        assert!(!c.observe(9 * S, &alternating(&[0, 0, 0])));
+        assert!(!c.observe(at(9 * S), &alternating(&[0, 0, 0])));
     }
 
     #[test]
@@ -677,21 +695,21 @@ mod tests {
             covered_ns,
             steal_ns: 0,
         };
-        c.observe(0, &[out(0, 0), out(0, 0)]);
+        c.observe(at(0), &[out(0, 0), out(0, 0)]);
         // Both out half the time, in phase: only a tick's worth of each gap is covered.
-        assert!(!c.observe(2 * S, &[out(S, S / 40), out(S, S / 50)]));
+        assert!(!c.observe(at(2 * S), &[out(S, S / 40), out(S, S / 50)]));
         assert!((c.last_fraction - 0.5).abs() < 1e-9);
         assert!((c.last_covered - 0.0225).abs() < 1e-9);
         // The same out time a quarter period apart: half of each gap has the other
         // running, far above the line: open at once.
         assert!(c.observe(
-            4 * S,
+            at(4 * S),
             &[out(2 * S, S / 40 + S / 2), out(2 * S, S / 50 + S / 2)]
         ));
         assert!((c.last_covered - 0.5).abs() < 1e-9);
-        assert!(c.observe(6 * S, &[out(3 * S, S / 40 + S), out(3 * S, S / 50 + S)]));
+        assert!(c.observe(at(6 * S), &[out(3 * S, S / 40 + S), out(3 * S, S / 50 + S)]));
         // A covered count ahead of the out time (two reads apart) counts as fully covered.
-        assert!(c.observe(8 * S, &[out(4 * S, 6 * S), out(4 * S, 6 * S)]));
+        assert!(c.observe(at(8 * S), &[out(4 * S, 6 * S), out(4 * S, 6 * S)]));
         assert!((c.last_covered - 1.0).abs() < 1e-9);
     }
 
@@ -706,12 +724,12 @@ mod tests {
         // In phase, each vCPU out half of every 2 s window; the edges' error makes every
         // other window look 25% covered (measured: up to 15% on a 250 Hz guest).
         let (mut o, mut cov) = (0, 0);
-        c.observe(0, &[out(0, 0), out(0, 0)]);
+        c.observe(at(0), &[out(0, 0), out(0, 0)]);
         for w in 1..=9u64 {
             o += S;
             cov += if w % 2 == 0 { S / 4 } else { S / 50 };
             assert!(
-                !c.observe(2 * w * S, &[out(o, cov), out(o, cov)]),
+                !c.observe(at(2 * w * S), &[out(o, cov), out(o, cov)]),
                 "window {w}"
             );
         }
@@ -720,13 +738,13 @@ mod tests {
         for w in 10..=15u64 {
             o += S;
             cov += if w == 13 { 3 * S / 20 } else { S / 3 };
-            let open = c.observe(2 * w * S, &[out(o, cov), out(o, cov)]);
+            let open = c.observe(at(2 * w * S), &[out(o, cov), out(o, cov)]);
             assert_eq!(open, w >= 11, "window {w}");
         }
         // Plainly in phase again: closed at once.
         o += S;
         cov += S / 50;
-        assert!(!c.observe(32 * S, &[out(o, cov), out(o, cov)]));
+        assert!(!c.observe(at(32 * S), &[out(o, cov), out(o, cov)]));
     }
 
     #[test]
@@ -737,14 +755,14 @@ mod tests {
             covered_ns,
             steal_ns,
         };
-        c.observe(0, &[out(0, 0, 0), out(0, 0, 0)]);
+        c.observe(at(0), &[out(0, 0, 0), out(0, 0, 0)]);
         // The monitor saw vCPU 0 out 10% (every gap covered), the host reports 40% of
         // steal: out enough, and what was seen says another vCPU ran meanwhile.
-        assert!(c.observe(2 * S, &[out(S / 5, S / 5, 4 * S / 5), out(0, 0, 0)]));
+        assert!(c.observe(at(2 * S), &[out(S / 5, S / 5, 4 * S / 5), out(0, 0, 0)]));
         assert!((c.last_fraction - 0.4).abs() < 1e-9);
         assert!((c.last_covered - 1.0).abs() < 1e-9);
         // Steal alone, nothing seen: no telling whether another vCPU ran, no moves.
-        assert!(!c.observe(4 * S, &[out(S / 5, S / 5, 2 * S), out(0, 0, S)]));
+        assert!(!c.observe(at(4 * S), &[out(S / 5, S / 5, 2 * S), out(0, 0, S)]));
         assert!((c.last_fraction - 0.6).abs() < 1e-9);
     }
 

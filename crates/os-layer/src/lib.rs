@@ -14,4 +14,4 @@ pub mod time;
 pub use cpus::{cpus_of, get_cpus, parse_cpu_list, set_cpus, to_cpuset, CpuListError};
 pub use root::Root;
 pub use task::{fake_stat_line, SchedStat, TaskStat, PF_KTHREAD};
-pub use time::{futex_wait_until, futex_wake_all, monotonic_ns, sleep_until};
+pub use time::{futex_wait_until, futex_wake_all, monotonic_ns, sleep_until, Mono};

@@ -3,6 +3,49 @@
 
 use std::io;
 use std::sync::atomic::AtomicU32;
+use std::time::Duration;
+
+/// A moment on CLOCK_MONOTONIC, the clock of the board, the engine and the kernel's own
+/// timestamps: a point, where a `Duration` is a span. Spans between moments never go
+/// negative (`since` saturates), as a clock read on two CPUs may be a few ns apart.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Mono(u64);
+
+impl Mono {
+    pub const fn from_ns(ns: u64) -> Mono {
+        Mono(ns)
+    }
+
+    pub fn now() -> Mono {
+        Mono(monotonic_ns())
+    }
+
+    pub const fn ns(self) -> u64 {
+        self.0
+    }
+
+    /// The span from `earlier` to this moment; zero if `earlier` is later.
+    pub fn since(self, earlier: Mono) -> Duration {
+        Duration::from_nanos(self.0.saturating_sub(earlier.0))
+    }
+
+    /// This moment moved back by `d`; `None` before the clock's start.
+    pub fn checked_sub(self, d: Duration) -> Option<Mono> {
+        self.0.checked_sub(nanos(d)).map(Mono)
+    }
+}
+
+impl std::ops::Add<Duration> for Mono {
+    type Output = Mono;
+    /// Saturates at the end of the clock: `Duration::MAX` from now is never.
+    fn add(self, d: Duration) -> Mono {
+        Mono(self.0.saturating_add(nanos(d)))
+    }
+}
+
+fn nanos(d: Duration) -> u64 {
+    u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+}
 
 /// CLOCK_MONOTONIC in nanoseconds.
 pub fn monotonic_ns() -> u64 {
@@ -82,7 +125,32 @@ mod tests {
     use super::*;
     use std::sync::atomic::Ordering::Relaxed;
     use std::sync::Arc;
-    use std::time::{Duration, Instant};
+    use std::time::Instant;
+
+    #[test]
+    fn moments_and_spans() {
+        let t = Mono::from_ns(5_000);
+        assert_eq!((t + Duration::from_micros(3)).ns(), 8_000);
+        assert_eq!(
+            (t + Duration::from_micros(3)).since(t),
+            Duration::from_micros(3)
+        );
+        assert_eq!(
+            t.since(t + Duration::from_nanos(1)),
+            Duration::ZERO,
+            "never negative"
+        );
+        assert_eq!(
+            t + Duration::MAX,
+            Mono::from_ns(u64::MAX),
+            "saturates: never"
+        );
+        assert_eq!(
+            t.checked_sub(Duration::from_micros(5)),
+            Some(Mono::from_ns(0))
+        );
+        assert_eq!(t.checked_sub(Duration::from_micros(6)), None);
+    }
 
     #[test]
     fn sleep_until_reaches_its_deadline() {

@@ -205,7 +205,7 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
             all_cpus,
         },
     };
-    let mut engine = Engine::new(s.engine.clone(), monotonic_ns());
+    let mut engine = Engine::new(s.engine.clone(), os_layer::Mono::now());
     let mut diskstats = task_detector::diskstats::DiskStats::default();
     let mut steal = StealReader::default();
     while !s.stop.is_set() {
@@ -216,7 +216,7 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
         }
         let now = monotonic_ns();
         let obs = Observation {
-            now_ns: now,
+            now: os_layer::Mono::from_ns(now),
             vcpus: board.snapshot(now),
             disk_completed: if engine.reads_disk() {
                 diskstats.requests_completed()

@@ -59,7 +59,7 @@ pub fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) ->
         // too, to show what would happen), no probe and no move there.
         gate_on_contention: cfg.migration.guard && measures_contention,
         guard: (cfg.migration.guard && !cfg.dry_run).then(|| GuardConfig {
-            epoch_ns: cfg.advanced.migration.guard_epoch_ms * 1_000_000,
+            epoch: Duration::from_millis(cfg.advanced.migration.guard_epoch_ms),
             ..GuardConfig::default()
         }),
         completion_prior: if cfg.migration.follow_completions {

@@ -9,6 +9,7 @@ use super::decision::{Beside, Keep, Otherwise, Pin};
 use super::tasks::Facts;
 use super::{Engine, PARTNER_GRACE};
 use crate::hook::{FoundTask, TaskId};
+use os_layer::Mono;
 
 impl Engine {
     /// Each partner seen within `PARTNER_GRACE`, beside the kept task it serves (`keep`:
@@ -68,10 +69,9 @@ impl Engine {
     }
 
     /// Forgets the partners no sample has seen for `PARTNER_GRACE`.
-    pub(super) fn forget_partners(&mut self, now: u64) {
-        let grace = PARTNER_GRACE.as_nanos() as u64;
+    pub(super) fn forget_partners(&mut self, now: Mono) {
         self.tasks
             .partners
-            .retain(|_, (_, seen)| now.saturating_sub(*seen) < grace);
+            .retain(|_, (_, seen)| now.since(*seen) < PARTNER_GRACE);
     }
 }

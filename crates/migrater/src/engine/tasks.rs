@@ -7,6 +7,7 @@
 //! carried out by `decision::apply`, then noted. Never moves a task for the planner's
 //! reasons: that is the hook's, on the monitor threads.
 
+use os_layer::Mono;
 use std::collections::HashSet;
 use std::sync::Arc;
 use task_detector::BlockTracking;
@@ -39,7 +40,7 @@ fn found_task(i: &IoTaskInfo) -> FoundTask {
 
 /// What the decision is made from, besides the engine's own state.
 pub(super) struct Facts<'a> {
-    pub now: u64,
+    pub now: Mono,
     pub found: &'a [IoTaskInfo],
     pub eligible: &'a [&'a IoTaskInfo],
     /// The vCPUs the host holds (empty when it holds none).
@@ -53,7 +54,7 @@ pub(super) struct Facts<'a> {
 impl Engine {
     pub(super) fn decide_tasks(
         &mut self,
-        now: u64,
+        now: Mono,
         progress: u64,
         held: &[usize],
         act: &mut impl Actuator,
@@ -337,7 +338,7 @@ impl Engine {
                 );
             }
             if f.found.iter().any(|i| i.task.tid == tid) {
-                self.tasks.kept_found_ns.insert(tid, f.now);
+                self.tasks.kept_found.insert(tid, f.now);
             }
             kept_tasks.push(KeptTask {
                 tid,
@@ -350,7 +351,7 @@ impl Engine {
             });
         }
         self.tasks
-            .kept_found_ns
+            .kept_found
             .retain(|tid, _| done.kept.contains(tid));
         for b in d
             .beside
@@ -421,11 +422,10 @@ impl Engine {
 
     /// Keeps managing the tasks kept with their completions that this window did not
     /// find, for `KEEP_GRACE` after it last did (unless someone else changed their mask).
-    fn carry_kept(&mut self, now: u64, next: &mut Vec<TaskEntry>, hands_off: &HashSet<TaskId>) {
+    fn carry_kept(&mut self, now: Mono, next: &mut Vec<TaskEntry>, hands_off: &HashSet<TaskId>) {
         if !self.cfg.follow_completions {
             return;
         }
-        let grace = KEEP_GRACE.as_nanos() as u64;
         let mut carried: Vec<TaskEntry> = self
             .tasks
             .current
@@ -433,9 +433,9 @@ impl Engine {
             .filter(|e| !next.iter().any(|n| n.tid == e.tid))
             .filter(|e| {
                 self.tasks
-                    .kept_found_ns
+                    .kept_found
                     .get(&e.tid)
-                    .is_some_and(|&at| now.saturating_sub(at) < grace)
+                    .is_some_and(|&at| now.since(at) < KEEP_GRACE)
             })
             .cloned()
             .collect();
@@ -477,7 +477,7 @@ impl Engine {
     /// Whether the contention gate (or vCPUs out together, for keeps) and the move guard
     /// let tasks move; feeds the guard this round's progress (only while it has I/O-bound
     /// tasks to judge by).
-    fn moves_allowed(&mut self, now: u64, progress: u64, has_candidates: bool) -> bool {
+    fn moves_allowed(&mut self, now: Mono, progress: u64, has_candidates: bool) -> bool {
         let may_pay = self.tracking.contended || self.out_together();
         let Some(g) = self.guard.as_mut() else {
             // Guard off: always; dry run with the guard on: where it would move.
@@ -493,7 +493,7 @@ impl Engine {
                 pays = v.pays,
                 with_moves = format!("{:.0}/s", v.with_moves),
                 without_moves = format!("{:.0}/s", v.without_moves),
-                for_s = v.for_ns / 1_000_000_000,
+                for_s = v.lasts.as_secs(),
                 "move guard: block requests completed per second with and without moves {}",
                 if v.pays {
                     "— moves pay, keeping them"

@@ -4,6 +4,7 @@
 use super::*;
 use crate::planner::Reason;
 use crate::sampling::Schedule;
+use os_layer::Mono;
 use std::collections::{BTreeMap, BTreeSet};
 use task_detector::{CompletionSite, DetectorOutput, ForkSample, IoTask};
 
@@ -266,7 +267,7 @@ impl Vm {
         self.covered += self.covered_per_s * dt_ns / S;
         self.disk += rate_per_s * dt_ns / S;
         let obs = Observation {
-            now_ns: self.now,
+            now: Mono::from_ns(self.now),
             vcpus: vec![vcpu(0, self.inactive, self.covered), vcpu(1, 0, 0)],
             disk_completed: Some(self.disk),
             steal_ns: Vec::new(),
@@ -302,7 +303,7 @@ fn gated() -> EngineConfig {
 
 #[test]
 fn the_contention_gate_opens_when_vcpus_are_out_while_others_run_and_closes_when_they_run() {
-    let mut e = Engine::new(gated(), 0);
+    let mut e = Engine::new(gated(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
@@ -331,7 +332,7 @@ fn the_contention_gate_opens_when_vcpus_are_out_while_others_run_and_closes_when
 
 #[test]
 fn with_vcpus_out_all_at_once_only_a_task_whose_completions_land_on_one_vcpu_is_kept_there() {
-    let mut e = Engine::new(gated(), 0);
+    let mut e = Engine::new(gated(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
     let mut vm = Vm::new();
@@ -361,7 +362,7 @@ fn with_vcpus_out_all_at_once_only_a_task_whose_completions_land_on_one_vcpu_is_
             follow_completions: false,
             ..config()
         },
-        0,
+        Mono::default(),
     );
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
@@ -381,7 +382,7 @@ fn guarded() -> EngineConfig {
 
 #[test]
 fn the_guard_probes_then_trusts_moves_that_raise_the_io_rate() {
-    let mut e = Engine::new(guarded(), 0);
+    let mut e = Engine::new(guarded(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
@@ -408,7 +409,7 @@ fn the_guard_probes_then_trusts_moves_that_raise_the_io_rate() {
 
 #[test]
 fn the_guard_holds_moves_that_do_not_pay_and_backs_off_doubling_each_hold() {
-    let mut e = Engine::new(guarded(), 0);
+    let mut e = Engine::new(guarded(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
@@ -455,7 +456,7 @@ fn the_block_programs_detach_while_the_guard_holds_and_come_back_a_lead_before_i
             detach_after: Some(Duration::from_secs(10)),
             ..guarded()
         },
-        0,
+        Mono::default(),
     );
     let mut f = Fake::new();
     f.window = vec![io_task(10)];
@@ -492,7 +493,7 @@ fn gated_detaching_after_10s() -> Engine {
             detach_after: Some(Duration::from_secs(10)),
             ..config()
         },
-        0,
+        Mono::default(),
     )
 }
 
@@ -528,7 +529,7 @@ fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only
 #[test]
 fn the_poll_is_told_each_vcpus_out_time_from_the_board() {
     // The classifier must not judge a thread CPU-bound on time its vCPU was out.
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     let mut vm = Vm::new();
     contended(&mut vm);
@@ -541,7 +542,7 @@ fn the_poll_is_told_each_vcpus_out_time_from_the_board() {
 
 #[test]
 fn new_tasks_are_taken_over_and_tasks_that_leave_are_handed_back() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     let mut vm = Vm::new();
     f.window = vec![io_task(10), io_task(11)];
@@ -571,7 +572,7 @@ fn new_tasks_are_taken_over_and_tasks_that_leave_are_handed_back() {
 
 #[test]
 fn a_host_hold_anchors_the_io_bound_tasks_and_its_end_hands_them_back() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     let mut vm = Vm::new();
     f.window = vec![io_task(10)];
@@ -622,7 +623,7 @@ fn sampled() -> EngineConfig {
 
 #[test]
 fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
-    let mut e = Engine::new(sampled(), 1_000 * S);
+    let mut e = Engine::new(sampled(), Mono::from_ns(1_000 * S));
     let mut f = Fake::new();
     let mut vm = Vm::new();
     let nap = vm.step(&mut e, &mut f, 100 * MS, 0);
@@ -655,7 +656,7 @@ fn sampled_tracking_pauses_after_a_sample_and_resumes_for_the_next() {
 
 #[test]
 fn the_doorbell_starts_a_whole_sample_between_periods() {
-    let mut e = Engine::new(sampled(), 1_000 * S);
+    let mut e = Engine::new(sampled(), Mono::from_ns(1_000 * S));
     let mut f = Fake::new();
     let mut vm = Vm::new();
     vm.step(&mut e, &mut f, 100 * MS, 0);
@@ -687,7 +688,7 @@ fn ms_to_next_sample(e: &mut Engine, f: &mut Fake, vm: &mut Vm) -> u64 {
 
 #[test]
 fn a_sample_that_places_a_task_is_followed_by_another_a_sample_later_at_most_four_in_a_row() {
-    let mut e = Engine::new(sampled(), 1_000 * S);
+    let mut e = Engine::new(sampled(), Mono::from_ns(1_000 * S));
     let mut f = Fake::new();
     let mut vm = Vm::new();
     let mut gaps = Vec::new();
@@ -710,7 +711,7 @@ fn a_sample_that_places_a_task_is_followed_by_another_a_sample_later_at_most_fou
 
 #[test]
 fn a_sample_runs_on_while_a_task_is_half_way_in_up_to_twice_its_length() {
-    let mut e = Engine::new(sampled(), 1_000 * S);
+    let mut e = Engine::new(sampled(), Mono::from_ns(1_000 * S));
     let mut f = Fake::new();
     f.entering = true;
     let mut vm = Vm::new();
@@ -731,7 +732,7 @@ fn a_sample_runs_on_while_a_task_is_half_way_in_up_to_twice_its_length() {
 
 /// An engine that manages tasks 10 and 11 (default configuration, one step).
 fn managing_10_and_11() -> (Engine, Fake, Vm) {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     let mut vm = Vm::new();
     f.window = vec![io_task(10), io_task(11)];
@@ -845,7 +846,7 @@ fn io_task_completing_on(tid: u32, cpu: u32, remote: f64) -> IoTaskInfo {
 
 #[test]
 fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_to_the_planner() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
     let mut vm = Vm::new();
@@ -894,7 +895,7 @@ fn a_task_whose_completions_land_on_another_vcpu_is_pinned_there_and_not_given_t
 
 #[test]
 fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
     let mut vm = Vm::new();
@@ -939,7 +940,7 @@ fn a_task_kept_with_its_completions_outlasts_a_window_that_misses_it() {
 
 #[test]
 fn a_keep_the_placement_cannot_make_is_the_planners_at_once_or_handed_back_where_only_keeps_stay() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
     f.unpinnable.insert(10);
@@ -955,7 +956,7 @@ fn a_keep_the_placement_cannot_make_is_the_planners_at_once_or_handed_back_where
     assert!(f.published.is_empty());
     // With vCPUs out all at once only keeps stay: the task taken over is handed back at
     // once, and not taken again while it is found.
-    let mut e = Engine::new(gated(), 0);
+    let mut e = Engine::new(gated(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
     f.unpinnable.insert(10);
@@ -970,7 +971,7 @@ fn a_keep_the_placement_cannot_make_is_the_planners_at_once_or_handed_back_where
 
 #[test]
 fn the_decision_is_a_value_made_without_the_placement() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     e.window.fresh = true;
     let found = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
     let eligible: Vec<&IoTaskInfo> = found.iter().collect();
@@ -986,7 +987,7 @@ fn the_decision_is_a_value_made_without_the_placement() {
     };
     e.tasks.current = Arc::new(vec![entry(12)]);
     let facts = tasks::Facts {
-        now: S,
+        now: Mono::from_ns(S),
         found: &found,
         eligible: &eligible,
         held: &[],
@@ -1013,7 +1014,7 @@ fn the_decision_is_a_value_made_without_the_placement() {
 
 #[test]
 fn a_pinned_partner_or_held_task_whose_pin_fails_is_handed_back_in_the_same_step() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
     f.partners = vec![partner(10, 20, "pgbench")];
@@ -1025,7 +1026,7 @@ fn a_pinned_partner_or_held_task_whose_pin_fails_is_handed_back_in_the_same_step
     assert_eq!(f.released, [20]);
     assert_eq!(f.short_slices, [10], "its short slice goes too");
     // A task anchored on a held vCPU that can no longer be pinned there.
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     let mut vm = Vm::new();
     f.window = vec![io_task(10)];
@@ -1039,7 +1040,7 @@ fn a_pinned_partner_or_held_task_whose_pin_fails_is_handed_back_in_the_same_step
 
 #[test]
 fn a_task_whose_completions_follow_it_is_left_to_the_planner() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 0, 0.0)];
     let mut vm = Vm::new();
@@ -1050,7 +1051,7 @@ fn a_task_whose_completions_follow_it_is_left_to_the_planner() {
 
 #[test]
 fn the_guard_keeps_completion_pins_that_do_not_lose_and_decides_after_one_pair() {
-    let mut e = Engine::new(guarded(), 0);
+    let mut e = Engine::new(guarded(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
     let mut vm = Vm::new();
@@ -1077,7 +1078,7 @@ fn the_guard_keeps_completion_pins_that_do_not_lose_and_decides_after_one_pair()
 
 #[test]
 fn the_guard_holds_completion_pins_that_lose_every_pair() {
-    let mut e = Engine::new(guarded(), 0);
+    let mut e = Engine::new(guarded(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
     let mut vm = Vm::new();
@@ -1108,7 +1109,7 @@ fn partner(of: u32, tid: u32, comm: &str) -> task_detector::Partner {
 
 #[test]
 fn a_kept_tasks_partner_is_kept_beside_it_and_handed_back_with_it() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
     // 20 is the kept task's client; 21 partners the unkept task 11; 99's own thread is
@@ -1154,7 +1155,7 @@ fn partners_off_keeps_the_task_alone() {
             keep_partners: false,
             ..config()
         },
-        0,
+        Mono::default(),
     );
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
@@ -1172,7 +1173,7 @@ fn an_excluded_partner_or_an_io_bound_one_is_not_kept_as_a_partner() {
             exclude_comm: vec!["backup".into()],
             ..config()
         },
-        0,
+        Mono::default(),
     );
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0), io_task(11)];
@@ -1191,7 +1192,7 @@ fn an_excluded_partner_or_an_io_bound_one_is_not_kept_as_a_partner() {
 
 #[test]
 fn the_children_a_pinned_task_started_are_handed_to_the_placement_at_the_next_poll() {
-    let mut e = Engine::new(config(), 0);
+    let mut e = Engine::new(config(), Mono::default());
     let mut f = Fake::new();
     f.window = vec![io_task_completing_on(10, 1, 1.0)];
     let mut vm = Vm::new();

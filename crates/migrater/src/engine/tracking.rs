@@ -2,6 +2,7 @@
 //! whether the block programs track, pause between samples, or come off their
 //! tracepoints. Never decides about tasks.
 
+use os_layer::Mono;
 use std::time::Duration;
 use tracing::{debug, info, warn};
 use vcpu_monitor::VcpuSnapshot;
@@ -10,15 +11,11 @@ use super::{BlockTracking, Engine, HOLD_LEAD};
 use crate::guard::{Contention, VcpuOut};
 use crate::sampling;
 
-fn ns(d: Duration) -> u64 {
-    d.as_nanos() as u64
-}
-
 impl Engine {
     /// Feeds the vCPUs' out times to the gate; says so when its judgement changes.
     pub(super) fn judge_contention(
         &mut self,
-        now: u64,
+        now: Mono,
         vcpus: &[VcpuSnapshot],
         steal: &[(usize, u64)],
     ) {
@@ -76,13 +73,13 @@ impl Engine {
     /// until the next probe, so the programs pause and, after `detach_after`, come off
     /// too: a daemon that cannot help must cost nothing where it stays for days. They come
     /// back `HOLD_LEAD` before the probe, so that it finds the I/O-bound tasks.
-    fn wants_tracking(&self, now: u64, agent_answers: bool) -> (bool, bool) {
+    fn wants_tracking(&self, now: Mono, agent_answers: bool) -> (bool, bool) {
         let descheduled =
             self.tracking.contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION;
         let guard_holds = self
             .guard
             .as_ref()
-            .is_some_and(|g| g.holds_past(now + ns(HOLD_LEAD)));
+            .is_some_and(|g| g.holds_past(now + HOLD_LEAD));
         let wants =
             ((!self.cfg.gate_on_contention || self.tracking.contended || self.out_together())
                 && !guard_holds)
@@ -95,7 +92,7 @@ impl Engine {
     /// before the sample's end or the next sample.
     pub(super) fn steer_tracking(
         &mut self,
-        now: u64,
+        now: Mono,
         agent_answers: bool,
         act: &mut impl BlockTracking,
     ) -> (bool, Duration) {
@@ -103,15 +100,15 @@ impl Engine {
         if wants && !self.tracking.wanted_tracking && !act.tracking() {
             // Something can gain again: sample at once rather than at the next period.
             if let Some(s) = self.cfg.schedule {
-                self.tracking.sample_start_ns = now
-                    .checked_sub(ns(s.every))
-                    .unwrap_or(self.tracking.sample_start_ns);
+                self.tracking.sample_start = now
+                    .checked_sub(s.every)
+                    .unwrap_or(self.tracking.sample_start);
             }
         }
         self.tracking.wanted_tracking = wants;
         if wants {
             self.tracking.ever_wanted = true;
-            self.tracking.quiet_since_ns = None;
+            self.tracking.quiet_since = None;
             if !act.attached() {
                 info!("something to gain: the block programs go (back) on their tracepoints");
             }
@@ -138,12 +135,12 @@ impl Engine {
     /// has had nothing to gain since it started has none to lose, and waiting would only
     /// make every request pay for programs that return at once (on a fast disk, 5% of
     /// its reads), so it detaches at its first step.
-    fn detach_when_quiet(&mut self, now: u64, guard_holds: bool, act: &mut impl BlockTracking) {
+    fn detach_when_quiet(&mut self, now: Mono, guard_holds: bool, act: &mut impl BlockTracking) {
         let Some(after) = self.cfg.detach_after else {
             return;
         };
-        let quiet_ns = now.saturating_sub(*self.tracking.quiet_since_ns.get_or_insert(now));
-        if !act.attached() || (self.tracking.ever_wanted && quiet_ns < ns(after)) {
+        let quiet = now.since(*self.tracking.quiet_since.get_or_insert(now));
+        if !act.attached() || (self.tracking.ever_wanted && quiet < after) {
             return;
         }
         match act.detach() {
@@ -153,7 +150,7 @@ impl Engine {
                 // channel goes quiet until something could gain.
                 self.window.found.clear();
                 info!(
-                    quiet_ms = quiet_ns / 1_000_000,
+                    quiet_ms = quiet.as_millis() as u64,
                     "{}: the block programs come off their tracepoints",
                     if guard_holds {
                         "moves do not pay here"
@@ -175,13 +172,13 @@ impl Engine {
     /// while nothing can gain. Returns the longest nap.
     fn follow_schedule(
         &mut self,
-        now: u64,
+        now: Mono,
         s: sampling::Schedule,
         wants: bool,
         act: &mut impl BlockTracking,
     ) -> Duration {
-        let into = Duration::from_nanos(now.saturating_sub(self.tracking.sample_start_ns));
-        let follow_up = self.tracking.follow_up_at_ns.is_some_and(|at| now >= at);
+        let into = now.since(self.tracking.sample_start);
+        let follow_up = self.tracking.follow_up_at.is_some_and(|at| now >= at);
         // Only a loop that would sample reads the doorbell; otherwise it stays rung for
         // when something can gain again.
         let rung = wants && !act.tracking() && (act.take_doorbell() || follow_up);
@@ -214,7 +211,7 @@ impl Engine {
             sampling::Step::Wait(left) => left,
             sampling::Step::Resume if !wants => {
                 // Nothing to gain: skip this sample.
-                self.tracking.sample_start_ns = now;
+                self.tracking.sample_start = now;
                 s.every
             }
             sampling::Step::Resume => {
@@ -229,8 +226,8 @@ impl Engine {
                     // A ring from before this sample: the sample sees that thread now.
                     act.take_doorbell();
                 }
-                self.tracking.sample_start_ns = now;
-                self.tracking.follow_up_at_ns = None;
+                self.tracking.sample_start = now;
+                self.tracking.follow_up_at = None;
                 self.tracking.placed_in_sample = false;
                 match act.resume() {
                     Ok(()) => s.length,
@@ -246,12 +243,12 @@ impl Engine {
 
     /// At a sample's end: one that placed tasks is followed by another a sample's length
     /// later, up to `FOLLOW_UPS` in a row; one that placed none ends the run.
-    fn plan_follow_up(&mut self, now: u64, s: sampling::Schedule) {
+    fn plan_follow_up(&mut self, now: Mono, s: sampling::Schedule) {
         if !self.tracking.placed_in_sample {
             self.tracking.follow_ups = 0;
         } else if self.tracking.follow_ups < sampling::FOLLOW_UPS {
             self.tracking.follow_ups += 1;
-            self.tracking.follow_up_at_ns = Some(now + ns(s.length));
+            self.tracking.follow_up_at = Some(now + s.length);
         }
         self.tracking.placed_in_sample = false;
     }

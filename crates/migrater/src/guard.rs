@@ -314,6 +314,8 @@ pub struct Contention {
     pub last_fraction: f64,
     /// Share of the last window's out time during which another vCPU ran.
     pub last_covered: f64,
+    /// Whole windows judged so far.
+    windows: u64,
 }
 
 /// One vCPU's cumulative descheduled time as the monitor saw it, the part of it another
@@ -350,7 +352,18 @@ impl Contention {
             against: 0,
             last_fraction: 0.0,
             last_covered: 0.0,
+            windows: 0,
         }
+    }
+
+    /// Whether a whole window has been judged: before, `last_fraction` says nothing.
+    pub fn judged(&self) -> bool {
+        self.windows > 0
+    }
+
+    /// Whether the last whole window saw a vCPU descheduled for `min_fraction` of it.
+    pub fn descheduled(&self) -> bool {
+        self.last_fraction >= self.min_fraction
     }
 
     /// Feeds each vCPU's cumulative out time; returns whether the last whole window was
@@ -392,6 +405,7 @@ impl Contention {
                         self.against = 0;
                     }
                     self.start = Some((now, vcpus.to_vec()));
+                    self.windows += 1;
                 }
             }
             _ => {

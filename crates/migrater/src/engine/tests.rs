@@ -485,6 +485,52 @@ fn the_block_programs_detach_while_the_guard_holds_and_come_back_a_lead_before_i
     assert!(f.tracking);
 }
 
+#[test]
+fn while_vcpus_are_descheduled_the_programs_pause_and_never_come_off() {
+    // Out all at once without following completions: nothing to gain, vCPUs out.
+    let mut e = Engine::new(
+        EngineConfig {
+            gate_on_contention: true,
+            follow_completions: false,
+            detach_after: Some(Duration::from_secs(10)),
+            ..config()
+        },
+        Mono::default(),
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task(10)];
+    let mut vm = Vm::new();
+    vm.out_per_s = S / 2;
+    vm.run(&mut e, &mut f, 30, |_| 0);
+    assert!(!f.tracking, "nothing to gain: paused");
+    assert!(
+        f.attached,
+        "no kernel text patched while vCPUs are taken away"
+    );
+    assert_eq!(f.detaches, 0);
+    // The deschedules end: off after the wait.
+    vm.out_per_s = 0;
+    vm.run(&mut e, &mut f, 3, |_| 0);
+    assert!(!f.attached);
+    // The guard holding where vCPUs are out: paused, attached.
+    let mut e = Engine::new(
+        EngineConfig {
+            detach_after: Some(Duration::from_secs(10)),
+            ..guarded()
+        },
+        Mono::default(),
+    );
+    let mut f = Fake::new();
+    f.window = vec![io_task(10)];
+    let mut vm = Vm::new();
+    vm.out_per_s = S / 2;
+    while e.snapshot().guard_verdicts.holds == 0 {
+        vm.step(&mut e, &mut f, 100 * MS, 1000);
+    }
+    vm.run(&mut e, &mut f, 20, |_| 1000);
+    assert!(!f.tracking && f.attached, "paused, not detached");
+}
+
 /// An engine gated on contention whose programs come off after 10 s of nothing to gain.
 fn gated_detaching_after_10s() -> Engine {
     Engine::new(
@@ -504,9 +550,11 @@ fn with_nothing_to_gain_since_start_the_programs_come_off_at_once_and_later_only
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
     vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert!(f.attached, "nothing judged yet: on until a window says");
+    vm.run(&mut e, &mut f, 2, |_| 0);
     assert!(
         !f.attached,
-        "nothing could gain since start: off at the first step"
+        "nothing could gain since start: off once the first window is judged"
     );
     assert_eq!(f.detaches, 1);
     contended(&mut vm);

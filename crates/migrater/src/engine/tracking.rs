@@ -21,17 +21,18 @@ impl Engine {
     ) {
         let was = (self.tracking.contended, self.out_together());
         let gate = self.cfg.gate_on_contention;
-        self.tracking.contended = !gate || {
-            let out: Vec<VcpuOut> = vcpus
-                .iter()
-                .map(|v| VcpuOut {
-                    inactive_ns: v.inactive_total_ns,
-                    covered_ns: v.covered_total_ns,
-                    steal_ns: steal.iter().find(|s| s.0 == v.cpu).map_or(0, |s| s.1),
-                })
-                .collect();
-            self.tracking.contention.observe(now, &out)
-        };
+        let out: Vec<VcpuOut> = vcpus
+            .iter()
+            .map(|v| VcpuOut {
+                inactive_ns: v.inactive_total_ns,
+                covered_ns: v.covered_total_ns,
+                steal_ns: steal.iter().find(|s| s.0 == v.cpu).map_or(0, |s| s.1),
+            })
+            .collect();
+        // Judged without the gate too: whether vCPUs are descheduled at all decides
+        // whether the programs may come off (`detach_when_quiet`).
+        let verdict = self.tracking.contention.observe(now, &out);
+        self.tracking.contended = !gate || verdict;
         if (self.tracking.contended, self.out_together()) != was && gate {
             let c = &self.tracking.contention;
             info!(
@@ -70,12 +71,12 @@ impl Engine {
     /// tracking for it would only cost every request.
     ///
     /// While the guard holds (moves measured not to pay), nothing is moved or measured
-    /// until the next probe, so the programs pause and, after `detach_after`, come off
-    /// too: a daemon that cannot help must cost nothing where it stays for days. They come
-    /// back `HOLD_LEAD` before the probe, so that it finds the I/O-bound tasks.
+    /// until the next probe, so the programs pause (and come off where no vCPU is
+    /// descheduled, `detach_when_quiet`): a daemon that cannot help must cost nothing where
+    /// it stays for days. They track again `HOLD_LEAD` before the probe, so that it finds
+    /// the I/O-bound tasks.
     fn wants_tracking(&self, now: Mono, agent_answers: bool) -> (bool, bool) {
-        let descheduled =
-            self.tracking.contention.last_fraction >= Contention::DEFAULT_MIN_FRACTION;
+        let descheduled = self.tracking.contention.descheduled();
         let guard_holds = self
             .guard
             .as_ref()
@@ -134,13 +135,24 @@ impl Engine {
     /// workload that gains does not lose its tracking to one quiet window; a daemon that
     /// has had nothing to gain since it started has none to lose, and waiting would only
     /// make every request pay for programs that return at once (on a fast disk, 5% of
-    /// its reads), so it detaches at its first step.
+    /// its reads), so it detaches as soon as a window is judged. Never while vCPUs are
+    /// descheduled (see below).
     fn detach_when_quiet(&mut self, now: Mono, guard_holds: bool, act: &mut impl BlockTracking) {
         let Some(after) = self.cfg.detach_after else {
             return;
         };
         let quiet = now.since(*self.tracking.quiet_since.get_or_insert(now));
         if !act.attached() || (self.tracking.ever_wanted && quiet < after) {
+            return;
+        }
+        // Attaching again patches kernel text, and every CPU must answer the patch's IPI:
+        // a vCPU the host has taken away answers only once it runs again, and the
+        // attaching thread busy-waits meanwhile (`benches/RESULTS.md`, 2026-11-29: 3:1
+        // windows on a fast disk). So the programs come off only once a window has been
+        // judged and saw no vCPU descheduled; where vCPUs are taken away they stay on,
+        // paused, and nothing patches kernel text while they are.
+        let c = &self.tracking.contention;
+        if !c.judged() || c.descheduled() {
             return;
         }
         match act.detach() {

@@ -242,8 +242,9 @@ pub struct DetectorTimings {
     /// could use our figures) for this long, the block programs come off their
     /// tracepoints; paused, each request still runs two that return at once. Attaching
     /// again patches kernel text, so not much shorter than a few contention windows (2 s).
-    /// A daemon that has had nothing to gain since it started detaches at once. 0: never
-    /// detach.
+    /// A daemon that has had nothing to gain since it started detaches once its first
+    /// window is judged. Never while a vCPU is descheduled: the patch's IPI waits for it.
+    /// 0: never detach.
     pub detach_after_ms: u64,
 }
 

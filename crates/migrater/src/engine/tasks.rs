@@ -10,8 +10,7 @@
 use os_layer::Mono;
 use std::collections::HashSet;
 use std::sync::Arc;
-use task_detector::BlockTracking;
-use task_detector::IoTaskInfo;
+use task_detector::{BlockTracking, IoTaskInfo};
 use tracing::{debug, info};
 use vcpu_monitor::Demand;
 

@@ -183,6 +183,12 @@ pub struct Guest {
     pub vcpus: Vec<u32>,
 }
 
+/// Whether `sc` runs the oracle mode with these options.
+fn runs_oracle(sc: &Scenario, opts: &Options) -> bool {
+    sc.modes.contains(&Mode::VmigraterOracle)
+        && (opts.modes.is_empty() || opts.modes.iter().any(|o| o == Mode::VmigraterOracle.name()))
+}
+
 /// Boots VM A and the hog VMs of `sc`, pinned and sliced; their files live under
 /// `run/<run>` and `disk-<run>-*.img` of the lab directory.
 pub fn boot(
@@ -198,13 +204,18 @@ pub fn boot(
     let contents = Contents {
         binaries: [
             (opts.daemon_path(), "vmigrater".to_string()),
-            (opts.oracle_daemon_path(), "vmigrater-oracle".to_string()),
             (
                 opts.bin_dir.join("vmigrater-workload"),
                 "vmigrater-workload".to_string(),
             ),
         ]
         .into_iter()
+        // Only where its mode runs: an initrd larger than the guest can unpack loses its
+        // last files, the daemon among them.
+        .chain(
+            runs_oracle(sc, opts)
+                .then(|| (opts.oracle_daemon_path(), "vmigrater-oracle".to_string())),
+        )
         .chain(
             opts.daemon_bins
                 .iter()
@@ -874,8 +885,7 @@ impl Drop for AutogroupOff {
 /// Every mode of `sc`, `opts.reps` times, the order rotated each repetition. Runs are
 /// printed as they finish (a long benchmark shows its progress).
 pub fn run_scenario(sc: &Scenario, opts: &Options) -> Result<Vec<Run>> {
-    let wanted = |m: Mode| opts.modes.is_empty() || opts.modes.iter().any(|o| o == m.name());
-    if sc.modes.contains(&Mode::VmigraterOracle) && wanted(Mode::VmigraterOracle) {
+    if runs_oracle(sc, opts) {
         opts.check_oracle_daemon()?;
     }
     let lab = image::lab_dir();

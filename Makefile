@@ -128,6 +128,7 @@ bench-smoke: lab-setup apps-setup
 	$(CARGO) bench -p vmigrater-testbed --bench steal -- --reps 1 --secs 1 --warmup-secs 1 \
 		--io-warmup-ms 200 --only none,anti --workloads rand4k --modes vanilla,vmigrater,pinned \
 		--out $(CURDIR)/target/bench-smoke
+	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-smoke $(CARGO) bench -p vmigrater-testbed --bench detection -- --rounds 1 --secs 1
 	$(CARGO) bench -p vmigrater-testbed --bench apps -- --reps 1 --secs 2 --warmup-secs 1 \
 		--only none,anti --apps pg_select_c1,nginx_c4,backup --modes vanilla,vmigrater,pinned_all,sched_oracle \
 		--out $(CURDIR)/target/bench-smoke

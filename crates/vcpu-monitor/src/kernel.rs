@@ -446,20 +446,32 @@ impl PushPoints {
     ) -> u64 {
         let mut wait = MAX_WAIT.as_nanos() as u64;
         for (i, &cpu) in cpus.iter().enumerate() {
-            let point = push_point(
-                board,
-                cpu,
-                now,
-                slicing[i],
-                self.pushed[i],
-                self.push_ns,
-                hook,
-            );
-            if let Some((_, at)) = point {
+            if let Some((_, at)) = self.point(board, i, cpu, now, slicing, hook) {
                 wait = wait.min(at.saturating_sub(now));
             }
         }
         wait
+    }
+
+    /// The push point of the `i`-th vCPU, `cpu` (`push_point`).
+    fn point(
+        &self,
+        board: &VcpuBoard,
+        i: usize,
+        cpu: usize,
+        now: u64,
+        slicing: &[bool],
+        hook: &dyn TickHook,
+    ) -> Option<(u64, u64)> {
+        push_point(
+            board,
+            cpu,
+            now,
+            slicing[i],
+            self.pushed[i],
+            self.push_ns,
+            hook,
+        )
     }
 
     /// Tells the hook of every push point due by `now` (`TickEvent::Running`).
@@ -472,15 +484,7 @@ impl PushPoints {
         hook: &dyn TickHook,
     ) {
         for (i, &cpu) in cpus.iter().enumerate() {
-            match push_point(
-                board,
-                cpu,
-                now,
-                slicing[i],
-                self.pushed[i],
-                self.push_ns,
-                hook,
-            ) {
+            match self.point(board, i, cpu, now, slicing, hook) {
                 Some((slice_start, at)) if at <= now => {
                     self.pushed[i] = slice_start;
                     hook.on_tick(cpu, TickEvent::Running, board, now);

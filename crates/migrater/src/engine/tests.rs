@@ -449,8 +449,9 @@ fn the_guard_holds_moves_that_do_not_pay_and_backs_off_doubling_each_hold() {
     assert_eq!(e.snapshot().guard_verdicts.holds, 3);
 }
 
-#[test]
-fn the_block_programs_detach_while_the_guard_holds_and_come_back_a_lead_before_its_end() {
+/// A guarded engine whose programs come off after 10 s of nothing to gain, run until its
+/// guard holds moves (a task at a steady I/O rate; vCPU 0 out `out_per_s`).
+fn guard_holding(out_per_s: u64) -> (Engine, Fake, Vm) {
     let mut e = Engine::new(
         EngineConfig {
             detach_after: Some(Duration::from_secs(10)),
@@ -461,9 +462,16 @@ fn the_block_programs_detach_while_the_guard_holds_and_come_back_a_lead_before_i
     let mut f = Fake::new();
     f.window = vec![io_task(10)];
     let mut vm = Vm::new();
+    vm.out_per_s = out_per_s;
     while e.snapshot().guard_verdicts.holds == 0 {
         vm.step(&mut e, &mut f, 100 * MS, 1000);
     }
+    (e, f, vm)
+}
+
+#[test]
+fn the_block_programs_detach_while_the_guard_holds_and_come_back_a_lead_before_its_end() {
+    let (mut e, mut f, mut vm) = guard_holding(0);
     let verdict_at = vm.now;
     vm.step(&mut e, &mut f, 100 * MS, 1000);
     assert!(!f.tracking, "paused at once while the guard holds");
@@ -513,20 +521,7 @@ fn while_vcpus_are_descheduled_the_programs_pause_and_never_come_off() {
     vm.run(&mut e, &mut f, 3, |_| 0);
     assert!(!f.attached);
     // The guard holding where vCPUs are out: paused, attached.
-    let mut e = Engine::new(
-        EngineConfig {
-            detach_after: Some(Duration::from_secs(10)),
-            ..guarded()
-        },
-        Mono::default(),
-    );
-    let mut f = Fake::new();
-    f.window = vec![io_task(10)];
-    let mut vm = Vm::new();
-    vm.out_per_s = S / 2;
-    while e.snapshot().guard_verdicts.holds == 0 {
-        vm.step(&mut e, &mut f, 100 * MS, 1000);
-    }
+    let (mut e, mut f, mut vm) = guard_holding(S / 2);
     vm.run(&mut e, &mut f, 20, |_| 1000);
     assert!(!f.tracking && f.attached, "paused, not detached");
 }

@@ -117,7 +117,8 @@ pub(super) fn apply(d: &Decision, act: &mut impl TaskPlacement) -> Applied {
     let mut dropped = Vec::new();
     let mut publish = d.publish.clone();
     let mut release = d.release.clone();
-    let mut otherwise = |pin: &Pin, dropped: &mut Vec<u32>| match &pin.otherwise {
+    // A task handed back here leaves the managed set (only keeps were in it).
+    let mut otherwise = |pin: &Pin| match &pin.otherwise {
         Otherwise::Planner(entry) => publish.push(entry.clone()),
         Otherwise::Release(why) => {
             dropped.push(pin.task.tid);
@@ -137,7 +138,7 @@ pub(super) fn apply(d: &Decision, act: &mut impl TaskPlacement) -> Applied {
         {
             kept.push(tid);
         } else {
-            otherwise(&k.pin, &mut dropped);
+            otherwise(&k.pin);
         }
     }
     for b in &d.beside {
@@ -149,7 +150,7 @@ pub(super) fn apply(d: &Decision, act: &mut impl TaskPlacement) -> Applied {
         {
             beside.push(tid);
         } else {
-            otherwise(&b.pin, &mut Vec::new());
+            otherwise(&b.pin);
         }
     }
     let short: Vec<u32> = kept.iter().chain(&beside).copied().collect();
@@ -161,7 +162,7 @@ pub(super) fn apply(d: &Decision, act: &mut impl TaskPlacement) -> Applied {
             if on.contains(&pin.task.tid) {
                 held.push(pin.task.tid);
             } else {
-                otherwise(pin, &mut Vec::new());
+                otherwise(pin);
             }
         }
     }

@@ -14,6 +14,14 @@
  * loop on a timer that fires on time (the one loop, over the vCPUs, runs once per
  * deschedule), or wake user space except for a deschedule while `emit_events` is set.
  *
+ * The heartbeat (tp_btf only: the kernel refuses timers to raw tracepoint programs): a
+ * BPF timer pinned to each vCPU fires every `hb_step_ns` from `hb_span_ns` before that
+ * vCPU's expected slice end (its slice start + `hb_slice_ns`, written by user space) to
+ * `hb_span_ns` after. Each firing is a sign of life like any timer's, so the start of the
+ * next deschedule is known to within half a step instead of half a scheduler tick; and
+ * a firing that comes late is itself the deschedule's detection. Armed only while events
+ * are asked for, never on an idle vCPU, never where user space wrote 0.
+ *
  * What it cannot see: a steal-time emulator inside the same kernel (its threads are
  * preempted by the timer interrupt, which therefore fires on time) — user space falls
  * back to sleepers there; and a vCPU in the idle loop with no timer pending (it is
@@ -27,6 +35,8 @@
 char LICENSE[] SEC("license") = "GPL";
 
 #define PWR_EVENT_EXIT ((unsigned int)-1)
+/* include/uapi/linux/time.h (not in vmlinux.h) */
+#define CLOCK_MONOTONIC 1
 /* Intervals longer than this are not ticks of a busy vCPU (idle, or a gap). */
 #define TICK_MAX_NS 50000000ULL
 
@@ -45,6 +55,21 @@ const volatile __u32 nr_cpus = 0;
  * those tasks (they were waiting there and simply run again), so it wakes nobody. */
 volatile __u64 task_cpus[VT_MAX_CPUS / 64];
 __u64 events_lost;
+/* Per vCPU: the expected slice length the heartbeat brackets; 0 turns it off there. */
+volatile __u64 hb_slice_ns[VT_MAX_CPUS];
+const volatile __u64 hb_step_ns = 250000;
+const volatile __u64 hb_span_ns = 2500000;
+
+struct heartbeat {
+	struct bpf_timer timer;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, VT_MAX_CPUS);
+	__type(key, __u32);
+	__type(value, struct heartbeat);
+} heartbeats SEC(".maps");
 
 struct {
 	__uint(type, BPF_MAP_TYPE_RINGBUF);
@@ -102,9 +127,66 @@ static __always_inline __u64 covered_by_others(__u32 cpu, __u64 start, __u64 end
 	return best;
 }
 
+/* When the heartbeat of `v` (on `cpu`) should fire next, after `now`; 0: not in this
+ * slice (off, idle, or its window is past). */
+static __always_inline __u64 hb_next(__u32 cpu, struct vcpu_tick *v, __u64 now)
+{
+	__u64 want = hb_slice_ns[cpu & (VT_MAX_CPUS - 1)];
+	if (!emit_events || !want || v->idle || !v->slice_start)
+		return 0;
+	__u64 end = v->slice_start + want;
+	__u64 from = end > hb_span_ns ? end - hb_span_ns : 0;
+	__u64 next = now + hb_step_ns;
+	if (next < from)
+		next = from;
+	return next <= end + hb_span_ns ? next : 0;
+}
+
+static __always_inline void hb_start(struct heartbeat *h, struct vcpu_tick *v, __u64 at)
+{
+	if (!bpf_timer_start(&h->timer, at, BPF_F_TIMER_ABS | BPF_F_TIMER_CPU_PIN)) {
+		v->hb_due = at;
+		v->hb_armed = 1;
+	}
+}
+
+static int hb_fire(void *map, __u32 *key, struct heartbeat *h)
+{
+	__u32 cpu = *key;
+	if (cpu >= VT_MAX_CPUS)
+		return 0;
+	struct vcpu_tick *v = &vcpus[cpu];
+	v->hb_armed = 0;
+	v->heartbeats++;
+	/* The expiry itself was a sign of life (or a deschedule's end) for on_expiry. */
+	__u64 at = hb_next(cpu, v, bpf_ktime_get_ns());
+	if (at)
+		hb_start(h, v, at);
+	return 0;
+}
+
+/* At a slice start: arms `cpu`'s heartbeat for this slice's end unless a firing is pending
+ * (a late firing re-arms from its own callback). */
+static __always_inline void hb_arm(__u32 cpu, struct vcpu_tick *v, __u64 now)
+{
+	if (v->hb_armed)
+		return;
+	__u64 at = hb_next(cpu, v, now);
+	if (!at)
+		return;
+	struct heartbeat *h = bpf_map_lookup_elem(&heartbeats, &cpu);
+	if (!h)
+		return;
+	/* -EBUSY once initialised: the timer and its callback stay. */
+	bpf_timer_init(&h->timer, &heartbeats, CLOCK_MONOTONIC);
+	if (bpf_timer_set_callback(&h->timer, hb_fire))
+		return;
+	hb_start(h, v, at);
+}
+
 /* One timer expiry: `pass_ns` is the clock the expiry pass read when it began
  * (CLOCK_MONOTONIC), `late` how far that is past the timer's expiry. */
-static __always_inline int on_expiry(__u64 pass_ns, __s64 late)
+static __always_inline int on_expiry(__u64 pass_ns, __s64 late, bool heartbeat)
 {
 	__u32 cpu;
 	struct vcpu_tick *v = this_vcpu(&cpu);
@@ -118,14 +200,21 @@ static __always_inline int on_expiry(__u64 pass_ns, __s64 late)
 	/* The last time the vCPU is known to have run: its last sign of life, or the start of
 	 * this pass if that came later. */
 	__u64 in_pass = pass_ns > v->last_seen ? pass_ns : v->last_seen;
-	__u64 gap_start;
+	__u64 gap_start, err = 0;
 	/* Several timers expire in one pass: only the first can be a gap, since the vCPU was
 	 * seen at it. A timer that expired before the last sign of life was merely handled
 	 * late (interrupts off), not missed by a descheduled vCPU. */
 	if (v->last_seen && late > 0 && (__u64)late > gap_threshold_ns &&
 	    expired >= v->last_seen) {
-		/* Out from somewhere between the last sign of life and the expiry: the middle. */
-		gap_start = v->last_seen + (expired - v->last_seen) / 2;
+		/* Out from somewhere between the last sign of life and the expiry: the middle.
+		 * A heartbeat due in between that has not fired bounds it sooner: hard timers
+		 * (the tick) expire before soft ones (the heartbeat) when the vCPU is back, so
+		 * the heartbeat's own late expiry comes second and finds the gap taken. */
+		__u64 bound = expired;
+		if (v->hb_armed && v->hb_due > v->last_seen && v->hb_due < bound)
+			bound = v->hb_due;
+		err = (bound - v->last_seen) / 2;
+		gap_start = v->last_seen + err;
 	} else if (v->last_seen && ts - in_pass > gap_threshold_ns) {
 		/* On time for a pass that began long ago: the vCPU was last seen when the pass
 		 * began or at an earlier callback of it, and was taken since. Counting this as a
@@ -140,11 +229,14 @@ static __always_inline int on_expiry(__u64 pass_ns, __s64 late)
 	__u64 covered = covered_by_others(cpu, gap_start, ts);
 	v->last_gap_ns = gap;
 	v->last_slice_ns = run;
+	v->last_slice_err_ns = err;
 	v->gaps++;
 	v->inactive_ns += gap;
 	v->covered_ns += covered < gap ? covered : gap;
 	v->slice_start = ts;
 	v->last_seen = ts;
+	if (heartbeat)
+		hb_arm(cpu, v, ts);
 	if (emit_events && gap >= event_min_gap_ns &&
 	    !(task_cpus[(cpu / 64) & (VT_MAX_CPUS / 64 - 1)] & (1ULL << (cpu % 64)))) {
 		struct gap_event e = {
@@ -162,11 +254,20 @@ static __always_inline int on_expiry(__u64 pass_ns, __s64 late)
 /* `now` is the pass's clock in the timer's own base (REALTIME, BOOTTIME... carry an
  * offset from CLOCK_MONOTONIC). */
 SEC("tp_btf/hrtimer_expire_entry")
+int BPF_PROG(hb_hrtimer_expire_entry, struct hrtimer *timer, ktime_t *now)
+{
+	__s64 n = 0;
+	bpf_probe_read_kernel(&n, sizeof(n), now);
+	return on_expiry(n - timer->base->offset, n - timer->node.expires, true);
+}
+
+/* The same without the heartbeat, for kernels without BPF timers pinned to a CPU. */
+SEC("tp_btf/hrtimer_expire_entry")
 int BPF_PROG(btf_hrtimer_expire_entry, struct hrtimer *timer, ktime_t *now)
 {
 	__s64 n = 0;
 	bpf_probe_read_kernel(&n, sizeof(n), now);
-	return on_expiry(n - timer->base->offset, n - timer->node.expires);
+	return on_expiry(n - timer->base->offset, n - timer->node.expires, false);
 }
 
 SEC("raw_tp/hrtimer_expire_entry")
@@ -179,7 +280,7 @@ int BPF_PROG(raw_hrtimer_expire_entry, struct hrtimer *timer, ktime_t *now)
 	bpf_probe_read_kernel(&base, sizeof(base), &timer->base);
 	if (base)
 		bpf_probe_read_kernel(&offset, sizeof(offset), &base->offset);
-	return on_expiry(n - offset, n - expires);
+	return on_expiry(n - offset, n - expires, false);
 }
 
 static __always_inline int on_idle(unsigned int state)

@@ -22,6 +22,13 @@ struct vcpu_tick {
 	__u32 pad;
 	__u64 covered_ns;     /* part of inactive_ns during which another vCPU was seen running:
 	                       * what a move could have gained (0 when all are out at once) */
+	__u64 last_slice_err_ns; /* how far the last deschedule's start (the end of
+	                          * last_slice_ns) may be off: half the time between the last
+	                          * sign of life and the late timer's due time */
+	__u64 heartbeats;     /* heartbeat timer firings */
+	__u32 hb_armed;       /* the heartbeat timer is pending */
+	__u32 pad2;
+	__u64 hb_due;         /* when it is due, if pending */
 };
 
 /* Sent when a vCPU comes back from a deschedule, while user space asks for events. */

@@ -444,3 +444,79 @@ fn time_out_is_covered_only_where_another_vcpu_ran() {
         share[1] * 100.0
     );
 }
+
+/// The heartbeat (a BPF timer pinned to each vCPU, firing every 250 µs around its expected
+/// slice end) puts each deschedule's start, and so each slice, within its step: under
+/// anti-phase windows the slice estimate is what irq-steal left each CPU, give or take a
+/// step or two, and the time out as seen is the time taken, where ticks alone see a few
+/// ms of every window less. It runs only while events are asked for.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn the_heartbeat_places_slice_ends_to_within_its_step() {
+    let (_serial, cpus) = root_on_two_cpus();
+    let hook = Arc::new(Counter::default());
+    let (board, mon) = start(&cpus, hook.clone());
+    assert_eq!(
+        mon.attach(),
+        vcpu_monitor::TimerAttach::Heartbeat,
+        "kernel 6.7+ pins BPF timers to a CPU"
+    );
+    let hogs = hog_per_cpu(&cpus);
+    take_cpus("anti:20000:10000", &cpus, 1);
+    std::thread::sleep(Duration::from_millis(150));
+    assert_eq!(
+        mon.heartbeats(),
+        0,
+        "no heartbeat while no events are asked for"
+    );
+
+    board.set_demand(Demand::Active);
+    std::thread::sleep(Duration::from_millis(300));
+    let before: Vec<u64> = board
+        .snapshot(monotonic_ns())
+        .iter()
+        .map(|s| s.inactive_total_ns)
+        .collect();
+    let report = take_cpus("anti:20000:10000", &cpus, 3);
+    std::thread::sleep(Duration::from_millis(150));
+    let snap = board.snapshot(monotonic_ns());
+    let beats = mon.heartbeats();
+    for h in hogs {
+        h.stop().expect("hog");
+    }
+    mon.stop();
+    let windows: u64 = report.cpus.iter().map(|c| c.windows_hit).sum();
+    eprintln!("{beats} heartbeats over {windows} windows");
+    // About ten per slice where slices are regular (measured: 3,106 over 300 windows);
+    // the first slices of each vCPU come before the history the heartbeat needs.
+    assert!(
+        beats >= windows * 3,
+        "{beats} heartbeats, {windows} windows"
+    );
+    for (i, s) in snap.iter().enumerate() {
+        let c = report.cpus.iter().find(|c| c.cpu == s.cpu).expect("cpu");
+        let left = 20 * MS - c.stolen_ns / c.windows_hit.max(1);
+        let seen = s.inactive_total_ns - before[i];
+        eprintln!(
+            "cpu {}: slice estimate {:.2} ms, irq-steal left {:.2} ms per period; seen out {:.1}% of {:.1} ms taken",
+            s.cpu,
+            s.est_slice_ns as f64 / 1e6,
+            left as f64 / 1e6,
+            seen as f64 * 100.0 / c.stolen_ns as f64,
+            c.stolen_ns as f64 / 1e6
+        );
+        // Ticks alone put slice ends anywhere within a 4 ms tick of the truth.
+        assert!(
+            s.est_slice_ns.abs_diff(left) <= MS / 2,
+            "cpu {}: slice {} ns, left {left} ns",
+            s.cpu,
+            s.est_slice_ns
+        );
+        assert!(
+            seen >= c.stolen_ns * 95 / 100,
+            "cpu {}: seen {seen} ns out of {} ns taken",
+            s.cpu,
+            c.stolen_ns
+        );
+    }
+}

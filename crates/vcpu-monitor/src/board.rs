@@ -52,6 +52,17 @@ pub struct VcpuSnapshot {
     pub hiccups: u64,
 }
 
+impl VcpuSnapshot {
+    /// How long until a descheduled vCPU is expected back, if its gaps last as its last one
+    /// did (it went out about a period before it was judged overdue); `None` while it runs.
+    pub fn back_in_ns(&self) -> Option<u64> {
+        (!self.active).then(|| {
+            self.last_inactive_ns
+                .saturating_sub(self.inactive_for_ns + self.period_ns)
+        })
+    }
+}
+
 /// A vCPU as a source that knows the schedule says it is (`VcpuBoard::publish_known`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KnownVcpu {
@@ -273,6 +284,18 @@ mod tests {
         assert_eq!(s.inactive_for_ns, 200_001);
         let s = b.cpu_snapshot(3, 1_005 * MS).unwrap();
         assert_eq!(s.inactive_for_ns, 5 * MS - 300_000);
+    }
+
+    #[test]
+    fn an_out_vcpu_is_expected_back_when_a_gap_like_its_last_one_ends() {
+        let b = board();
+        b.slot(3).unwrap().last_inactive_ns.store(10 * MS, Relaxed);
+        assert_eq!(b.cpu_snapshot(3, 1_000 * MS).unwrap().back_in_ns(), None);
+        // Last seen at 1000 ms: out since then, 4 ms of its 10 gone.
+        let s = b.cpu_snapshot(3, 1_004 * MS).unwrap();
+        assert_eq!(s.back_in_ns(), Some(6 * MS));
+        let s = b.cpu_snapshot(3, 1_012 * MS).unwrap();
+        assert_eq!(s.back_in_ns(), Some(0), "overdue: back any moment");
     }
 
     #[test]

@@ -6,7 +6,13 @@
 //! - `Resumed` when a vCPU comes back (the BPF program wakes it through a ring buffer,
 //!   only while demand is active),
 //! - `Running` once per slice, at the predicted push point (slice start + estimated slice
-//!   − push threshold) of a vCPU the hook says holds tasks.
+//!   − push threshold) of a vCPU the hook says holds tasks, where that vCPU's slices are
+//!   regular enough to time a push by (`SliceHistory::spread`).
+//!
+//! The thread sleeps on the vCPU its next wake-up comes from (the one whose push point is
+//! next, else the descheduled one expected back first): a thread asleep on a vCPU that is
+//! out wakes only when that vCPU runs again. Where slices are regular, the BPF heartbeat
+//! brackets each expected slice end so that the end is known to within its step.
 //!
 //! So the daemon wakes about twice per hypervisor slice while I/O-bound tasks exist, and
 //! never while none do: no sleeper per vCPU, no timer of its own per tick. It must never
@@ -20,7 +26,7 @@ use std::cell::RefCell;
 use std::mem::MaybeUninit;
 use std::rc::Rc;
 use std::sync::atomic::{
-    AtomicBool,
+    AtomicBool, AtomicU64,
     Ordering::{Relaxed, Release},
 };
 use std::sync::Arc;
@@ -52,17 +58,34 @@ const QUIET_NS: u64 = 1_000_000_000;
 const MIN_PREDICTABLE_SLICE_NS: u64 = 5_000_000;
 /// Slices kept per vCPU for the median estimate (as `SliceEstimator`).
 const SLICE_HISTORY: usize = 8;
+/// The shortest wait on a descheduled vCPU's return: it wakes when that vCPU runs, so a
+/// wait already due costs a wake-up there, not a busy loop.
+const MIN_WAIT_NS: u64 = 50_000;
 
 /// How the programs are attached.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TimerAttach {
+    /// tp_btf, with the heartbeat timer.
+    Heartbeat,
     TpBtf,
     RawTp,
+}
+
+impl TimerAttach {
+    /// Whether a program of the BPF object belongs to this way of attaching.
+    fn loads(self, prog: &str) -> bool {
+        match self {
+            TimerAttach::Heartbeat => prog == "hb_hrtimer_expire_entry" || prog == "btf_cpu_idle",
+            TimerAttach::TpBtf => prog.starts_with("btf_"),
+            TimerAttach::RawTp => prog.starts_with("raw_"),
+        }
+    }
 }
 
 impl std::fmt::Display for TimerAttach {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(match self {
+            TimerAttach::Heartbeat => "tp_btf with the heartbeat",
             TimerAttach::TpBtf => "tp_btf",
             TimerAttach::RawTp => "raw_tp",
         })
@@ -74,6 +97,7 @@ pub struct KernelMonitor {
     board: Arc<VcpuBoard>,
     thread: Option<JoinHandle<()>>,
     attach: TimerAttach,
+    heartbeats: Arc<AtomicU64>,
 }
 
 impl KernelMonitor {
@@ -86,13 +110,15 @@ impl KernelMonitor {
         push_threshold: Duration,
     ) -> Result<KernelMonitor> {
         let stop = Arc::new(AtomicBool::new(false));
+        let heartbeats = Arc::new(AtomicU64::new(0));
         let (tx, rx) = std::sync::mpsc::sync_channel(1);
         let thread = {
-            let (board, stop) = (board.clone(), stop.clone());
+            let (board, stop, beats) = (board.clone(), stop.clone(), heartbeats.clone());
             std::thread::Builder::new()
                 .name("vcpu-events".into())
                 .spawn(move || {
-                    event_thread(&cfg, &board, &*hook, push_threshold, &stop, tx);
+                    let out = Outputs { stop, beats };
+                    event_thread(&cfg, &board, &*hook, push_threshold, &out, tx);
                 })
                 .context("spawning the vCPU event thread")?
         };
@@ -102,6 +128,7 @@ impl KernelMonitor {
                 board,
                 thread: Some(thread),
                 attach,
+                heartbeats,
             }),
             Ok(Err(e)) => {
                 let _ = thread.join();
@@ -118,6 +145,11 @@ impl KernelMonitor {
 
     pub fn attach(&self) -> TimerAttach {
         self.attach
+    }
+
+    /// Heartbeat firings on all vCPUs so far (as of the event thread's last look).
+    pub fn heartbeats(&self) -> u64 {
+        self.heartbeats.load(Relaxed)
     }
 
     pub fn stop(mut self) {
@@ -163,6 +195,48 @@ impl SliceHistory {
         v.sort_unstable();
         Some(v[self.n / 2])
     }
+
+    /// How far apart the slices end, one outlier off each side: the longest kept slice
+    /// less the shortest. `None` until four slices are known. A push timed by the median
+    /// lands within this of every slice's end; where it exceeds the push lead, a push
+    /// point falls past the end about as often as before it.
+    fn spread(&self) -> Option<u64> {
+        if self.n < 4 {
+            return None;
+        }
+        let mut v = self.slices;
+        let v = &mut v[..self.n];
+        v.sort_unstable();
+        Some(v[self.n - 2] - v[1])
+    }
+}
+
+/// What the event thread keeps per monitored vCPU between looks at the BPF state.
+struct Slices {
+    history: Vec<SliceHistory>,
+    /// `gaps` of the BPF state when its last slice was taken into `history`.
+    gaps: Vec<u64>,
+    /// Whether the vCPU slices at all (a deschedule within `QUIET_NS`).
+    slicing: Vec<bool>,
+    /// Whether its push point can be timed: slicing, and slices within twice the lead.
+    timed: Vec<bool>,
+}
+
+impl Slices {
+    fn new(n: usize) -> Slices {
+        Slices {
+            history: (0..n).map(|_| SliceHistory::default()).collect(),
+            gaps: vec![0; n],
+            slicing: vec![false; n],
+            timed: vec![false; n],
+        }
+    }
+}
+
+/// What the event thread reports besides the board.
+struct Outputs {
+    stop: Arc<AtomicBool>,
+    beats: Arc<AtomicU64>,
 }
 
 /// A copy of one vCPU's BPF state (read field by field: the kernel writes it meanwhile).
@@ -170,6 +244,9 @@ impl SliceHistory {
 struct TickState {
     last_seen: u64,
     slice_start: u64,
+    last_slice_ns: u64,
+    last_slice_err_ns: u64,
+    heartbeats: u64,
     last_gap_ns: u64,
     gaps: u64,
     inactive_ns: u64,
@@ -186,6 +263,9 @@ fn read_state(p: *const types::vcpu_tick) -> TickState {
         TickState {
             last_seen: std::ptr::addr_of!((*p).last_seen).read_volatile(),
             slice_start: std::ptr::addr_of!((*p).slice_start).read_volatile(),
+            last_slice_ns: std::ptr::addr_of!((*p).last_slice_ns).read_volatile(),
+            last_slice_err_ns: std::ptr::addr_of!((*p).last_slice_err_ns).read_volatile(),
+            heartbeats: std::ptr::addr_of!((*p).heartbeats).read_volatile(),
             last_gap_ns: std::ptr::addr_of!((*p).last_gap_ns).read_volatile(),
             gaps: std::ptr::addr_of!((*p).gaps).read_volatile(),
             inactive_ns: std::ptr::addr_of!((*p).inactive_ns).read_volatile(),
@@ -254,13 +334,17 @@ fn open_attach<'o>(
         .context("the timer BPF object has no .rodata")?;
     rodata.gap_threshold_ns = threshold_ns;
     rodata.nr_cpus = nr_cpus;
-    let prefix = match attach {
-        TimerAttach::TpBtf => "btf_",
-        TimerAttach::RawTp => "raw_",
-    };
     for mut prog in open.open_object_mut().progs_mut() {
         let name = prog.name().to_string_lossy().to_string();
-        prog.set_autoload(name.starts_with(prefix));
+        prog.set_autoload(attach.loads(&name));
+    }
+    if attach != TimerAttach::Heartbeat {
+        // Its timers are the heartbeat's alone; a kernel without BPF timers still loads
+        // the rest.
+        open.maps
+            .heartbeats
+            .set_autocreate(false)
+            .context("leaving out the heartbeat timers")?;
     }
     let skel = open
         .load()
@@ -275,24 +359,32 @@ fn open_attach<'o>(
     Ok((skel, links))
 }
 
-/// The timer programs, attached: tp_btf where the kernel has it, raw_tp otherwise, each
-/// attempt in a storage of its own (a failed attempt's skeleton still borrows it).
+/// The timer programs, attached: tp_btf with the heartbeat where the kernel has BPF
+/// timers pinned to a CPU (6.7+), tp_btf without it, else raw_tp; each attempt in a
+/// storage of its own (a failed attempt's skeleton still borrows it).
 fn load<'o>(
-    btf_storage: &'o mut MaybeUninit<libbpf_rs::OpenObject>,
-    raw_storage: &'o mut MaybeUninit<libbpf_rs::OpenObject>,
+    storage: &'o mut [MaybeUninit<libbpf_rs::OpenObject>; 3],
     threshold_ns: u64,
     nr_cpus: u32,
 ) -> Result<((crate::bpf_skel::VcputickSkel<'o>, Vec<Link>), TimerAttach)> {
-    let tp_btf = match open_attach(btf_storage, TimerAttach::TpBtf, threshold_ns, nr_cpus) {
-        Ok(x) => return Ok((x, TimerAttach::TpBtf)),
-        Err(e) => e,
-    };
-    match open_attach(raw_storage, TimerAttach::RawTp, threshold_ns, nr_cpus) {
-        Ok(x) => Ok((x, TimerAttach::RawTp)),
-        Err(raw_tp) => Err(anyhow!(
-            "no timer program loaded (tp_btf: {tp_btf:#}; raw_tp: {raw_tp:#})"
-        )),
+    let mut failed = Vec::new();
+    let ways = [
+        TimerAttach::Heartbeat,
+        TimerAttach::TpBtf,
+        TimerAttach::RawTp,
+    ];
+    for (way, storage) in ways.into_iter().zip(storage.iter_mut()) {
+        match open_attach(storage, way, threshold_ns, nr_cpus) {
+            Ok(x) => {
+                if !failed.is_empty() {
+                    info!("timer programs: {}", failed.join("; "));
+                }
+                return Ok((x, way));
+            }
+            Err(e) => failed.push(format!("{way} did not load: {e:#}")),
+        }
     }
+    Err(anyhow!("no timer program loaded ({})", failed.join("; ")))
 }
 
 /// The ring buffer of gap events, each parsed into `sink`.
@@ -316,9 +408,10 @@ fn event_thread(
     board: &VcpuBoard,
     hook: &dyn TickHook,
     push_threshold: Duration,
-    stop: &AtomicBool,
+    out: &Outputs,
     started: std::sync::mpsc::SyncSender<Result<TimerAttach>>,
 ) {
+    let stop = &*out.stop;
     let threshold_ns = cfg
         .min_gap_threshold
         .max(MIN_KERNEL_GAP_THRESHOLD)
@@ -330,15 +423,18 @@ fn event_thread(
         .max()
         .map_or(0, |c| c as u32 + 1);
     // One backing object per attempt: a failed attempt's skeleton still borrows its own.
-    let (mut btf_storage, mut raw_storage) = (MaybeUninit::uninit(), MaybeUninit::uninit());
-    let ((mut skel, _links), attach) =
-        match load(&mut btf_storage, &mut raw_storage, threshold_ns, nr_cpus) {
-            Ok(x) => x,
-            Err(e) => {
-                let _ = started.send(Err(e));
-                return;
-            }
-        };
+    let mut storage = [
+        MaybeUninit::uninit(),
+        MaybeUninit::uninit(),
+        MaybeUninit::uninit(),
+    ];
+    let ((mut skel, _links), attach) = match load(&mut storage, threshold_ns, nr_cpus) {
+        Ok(x) => x,
+        Err(e) => {
+            let _ = started.send(Err(e));
+            return;
+        }
+    };
     // Raw pointers into the mmapped .bss, derived from the one mutable view of it: the
     // kernel writes `vcpus` concurrently, so no Rust reference may be held across reads.
     let Some(bss) = skel.maps.bss_data.as_deref_mut() else {
@@ -348,6 +444,7 @@ fn event_thread(
     let vcpus: *const types::vcpu_tick = std::ptr::addr_of!(bss.vcpus).cast();
     let emit: *mut u32 = std::ptr::addr_of_mut!(bss.emit_events).cast();
     let task_cpus: *mut u64 = std::ptr::addr_of_mut!(bss.task_cpus).cast();
+    let hb_slice: *mut u64 = std::ptr::addr_of_mut!(bss.hb_slice_ns).cast();
     let events: Rc<RefCell<Vec<GapEvent>>> = Rc::default();
     let rb = match gap_ring(&skel, events.clone()) {
         Ok(rb) => rb,
@@ -361,19 +458,22 @@ fn event_thread(
     info!(%attach, threshold_us = threshold_ns / 1000, "vCPU deschedules watched from kernel timers");
 
     let cpus: Vec<usize> = board.cpus().filter(|&c| c < MAX_CPUS).collect();
-    let mut history: Vec<SliceHistory> = cpus.iter().map(|_| SliceHistory::default()).collect();
+    let push_ns = push_threshold.as_nanos() as u64;
+    let mut slices = Slices::new(cpus.len());
     let mut points = PushPoints {
         pushed: vec![0; cpus.len()],
-        push_ns: push_threshold.as_nanos() as u64,
+        push_ns,
     };
     let view = BoardView {
         cpus: &cpus,
         vcpus,
+        hb_slice,
         default_slice: cfg.default_slice.as_nanos() as u64,
         threshold_ns,
+        push_ns,
     };
     let mut emitting = false;
-    let mut slicing = vec![false; cpus.len()];
+    let mut asleep_on: Option<usize> = None;
     while !stop.load(Relaxed) {
         let now = monotonic_ns();
         let active = board.demand() == Demand::Active;
@@ -382,17 +482,29 @@ fn event_thread(
             emitting = active;
             debug!(active, "gap events switched");
         }
-        view.publish(board, &history, now, &mut slicing);
+        out.beats
+            .store(view.publish(board, &mut slices, now), Relaxed);
         if !active {
             // Events raised just before the switch went off are stale by the next demand.
             let _ = rb.consume();
             events.borrow_mut().clear();
+            if asleep_on.take().is_some() {
+                unpin_self(&cpus);
+            }
             board.idle_sleep_until(now + cfg.idle_period.as_nanos() as u64);
             continue;
         }
         publish_task_cpus(task_cpus, &cpus, hook);
-        // Sleep until the earliest push point of a vCPU holding tasks, or an event.
-        let wait = points.wait_ns(board, &cpus, now, &slicing, hook);
+        // Sleep until the earliest push point of a vCPU holding tasks, or an event, on the
+        // vCPU that wake-up comes from.
+        let (wait, on) = points.next_wake(board, &cpus, now, &slices.timed, hook);
+        if on.is_some() && on != asleep_on {
+            if let Some(cpu) = on {
+                if os_layer::sched::pin_self(cpu).is_ok() {
+                    asleep_on = on;
+                }
+            }
+        }
         if wait > 0 {
             wait_for_events(rb.epoll_fd(), wait);
         }
@@ -402,14 +514,8 @@ fn event_thread(
         }
         let now = monotonic_ns();
         let drained: Vec<GapEvent> = std::mem::take(&mut *events.borrow_mut());
-        for e in &drained {
-            if let Some(i) = cpus.iter().position(|&c| c == e.cpu as usize) {
-                if e.last_slice_ns > 0 {
-                    history[i].push(e.last_slice_ns);
-                }
-            }
-        }
-        view.publish(board, &history, now, &mut slicing);
+        out.beats
+            .store(view.publish(board, &mut slices, now), Relaxed);
         for e in &drained {
             hook.on_tick(
                 e.cpu as usize,
@@ -421,9 +527,10 @@ fn event_thread(
                 now,
             );
         }
-        points.run_due(board, &cpus, now, &slicing, hook);
+        points.run_due(board, &cpus, now, &slices.timed, hook);
     }
     set_emit(emit, false);
+    view.heartbeat_off();
     debug!("vCPU event thread stopped");
 }
 
@@ -435,22 +542,44 @@ struct PushPoints {
 }
 
 impl PushPoints {
-    /// How long until the earliest push point of a vCPU holding tasks (`MAX_WAIT` at most).
-    fn wait_ns(
+    /// How long to sleep and on which vCPU: until the earliest push point of a vCPU
+    /// holding tasks, on that vCPU; or, while a vCPU holding tasks is out, until it is
+    /// expected back, on it (its return wakes nobody: the BPF program skips vCPUs that
+    /// hold tasks); or, with neither, on the out vCPU expected back first, whose return
+    /// is the next event. `MAX_WAIT` at most.
+    fn next_wake(
         &self,
         board: &VcpuBoard,
         cpus: &[usize],
         now: u64,
-        slicing: &[bool],
+        timed: &[bool],
         hook: &dyn TickHook,
-    ) -> u64 {
+    ) -> (u64, Option<usize>) {
         let mut wait = MAX_WAIT.as_nanos() as u64;
+        let mut on = None;
+        let mut first_back: Option<(u64, usize)> = None;
         for (i, &cpu) in cpus.iter().enumerate() {
-            if let Some((_, at)) = self.point(board, i, cpu, now, slicing, hook) {
-                wait = wait.min(at.saturating_sub(now));
+            if let Some((_, at)) = self.point(board, i, cpu, now, timed, hook) {
+                let w = at.saturating_sub(now);
+                if w < wait {
+                    (wait, on) = (w, Some(cpu));
+                }
+                continue;
+            }
+            let Some(back) = board.cpu_snapshot(cpu, now).and_then(|s| s.back_in_ns()) else {
+                continue;
+            };
+            if timed[i] && hook.holds_tasks(cpu) {
+                let w = back.max(MIN_WAIT_NS);
+                if w < wait {
+                    (wait, on) = (w, Some(cpu));
+                }
+            }
+            if first_back.is_none_or(|(b, _)| back < b) {
+                first_back = Some((back, cpu));
             }
         }
-        wait
+        (wait, on.or(first_back.map(|(_, cpu)| cpu)))
     }
 
     /// The push point of the `i`-th vCPU, `cpu` (`push_point`).
@@ -460,14 +589,14 @@ impl PushPoints {
         i: usize,
         cpu: usize,
         now: u64,
-        slicing: &[bool],
+        timed: &[bool],
         hook: &dyn TickHook,
     ) -> Option<(u64, u64)> {
         push_point(
             board,
             cpu,
             now,
-            slicing[i],
+            timed[i],
             self.pushed[i],
             self.push_ns,
             hook,
@@ -480,11 +609,11 @@ impl PushPoints {
         board: &VcpuBoard,
         cpus: &[usize],
         now: u64,
-        slicing: &[bool],
+        timed: &[bool],
         hook: &dyn TickHook,
     ) {
         for (i, &cpu) in cpus.iter().enumerate() {
-            match self.point(board, i, cpu, now, slicing, hook) {
+            match self.point(board, i, cpu, now, timed, hook) {
                 Some((slice_start, at)) if at <= now => {
                     self.pushed[i] = slice_start;
                     hook.on_tick(cpu, TickEvent::Running, board, now);
@@ -496,19 +625,19 @@ impl PushPoints {
 }
 
 /// The push point (slice start, time) of `cpu`'s current run, if one is due at all: it
-/// runs, its slices are long enough to predict, this run's point was not handled yet, and
-/// it holds tasks.
+/// runs, its slices are regular (`timed`) and long enough to predict, this run's point
+/// was not handled yet, and it holds tasks.
 fn push_point(
     board: &VcpuBoard,
     cpu: usize,
     now: u64,
-    slicing: bool,
+    timed: bool,
     pushed: u64,
     push_ns: u64,
     hook: &dyn TickHook,
 ) -> Option<(u64, u64)> {
     let s = board.cpu_snapshot(cpu, now)?;
-    (slicing
+    (timed
         && s.est_slice_ns >= MIN_PREDICTABLE_SLICE_NS
         && s.active
         && pushed != s.slice_start_ns
@@ -533,6 +662,15 @@ fn publish_task_cpus(p: *mut u64, cpus: &[usize], hook: &dyn TickHook) {
         // SAFETY: `p` is the mmapped .bss `task_cpus`, MAX_CPUS / 64 words long.
         unsafe { p.add(i).write_volatile(*m) };
     }
+}
+
+/// Lets the event thread run on every monitored vCPU again.
+fn unpin_self(cpus: &[usize]) {
+    let mut set = nix::sched::CpuSet::new();
+    for &c in cpus {
+        let _ = set.set(c);
+    }
+    let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
 }
 
 /// Waits up to `timeout_ns` for the ring buffer's epoll fd. A push point is due at a
@@ -569,44 +707,73 @@ fn wait_for_events(epfd: i32, timeout_ns: u64) {
 struct BoardView<'a> {
     cpus: &'a [usize],
     vcpus: *const types::vcpu_tick,
+    /// The .bss `hb_slice_ns`: the slice each vCPU's heartbeat brackets (0: none).
+    hb_slice: *mut u64,
     default_slice: u64,
     threshold_ns: u64,
+    push_ns: u64,
 }
 
 impl BoardView<'_> {
     /// Copies the BPF state of every vCPU onto the board, in the sleepers' terms: "seen"
     /// within one tick period plus the threshold is running; an idle vCPU is flagged idle
-    /// (halted, it runs as soon as it is given work).
-    fn publish(
-        &self,
-        board: &VcpuBoard,
-        history: &[SliceHistory],
-        now: u64,
-        slicing_now: &mut [bool],
-    ) {
+    /// (halted, it runs as soon as it is given work). Takes each new slice into the
+    /// vCPU's history, decides where push points can be timed and where the heartbeat
+    /// runs. Returns the heartbeat firings so far.
+    fn publish(&self, board: &VcpuBoard, slices: &mut Slices, now: u64) -> u64 {
         let (vcpus, default_slice, threshold_ns) =
             (self.vcpus, self.default_slice, self.threshold_ns);
+        let mut beats = 0;
         for (i, &cpu) in self.cpus.iter().enumerate() {
             let Some(slot) = board.slot(cpu) else {
                 continue;
             };
             // SAFETY: cpu < MAX_CPUS, the length of the .bss array.
             let st = read_state(unsafe { vcpus.add(cpu) });
+            beats += st.heartbeats;
             let tick = if st.tick_ns == 0 {
                 DEFAULT_TICK_NS
             } else {
                 st.tick_ns.clamp(1_000_000, 20_000_000)
             };
+            let history = &mut slices.history[i];
+            if st.gaps != slices.gaps[i] {
+                slices.gaps[i] = st.gaps;
+                if st.last_slice_ns > 0 {
+                    history.push(st.last_slice_ns);
+                    tracing::trace!(
+                        cpu,
+                        slice_us = st.last_slice_ns / 1000,
+                        gap_us = st.last_gap_ns / 1000,
+                        err_us = st.last_slice_err_ns / 1000,
+                        "slice"
+                    );
+                }
+            }
+            let median = history.median();
+            let spread = history.spread();
             slot.idle.store(st.idle, Relaxed);
             slot.last_seen_ns.store(st.last_seen.max(1), Relaxed);
             slot.period_ns.store(tick, Relaxed);
             slot.gap_threshold_ns.store(threshold_ns, Relaxed);
             slot.est_slice_ns
-                .store(history[i].median().unwrap_or(default_slice), Relaxed);
+                .store(median.unwrap_or(default_slice), Relaxed);
             // No deschedule seen for a while (or ever): as far as we know the slice never
             // ends, and no push point is due (`slicing` false).
             let slicing = st.slice_start > 0 && now.saturating_sub(st.slice_start) <= QUIET_NS;
-            slicing_now[i] = slicing;
+            slices.slicing[i] = slicing;
+            let within = |ns: u64| slicing && spread.is_some_and(|s| s <= ns);
+            slices.timed[i] = within(2 * self.push_ns);
+            // The heartbeat pins a slice end to its step, which a push can then be timed
+            // by, only where slices are that regular give or take a tick (ticks alone
+            // scatter a regular slice's measured end by up to one).
+            let hb = if within(2 * self.push_ns + tick) {
+                median.unwrap_or(0)
+            } else {
+                0
+            };
+            // SAFETY: cpu < MAX_CPUS, the length of the .bss array.
+            unsafe { self.hb_slice.add(cpu).write_volatile(hb) };
             slot.slice_start_ns
                 .store(if slicing { st.slice_start } else { now }, Relaxed);
             slot.deschedules.store(st.gaps, Relaxed);
@@ -614,6 +781,15 @@ impl BoardView<'_> {
             slot.covered_total_ns.store(st.covered_ns, Relaxed);
             slot.last_inactive_ns.store(st.last_gap_ns, Relaxed);
             slot.published_ns.store(now, Release);
+        }
+        beats
+    }
+
+    /// Turns every vCPU's heartbeat off (each stops at its next firing).
+    fn heartbeat_off(&self) {
+        for &cpu in self.cpus {
+            // SAFETY: cpu < MAX_CPUS, the length of the .bss array.
+            unsafe { self.hb_slice.add(cpu).write_volatile(0) };
         }
     }
 }
@@ -634,6 +810,33 @@ mod tests {
             h.push(3_000_000);
         }
         assert_eq!(h.median(), Some(3_000_000), "old slices age out");
+    }
+
+    #[test]
+    fn the_spread_leaves_one_outlier_off_each_side() {
+        let mut h = SliceHistory::default();
+        for ms in [10, 10, 11] {
+            h.push(ms * 1_000_000);
+        }
+        assert_eq!(h.spread(), None, "three slices say nothing of their spread");
+        h.push(30_000_000);
+        assert_eq!(h.spread(), Some(1_000_000), "10, [10, 11], 30");
+        for ms in [2, 10, 10, 11] {
+            h.push(ms * 1_000_000);
+        }
+        assert_eq!(
+            h.spread(),
+            Some(1_000_000),
+            "one short and one long slice are off"
+        );
+        for ms in [4, 16, 7, 13] {
+            h.push(ms * 1_000_000);
+        }
+        assert_eq!(
+            h.spread(),
+            Some(9_000_000),
+            "wandering slices: 2, [4 .. 13], 16"
+        );
     }
 
     #[test]

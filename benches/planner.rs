@@ -25,6 +25,8 @@ fn vcpus(n: usize) -> Vec<VcpuView> {
                 },
                 inactive_for_ns: if active { 0 } else { (cpu as u64 % 5) * MS },
                 est_slice_ns: 10 * MS,
+                back_in_ns: (!active).then(|| (cpu as u64 % 7) * MS),
+                last_inactive_ns: 10 * MS,
             }
         })
         .collect()

@@ -190,6 +190,8 @@ pub fn vcpu_view(s: &VcpuSnapshot) -> VcpuView {
         remaining_ns: s.remaining_ns,
         inactive_for_ns: s.inactive_for_ns,
         est_slice_ns: s.est_slice_ns,
+        back_in_ns: s.back_in_ns(),
+        last_inactive_ns: s.last_inactive_ns,
     }
 }
 

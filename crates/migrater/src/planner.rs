@@ -21,6 +21,10 @@
 //!   millisecond must not ping-pong tasks between near-equal vCPUs.
 //! - A task on a descheduled vCPU that has no allowed target may still go to any running
 //!   vCPU (running now beats stopped now, even with a short slice left).
+//! - A task on a vCPU ending its slice, with no target anywhere, is handed to the
+//!   descheduled vCPU expected back first, if that one is back before its own would be:
+//!   it waits there instead of on a vCPU about to go out for longer (where requests
+//!   complete on the submitting vCPU, its requests are issued where they can complete).
 //! - With no running vCPU at all, nothing moves.
 
 /// One vCPU as the monitor sees it at planning time.
@@ -35,6 +39,11 @@ pub struct VcpuView {
     pub inactive_for_ns: u64,
     /// Current slice length estimate, in ns.
     pub est_slice_ns: u64,
+    /// If descheduled: how long until it is expected back, in ns (`None`: unknown).
+    pub back_in_ns: Option<u64>,
+    /// How long its last deschedule lasted, in ns: how long it is expected out once its
+    /// slice ends.
+    pub last_inactive_ns: u64,
 }
 
 /// One I/O-bound task the planner may move.
@@ -229,8 +238,9 @@ impl Planner {
                 (Some(c), None) => c,
                 (None, Some(b)) => b.index,
                 (None, None) => {
-                    // No target allowed. Only a task on a stopped vCPU moves, to the running
-                    // vCPU with the most slice left: anything running beats stopped.
+                    // No target allowed. A task on a stopped vCPU moves to the running vCPU
+                    // with the most slice left: anything running beats stopped. A task on
+                    // a vCPU ending its slice goes to where it runs again soonest.
                     let stopped = cur_idx.is_none_or(|i| !vcpus[i].active);
                     let fallback = task
                         .allowed
@@ -239,8 +249,12 @@ impl Planner {
                         .filter(|&i| vcpus[i].active)
                         .map(candidate)
                         .reduce(|b, c| if c.beats(&b, vcpus) { c } else { b });
-                    match fallback {
-                        Some(c) if stopped => c.index,
+                    match (fallback, cur_idx) {
+                        (Some(c), _) if stopped => c.index,
+                        (_, Some(c)) if !stopped => match next_back(vcpus, &task.allowed, c) {
+                            Some(i) => i,
+                            None => continue,
+                        },
                         _ => continue,
                     }
                 }
@@ -266,6 +280,21 @@ impl Planner {
         }
         moves
     }
+}
+
+/// The descheduled vCPU among `allowed` expected back first, if it is back before `ending`
+/// (running, its slice about to end) would be after its next deschedule.
+fn next_back(vcpus: &[VcpuView], allowed: &[usize], ending: usize) -> Option<usize> {
+    let e = &vcpus[ending];
+    let own_back = e.remaining_ns.saturating_add(e.last_inactive_ns);
+    vcpus
+        .iter()
+        .enumerate()
+        .filter(|(_, v)| !v.active && allowed.contains(&v.cpu))
+        .filter_map(|(i, v)| v.back_in_ns.map(|b| (b, v.cpu, i)))
+        .filter(|&(b, _, _)| b < own_back)
+        .min()
+        .map(|(_, _, i)| i)
 }
 
 /// A vCPU a task could go to.
@@ -305,6 +334,8 @@ mod tests {
             remaining_ns: remaining_ms * MS,
             inactive_for_ns: 0,
             est_slice_ns: 10 * MS,
+            back_in_ns: None,
+            last_inactive_ns: 10 * MS,
         }
     }
 
@@ -315,7 +346,54 @@ mod tests {
             remaining_ns: 0,
             inactive_for_ns: for_ms * MS,
             est_slice_ns: 10 * MS,
+            back_in_ns: None,
+            last_inactive_ns: 10 * MS,
         }
+    }
+
+    /// Out, and expected back in `back_ms`.
+    fn back_in(cpu: usize, back_ms: u64) -> VcpuView {
+        VcpuView {
+            back_in_ns: Some(back_ms * MS),
+            ..stopped(cpu, 1)
+        }
+    }
+
+    #[test]
+    fn a_task_on_an_ending_slice_waits_where_it_runs_again_first() {
+        // Anti-phase: vCPU 0 ends in 0.5 ms and is then out ~10 ms; vCPU 1 is back in 0.3.
+        let ending = VcpuView {
+            remaining_ns: 500_000,
+            ..running(0, 0)
+        };
+        let t = [task(4, 1.0, Some(0), 0, &[0, 1])];
+        assert_eq!(
+            planner().plan(
+                Trigger::Tick { cpu: 0 },
+                &[ending.clone(), back_in(1, 0)],
+                &t
+            ),
+            vec![mv(4, Some(0), 1, Reason::Push)]
+        );
+        // 3:1, the other way round: vCPU 1 is back in 14 ms, vCPU 0 in 10.5: stay.
+        assert!(planner()
+            .plan(
+                Trigger::Tick { cpu: 0 },
+                &[ending.clone(), back_in(1, 14)],
+                &t
+            )
+            .is_empty());
+        // The first back of several, and only where the task may go.
+        let v = [ending.clone(), back_in(1, 6), back_in(2, 2), back_in(3, 1)];
+        let t = [task(4, 1.0, Some(0), 0, &[0, 1, 2])];
+        assert_eq!(
+            planner().plan(Trigger::Tick { cpu: 0 }, &v, &t),
+            vec![mv(4, Some(0), 2, Reason::Push)]
+        );
+        // Unknown return: stay.
+        assert!(planner()
+            .plan(Trigger::Tick { cpu: 0 }, &[ending, stopped(1, 2)], &t)
+            .is_empty());
     }
 
     fn task(tid: u32, load: f64, on: Option<usize>, last: usize, allowed: &[usize]) -> TaskView {

@@ -74,7 +74,14 @@ pub fn run(
         completion,
     } = *view;
     let now_rel = || monotonic_ns().saturating_sub(start_ns);
-    let target_at = |t: u64| placement::oracle_cpu(cpus, completion, |c| plan.is_out(c, t));
+    let target_at = |t: u64| {
+        placement::oracle_cpu(
+            cpus,
+            completion,
+            |c| plan.is_out(c, t),
+            |c| plan.next_change(c, t),
+        )
+    };
     let mut current = target_at(now_rel());
     place(current);
     let lead = LEAD.as_nanos() as u64;

@@ -10,8 +10,8 @@
 //!   regular enough to time a push by (`SliceHistory::spread`).
 //!
 //! The thread sleeps on the vCPU its next wake-up comes from (the one whose push point is
-//! next, else the descheduled one expected back first): a thread asleep on a vCPU that is
-//! out wakes only when that vCPU runs again. Where slices are regular, the BPF heartbeat
+//! next, else the descheduled one whose return raises the next event): a thread asleep
+//! on a vCPU that is out wakes only when that vCPU runs again. Where slices are regular, the BPF heartbeat
 //! brackets each expected slice end so that the end is known to within its step.
 //!
 //! So the daemon wakes about twice per hypervisor slice while I/O-bound tasks exist, and
@@ -543,10 +543,12 @@ struct PushPoints {
 
 impl PushPoints {
     /// How long to sleep and on which vCPU: until the earliest push point of a vCPU
-    /// holding tasks, on that vCPU; or, while a vCPU holding tasks is out, until it is
-    /// expected back, on it (its return wakes nobody: the BPF program skips vCPUs that
-    /// hold tasks); or, with neither, on the out vCPU expected back first, whose return
-    /// is the next event. `MAX_WAIT` at most.
+    /// holding tasks, on that vCPU; or, while a vCPU holding tasks whose push points are
+    /// timed is out, until it is expected back, on it (its return wakes nobody: the BPF
+    /// program skips vCPUs that hold tasks); or, with neither, on the out vCPU without
+    /// tasks expected back first, whose return is the next event. Never on an out vCPU
+    /// whose return wakes nobody and is not waited for: the events of every other vCPU
+    /// would wait for it. `MAX_WAIT` at most.
     fn next_wake(
         &self,
         board: &VcpuBoard,
@@ -569,11 +571,12 @@ impl PushPoints {
             let Some(back) = board.cpu_snapshot(cpu, now).and_then(|s| s.back_in_ns()) else {
                 continue;
             };
-            if timed[i] && hook.holds_tasks(cpu) {
+            if hook.holds_tasks(cpu) {
                 let w = back.max(MIN_WAIT_NS);
-                if w < wait {
+                if timed[i] && w < wait {
                     (wait, on) = (w, Some(cpu));
                 }
+                continue;
             }
             if first_back.is_none_or(|(b, _)| back < b) {
                 first_back = Some((back, cpu));

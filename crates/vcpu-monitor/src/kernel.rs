@@ -216,9 +216,8 @@ struct Slices {
     history: Vec<SliceHistory>,
     /// `gaps` of the BPF state when its last slice was taken into `history`.
     gaps: Vec<u64>,
-    /// Whether the vCPU slices at all (a deschedule within `QUIET_NS`).
-    slicing: Vec<bool>,
-    /// Whether its push point can be timed: slicing, and slices within twice the lead.
+    /// Whether its push point can be timed: a deschedule within `QUIET_NS`, and slices
+    /// within twice the lead.
     timed: Vec<bool>,
 }
 
@@ -227,7 +226,6 @@ impl Slices {
         Slices {
             history: (0..n).map(|_| SliceHistory::default()).collect(),
             gaps: vec![0; n],
-            slicing: vec![false; n],
             timed: vec![false; n],
         }
     }
@@ -764,7 +762,6 @@ impl BoardView<'_> {
             // No deschedule seen for a while (or ever): as far as we know the slice never
             // ends, and no push point is due (`slicing` false).
             let slicing = st.slice_start > 0 && now.saturating_sub(st.slice_start) <= QUIET_NS;
-            slices.slicing[i] = slicing;
             let within = |ns: u64| slicing && spread.is_some_and(|s| s <= ns);
             slices.timed[i] = within(2 * self.push_ns);
             // The heartbeat pins a slice end to its step, which a push can then be timed

@@ -13,6 +13,8 @@
 //!   their own scheduler slice: the short slice's ablation);
 //! - `vmigrater_parent`: another build of the daemon (`--parent-bin PATH`, e.g. this
 //!   commit's parent), default configuration: a code change's A/B, interleaved;
+//! - `vmigrater_alt`: this build with the configuration of `--alt-config FILE` (an
+//!   ablation: e.g. `[migration]` `guard = false`), kept in the results file;
 //! - `pinned`: the oracle that knows where completions land: every I/O thread pinned to
 //!   the CPU of the disk's request interrupt (`/proc/irq/*/effective_affinity_list`);
 //! - `pinned_slice`: the same, each I/O thread with the daemon's default 100 µs slice
@@ -64,12 +66,13 @@ use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
-const MODES: [&str; 8] = [
+const MODES: [&str; 9] = [
     "vanilla",
     "vmigrater",
     "vmigrater_dry",
     "vmigrater_no_slice",
     "vmigrater_parent",
+    "vmigrater_alt",
     "pinned",
     "pinned_slice",
     "sched_oracle",
@@ -155,6 +158,8 @@ struct Settings {
     completion_cpu: Option<usize>,
     disk: DiskKind,
     parent_bin: Option<PathBuf>,
+    /// The configuration of `vmigrater_alt` (`--alt-config`), its text.
+    alt_config: Option<String>,
     accounting: Accounting,
 }
 
@@ -202,6 +207,7 @@ fn parse_args() -> Result<Settings> {
         completion_cpu: None,
         disk: DiskKind::Root,
         parent_bin: None,
+        alt_config: None,
         accounting: Accounting::default(),
     };
     let (mut only, mut seed) = (None, 1u64);
@@ -248,6 +254,13 @@ fn parse_args() -> Result<Settings> {
                 }
             }
             "--parent-bin" => s.parent_bin = Some(val()?.into()),
+            "--alt-config" => {
+                let path = val()?;
+                s.alt_config = Some(
+                    std::fs::read_to_string(&path)
+                        .with_context(|| format!("--alt-config: reading {path}"))?,
+                );
+            }
             "--accounting" => s.accounting = val()?.parse()?,
             other => anyhow::bail!(
                 "unknown argument {other:?} (see the top of benches/steal.rs for the flags)"
@@ -276,6 +289,10 @@ fn parse_args() -> Result<Settings> {
     anyhow::ensure!(
         !s.modes.contains(&"vmigrater_parent") || s.parent_bin.is_some(),
         "--modes: vmigrater_parent needs --parent-bin PATH (the other build's vmigrater)"
+    );
+    anyhow::ensure!(
+        !s.modes.contains(&"vmigrater_alt") || s.alt_config.is_some(),
+        "--modes: vmigrater_alt needs --alt-config FILE (its configuration)"
     );
     Ok(s)
 }
@@ -391,6 +408,12 @@ fn run_once(
                 .context("vmigrater_parent needs --parent-bin")?;
             Some(BenchDaemon::start_bin(bin, "", &[])?)
         }
+        "vmigrater_alt" => Some(start_daemon(
+            s.alt_config
+                .as_deref()
+                .context("vmigrater_alt needs --alt-config")?,
+            false,
+        )?),
         _ => None,
     };
     sleep_until(start_ns + s.warmup.as_nanos() as u64);
@@ -875,6 +898,7 @@ fn main() -> Result<()> {
         "commit": vmigrater_testbed::commit(),
         "daemon_build": vmigrater_testbed::daemon_build(&vmigrater_testbed::workspace_bin("vmigrater")),
         "parent_build": s.parent_bin.as_deref().map(vmigrater_testbed::daemon_build),
+        "alt_config": s.alt_config,
         "setup": {
             "cpus": ncpus(),
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",

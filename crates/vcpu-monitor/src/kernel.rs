@@ -11,8 +11,10 @@
 //!
 //! The thread sleeps on the vCPU its next wake-up comes from (the one whose push point is
 //! next, else the descheduled one whose return raises the next event): a thread asleep
-//! on a vCPU that is out wakes only when that vCPU runs again. Where slices are regular, the BPF heartbeat
-//! brackets each expected slice end so that the end is known to within its step.
+//! on a vCPU that is out wakes only when that vCPU runs again. Where that vCPU goes out
+//! before another comes back, a rescuer thread per vCPU (`Rescue`) moves it onto the vCPU
+//! that raised the event. Where slices are regular, the BPF heartbeat brackets each
+//! expected slice end so that the end is known to within its step.
 //!
 //! So the daemon wakes about twice per hypervisor slice while I/O-bound tasks exist, and
 //! never while none do: no sleeper per vCPU, no timer of its own per tick. It must never
@@ -21,12 +23,13 @@
 
 use anyhow::{anyhow, Context, Result};
 use libbpf_rs::skel::{OpenSkel, Skel, SkelBuilder};
-use libbpf_rs::{Link, RingBufferBuilder};
+use libbpf_rs::{AsRawLibbpf, Link, RingBufferBuilder};
 use std::cell::RefCell;
 use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, AsRawFd};
 use std::rc::Rc;
 use std::sync::atomic::{
-    AtomicBool, AtomicU64,
+    AtomicBool, AtomicU64, AtomicUsize,
     Ordering::{Relaxed, Release},
 };
 use std::sync::Arc;
@@ -513,62 +516,99 @@ fn event_thread(
         threshold_ns,
         push_ns,
     };
-    let mut emitting = false;
-    let mut asleep_on: Option<usize> = None;
-    while !stop.load(Relaxed) {
-        let now = monotonic_ns();
-        let active = board.demand() == Demand::Active;
-        if active != emitting {
-            set_emit(emit, active);
-            emitting = active;
-            debug!(active, "gap events switched");
-        }
-        out.beats
-            .store(view.publish(board, &mut slices, now), Relaxed);
-        if !active {
-            // Events raised just before the switch went off are stale by the next demand.
-            let _ = rb.consume();
-            events.borrow_mut().clear();
-            if asleep_on.take().is_some() {
-                unpin_self(&cpus);
-            }
-            board.idle_sleep_until(now + cfg.idle_period.as_nanos() as u64);
-            continue;
-        }
-        publish_task_cpus(task_cpus, &cpus, hook);
-        // Sleep until the earliest push point of a vCPU holding tasks, or an event, on the
-        // vCPU that wake-up comes from.
-        let (wait, on) = points.next_wake(board, &cpus, now, &slices.timed, hook);
-        if on.is_some() && on != asleep_on {
-            if let Some(cpu) = on {
-                if os_layer::sched::pin_self(cpu).is_ok() {
-                    asleep_on = on;
+    // Where the event thread sleeps (a CPU id, or `UNPINNED`): the rescuers read it.
+    let asleep_on = AtomicUsize::new(UNPINNED);
+    let rescue = Rescue {
+        tid: nix::unistd::gettid(),
+        asleep_on: &asleep_on,
+        // SAFETY: the ring buffer lives until after the scope, and has its one ring.
+        ring: RingPtr(unsafe { libbpf_sys::ring_buffer__ring(rb.as_libbpf_object().as_ptr(), 0) }),
+        stop,
+        rt_priority: cfg.rt_priority,
+        ring_fd: skel.maps.gaps.as_fd().as_raw_fd(),
+        // SAFETY: creates an fd this function closes after the scope.
+        quit_fd: unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) },
+    };
+    std::thread::scope(|scope| {
+        if cpus.len() > 1 {
+            for &cpu in &cpus {
+                let rescue = &rescue;
+                if let Err(e) = std::thread::Builder::new()
+                    .name(format!("vcpu-rescue-{cpu}"))
+                    .spawn_scoped(scope, move || rescue.run(cpu))
+                {
+                    warn!(
+                        cpu,
+                        "no rescuer for this vCPU ({e}): its events may wait for another"
+                    );
                 }
             }
         }
-        if wait > 0 {
-            wait_for_events(rb.epoll_fd(), wait);
+        let mut emitting = false;
+        while !stop.load(Relaxed) {
+            let now = monotonic_ns();
+            let active = board.demand() == Demand::Active;
+            if active != emitting {
+                set_emit(emit, active);
+                emitting = active;
+                debug!(active, "gap events switched");
+            }
+            out.beats
+                .store(view.publish(board, &mut slices, now), Relaxed);
+            if !active {
+                // Events raised just before the switch went off are stale by the next demand.
+                let _ = rb.consume();
+                events.borrow_mut().clear();
+                if asleep_on.swap(UNPINNED, Relaxed) != UNPINNED {
+                    unpin_self(&cpus);
+                }
+                board.idle_sleep_until(now + cfg.idle_period.as_nanos() as u64);
+                continue;
+            }
+            publish_task_cpus(task_cpus, &cpus, hook);
+            // Sleep until the earliest push point of a vCPU holding tasks, or an event, on
+            // the vCPU that wake-up comes from.
+            let (wait, on) = points.next_wake(board, &cpus, now, &slices.timed, hook);
+            if let Some(cpu) = on {
+                if cpu != asleep_on.load(Relaxed) && os_layer::sched::pin_self(cpu).is_ok() {
+                    asleep_on.store(cpu, Relaxed);
+                }
+            }
+            if wait > 0 {
+                wait_for_events(rb.epoll_fd(), wait);
+            }
+            if let Err(e) = rb.consume() {
+                warn!("reading the gap ring buffer failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            let now = monotonic_ns();
+            let drained: Vec<GapEvent> = std::mem::take(&mut *events.borrow_mut());
+            out.beats
+                .store(view.publish(board, &mut slices, now), Relaxed);
+            for e in &drained {
+                tracing::trace!(
+                    cpu = e.cpu,
+                    late_us = now.saturating_sub(e.ts) / 1000,
+                    asleep_on = asleep_on.load(Relaxed),
+                    "back"
+                );
+                hook.on_tick(
+                    e.cpu as usize,
+                    TickEvent::Resumed {
+                        inactive_ns: e.inactive_ns,
+                        back_ns: e.ts,
+                    },
+                    board,
+                    now,
+                );
+            }
+            points.run_due(board, &cpus, now, &slices.timed, hook);
         }
-        if let Err(e) = rb.consume() {
-            warn!("reading the gap ring buffer failed: {e}");
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let now = monotonic_ns();
-        let drained: Vec<GapEvent> = std::mem::take(&mut *events.borrow_mut());
-        out.beats
-            .store(view.publish(board, &mut slices, now), Relaxed);
-        for e in &drained {
-            hook.on_tick(
-                e.cpu as usize,
-                TickEvent::Resumed {
-                    inactive_ns: e.inactive_ns,
-                    back_ns: e.ts,
-                },
-                board,
-                now,
-            );
-        }
-        points.run_due(board, &cpus, now, &slices.timed, hook);
+        rescue.quit();
+    });
+    if rescue.quit_fd >= 0 {
+        // SAFETY: ours, and every rescuer has exited.
+        unsafe { libc::close(rescue.quit_fd) };
     }
     set_emit(emit, false);
     view.heartbeat_off();
@@ -708,6 +748,98 @@ fn publish_task_cpus(p: *mut u64, cpus: &[usize], hook: &dyn TickHook) {
     }
 }
 
+/// The gap ring of the event thread's ring buffer, read (never consumed) by the rescuers.
+struct RingPtr(*mut libbpf_sys::ring);
+// SAFETY: `ring__avail_data_size` only loads the ring's producer and consumer positions,
+// which the kernel and the consuming thread update atomically.
+unsafe impl Sync for RingPtr {}
+
+/// `Rescue::asleep_on` while the event thread is not pinned.
+const UNPINNED: usize = usize::MAX;
+
+/// The event thread sleeps on one vCPU: where its next wake-up should come from. When
+/// that vCPU is taken away first (its slice ended before the push point the thread waits
+/// for, or another out vCPU came back before it), the thread is frozen with it, and every
+/// other vCPU's return waits for that one's: measured on the KVM-like trace, a third of
+/// the events were handled 1-10 ms late. One rescuer per vCPU, pinned there, wakes with
+/// each event (its own epoll on the ring buffer, edge-triggered: it reads nothing); where
+/// events wait unread, the rescuer moves the event thread onto its own vCPU, which runs.
+/// A thread that was about to wake anyway loses nothing.
+struct Rescue<'a> {
+    tid: nix::unistd::Pid,
+    asleep_on: &'a AtomicUsize,
+    /// The gap ring, to see whether events wait unread.
+    ring: RingPtr,
+    stop: &'a AtomicBool,
+    rt_priority: Option<i32>,
+    ring_fd: i32,
+    /// An eventfd that wakes every rescuer to see `stop`.
+    quit_fd: i32,
+}
+
+impl Rescue<'_> {
+    fn run(&self, cpu: usize) {
+        if os_layer::sched::pin_self(cpu).is_err() {
+            return;
+        }
+        prepare_thread(self.rt_priority);
+        // SAFETY: plain syscalls on fds this thread owns or borrows for its lifetime (the
+        // ring buffer outlives the scope this thread runs in).
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return;
+        }
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLET) as u32,
+            u64: 0,
+        };
+        let mut quit = libc::epoll_event {
+            events: libc::EPOLLIN as u32,
+            u64: 1,
+        };
+        // SAFETY: as above; each event is valid for its call.
+        let added = unsafe {
+            libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, self.ring_fd, &mut ev) == 0
+                && libc::epoll_ctl(ep, libc::EPOLL_CTL_ADD, self.quit_fd, &mut quit) == 0
+        };
+        if !added {
+            // SAFETY: `ep` is ours.
+            unsafe { libc::close(ep) };
+            return;
+        }
+        while !self.stop.load(Relaxed) {
+            if !wait_for_events(ep, QUIET_NS) || self.stop.load(Relaxed) {
+                continue;
+            }
+            // Events still unread: the event thread, woken with this one, has not run yet,
+            // and may be frozen with the vCPU it sleeps on, while this vCPU runs. (No timer
+            // to give it a moment first: one that expired while a vCPU was out would fire
+            // late when it comes back, beside the heartbeat's, and move where the gap is
+            // seen to start.)
+            // SAFETY: a valid ring of a ring buffer that outlives this thread; the call
+            // only reads its two positions.
+            let unread = unsafe { libbpf_sys::ring__avail_data_size(self.ring.0) } > 0;
+            if !unread || self.asleep_on.load(Relaxed) == cpu {
+                continue;
+            }
+            let mut set = nix::sched::CpuSet::new();
+            if set.set(cpu).is_ok() && nix::sched::sched_setaffinity(self.tid, &set).is_ok() {
+                self.asleep_on.store(cpu, Relaxed);
+                tracing::trace!(cpu, "event thread moved off a vCPU that does not run");
+            }
+        }
+        // SAFETY: `ep` is ours.
+        unsafe { libc::close(ep) };
+    }
+
+    /// Wakes every rescuer (after `stop` is set).
+    fn quit(&self) {
+        let one: u64 = 1;
+        // SAFETY: an 8-byte write to our eventfd.
+        unsafe { libc::write(self.quit_fd, (&one as *const u64).cast(), 8) };
+    }
+}
+
 /// Lets the event thread run on every monitored vCPU again.
 fn unpin_self(cpus: &[usize]) {
     let mut set = nix::sched::CpuSet::new();
@@ -717,18 +849,18 @@ fn unpin_self(cpus: &[usize]) {
     let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
 }
 
-/// Waits up to `timeout_ns` for the ring buffer's epoll fd. A push point is due at a
+/// Waits up to `timeout_ns` for an epoll fd on the ring buffer. A push point is due at a
 /// precise time: the millisecond timeout of `epoll_wait` (and of libbpf's poll) rounds a
 /// sub-millisecond wait down to a busy loop, so this uses `epoll_pwait2` (Linux 5.11+)
-/// and rounds up to the next millisecond only where that call does not exist.
-fn wait_for_events(epfd: i32, timeout_ns: u64) {
+/// and rounds up to the next millisecond only where that call does not exist. Whether an
+/// event came.
+fn wait_for_events(epfd: i32, timeout_ns: u64) -> bool {
     let mut ev = libc::epoll_event { events: 0, u64: 0 };
     let ts = libc::timespec {
         tv_sec: (timeout_ns / 1_000_000_000) as libc::time_t,
         tv_nsec: (timeout_ns % 1_000_000_000) as libc::c_long,
     };
-    // SAFETY: a valid epoll fd owned by the ring buffer, one event slot, a valid timespec
-    // and no signal mask.
+    // SAFETY: a valid epoll fd, one event slot, a valid timespec and no signal mask.
     let rc = unsafe {
         libc::syscall(
             libc::SYS_epoll_pwait2,
@@ -743,8 +875,9 @@ fn wait_for_events(epfd: i32, timeout_ns: u64) {
     if rc < 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ENOSYS) {
         let ms = timeout_ns.div_ceil(1_000_000).min(i32::MAX as u64) as i32;
         // SAFETY: as above.
-        unsafe { libc::epoll_wait(epfd, &mut ev, 1, ms) };
+        return unsafe { libc::epoll_wait(epfd, &mut ev, 1, ms) } > 0;
     }
+    rc > 0
 }
 
 /// The BPF state of the monitored vCPUs, and how it maps onto the board.

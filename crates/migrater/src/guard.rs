@@ -464,10 +464,13 @@ mod tests {
 
     #[test]
     fn the_first_epoch_after_tasks_appear_is_not_counted() {
-        let mut g = MoveGuard::new(GuardConfig {
-            trust_kept_first: false,
-            ..GuardConfig::default()
-        });
+        let settling = || {
+            MoveGuard::new(GuardConfig {
+                trust_kept_first: false,
+                ..GuardConfig::default()
+            })
+        };
+        let mut g = settling();
         let (mut t, mut c) = (0, 0);
         // The task's start: 100 a second, then 1000 with or without moves. Counted, the
         // start would lose the first pair for moves and hold them.
@@ -483,10 +486,7 @@ mod tests {
         assert!(v.pays, "{v:?}");
         assert_eq!(n, 7, "one epoch settling, then three pairs");
         // A probe after a hold or a trust does not settle: the tasks were busy all along.
-        let mut g = MoveGuard::new(GuardConfig {
-            trust_kept_first: false,
-            ..GuardConfig::default()
-        });
+        let mut g = settling();
         let (mut t, mut c, mut n) = (0, 0, 0);
         let v = probe(&mut g, &mut t, &mut c, |_| {
             n += 1;

@@ -120,8 +120,6 @@ pub struct MoveGuard {
     /// in 5 of 8 runs, and a probe ends at its first lost pair
     /// (`benches/RESULTS.md`, 2026-12-02).
     settling: bool,
-    /// The trust in force was given on credit (`trust_kept_first`), not by a probe.
-    on_credit: bool,
 }
 
 /// Moves on in probe epoch `e`: pairs alternate M H, H M, M H, ... (ABBA).
@@ -160,7 +158,6 @@ impl MoveGuard {
             burden: Burden::Win,
             fresh: true,
             settling,
-            on_credit: false,
         }
     }
 
@@ -168,24 +165,6 @@ impl MoveGuard {
     /// moves are for.
     pub fn set_burden(&mut self, burden: Burden) {
         self.burden = burden;
-    }
-
-    /// Ends a trust given on credit (`trust_kept_first`): what it was given for no longer
-    /// holds. A hypervisor's first window can read as vCPUs out all at once (only keeps)
-    /// while the contention judgement is still settling; once it says vCPUs run while
-    /// others are out, the moves are the planner's, which must win a probe. Under random
-    /// phases the credit otherwise let pulls that lost ~6% run for its 30 s
-    /// (`benches/RESULTS.md`, 2026-12-02). The next whole epoch settles again: the moves
-    /// change kind at this point.
-    pub fn revoke_credit(&mut self) {
-        if !std::mem::take(&mut self.on_credit) {
-            return;
-        }
-        self.phase = Phase::Probing { epoch: 0 };
-        self.epoch_start = None;
-        self.with.clear();
-        self.without.clear();
-        self.settling = self.cfg.settle;
     }
 
     pub fn phase(&self) -> &Phase {
@@ -228,7 +207,6 @@ impl MoveGuard {
             self.phase = Phase::Trusting {
                 until: now + self.cfg.trust,
             };
-            self.on_credit = true;
             return None;
         }
         match self.phase {
@@ -282,7 +260,6 @@ impl MoveGuard {
     fn start_probe(&mut self, now: Mono, completed: u64) {
         // Busy all along (trusted or held): the rate is the tasks' steady one.
         self.settling = false;
-        self.on_credit = false;
         self.phase = Phase::Probing { epoch: 0 };
         self.epoch_start = Some((now, completed));
         self.with.clear();
@@ -575,23 +552,6 @@ mod tests {
                 return v;
             }
         }
-    }
-
-    #[test]
-    fn only_a_trust_given_on_credit_is_revoked() {
-        let mut g = MoveGuard::new(GuardConfig::default());
-        g.set_burden(Burden::NotLose);
-        assert_eq!(g.observe(at(S), 0, true), None);
-        assert!(matches!(g.phase(), Phase::Trusting { .. }));
-        g.set_burden(Burden::Win);
-        g.revoke_credit();
-        assert!(g.probing(), "on credit: probed at once");
-        // Settling, then a pair that moves win: trusted by the probe, which stands.
-        let (mut t, mut c) = (2 * S, 0);
-        let v = probe(&mut g, &mut t, &mut c, |m| if m { 1100 } else { 1000 });
-        assert!(v.pays, "{v:?}");
-        g.revoke_credit();
-        assert!(matches!(g.phase(), Phase::Trusting { .. }));
     }
 
     #[test]

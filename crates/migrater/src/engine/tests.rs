@@ -408,39 +408,6 @@ fn the_guard_probes_then_trusts_moves_that_raise_the_io_rate() {
 }
 
 #[test]
-fn a_trust_given_while_vcpus_looked_out_together_ends_when_others_are_seen_running() {
-    // A random-phase hypervisor: its first window can read as vCPUs out together, which
-    // trusts keeps on credit; once vCPUs are judged to run while others are out, the
-    // planner's moves must win a probe of their own, not ride the 30 s credit.
-    let mut e = Engine::new(
-        EngineConfig {
-            gate_on_contention: true,
-            ..guarded()
-        },
-        Mono::default(),
-    );
-    let mut f = Fake::new();
-    f.window = vec![io_task(10)];
-    let mut vm = Vm::new();
-    vm.out_per_s = S / 2;
-    vm.run(&mut e, &mut f, 3, |_| 1000);
-    assert!(
-        e.snapshot().moves_allowed,
-        "out together: trusted on credit"
-    );
-    assert!(f.published.is_empty(), "nothing kept, nothing planned");
-    contended(&mut vm);
-    // Moves that do not win: settling, one pair, held.
-    vm.run(&mut e, &mut f, 6, |_| 1000);
-    assert_eq!(
-        e.snapshot().guard_verdicts,
-        GuardVerdicts { pays: 0, holds: 1 },
-        "probed once contended"
-    );
-    assert!(!e.snapshot().moves_allowed);
-}
-
-#[test]
 fn the_guard_holds_moves_that_do_not_pay_and_backs_off_doubling_each_hold() {
     let mut e = Engine::new(guarded(), Mono::default());
     let mut f = Fake::new();

@@ -33,13 +33,6 @@ impl Engine {
         // whether the programs may come off (`detach_when_quiet`).
         let verdict = self.tracking.contention.observe(now, &out);
         self.tracking.contended = !gate || verdict;
-        if was.1 && self.tracking.contended {
-            // Keeps were trusted on credit while vCPUs looked out together; moves towards
-            // running vCPUs must win a probe of their own.
-            if let Some(g) = self.guard.as_mut() {
-                g.revoke_credit();
-            }
-        }
         if (self.tracking.contended, self.out_together()) != was && gate {
             let c = &self.tracking.contention;
             info!(

@@ -409,6 +409,41 @@ fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
     );
 }
 
+/// While paused, a thread new to block I/O rings the doorbell and a steady one does not,
+/// also after the steady thread's passes are cached on its CPU (`passes` in
+/// bpf/iotrack.bpf.c): a new thread on that CPU must still ring.
+#[test]
+fn paused_the_doorbell_rings_for_a_new_io_thread_and_not_for_a_steady_one() {
+    assert_root();
+    let _serial = serial();
+    let file = data_file();
+    let mut storage = TrackerStorage::new();
+    let mut tracker = IoTracker::open(&TrackerOptions::default(), &mut storage).expect("load BPF");
+    // Tracked past DOORBELL_YOUNG_IOS requests: a steady I/O thread.
+    read_blocks_on(0, &file, 200, 65536);
+    tracker.pause(monotonic_ns()).expect("pause");
+    tracker.take_doorbell();
+    // Other processes' first reads ring too (an exec loading a binary): a steady thread
+    // that rang would ring in every attempt.
+    let quiet = (0..5).any(|_| {
+        tracker.take_doorbell();
+        read_blocks_on(0, &file, 100, 65536);
+        !tracker.take_doorbell()
+    });
+    assert!(
+        quiet,
+        "a steady thread's paused reads rang the doorbell in every attempt"
+    );
+    std::thread::scope(|s| {
+        s.spawn(|| read_blocks_on(0, &file, 1, 65536));
+    });
+    assert!(
+        tracker.take_doorbell(),
+        "a new thread's read on the steady thread's CPU did not ring"
+    );
+    tracker.resume().expect("resume");
+}
+
 /// Links the kernel holds for these programs: what says they are on their tracepoints.
 fn kernel_links_of(prog_ids: &[u32]) -> usize {
     libbpf_rs::query::LinkInfoIter::default()

@@ -421,7 +421,6 @@ fn paused_the_doorbell_rings_for_a_new_io_thread_and_not_for_a_steady_one() {
     // Tracked past DOORBELL_YOUNG_IOS requests: a steady I/O thread.
     read_blocks_on(0, &file, 200, 65536);
     tracker.pause(monotonic_ns()).expect("pause");
-    tracker.take_doorbell();
     // Other processes' first reads ring too (an exec loading a binary): a steady thread
     // that rang would ring in every attempt.
     let quiet = (0..5).any(|_| {

@@ -11,7 +11,8 @@
 //! trusted for `trust` when the median rate with moves beats the one without by
 //! `min_gain` and moves won every pair of epochs (one lucky epoch is not a gain: in the
 //! lab, on a VM with nothing to gain, 1 s rates vary by more than `min_gain`, and a
-//! median-only rule trusted moves there by chance); otherwise the daemon holds (tasks back on their original masks, the monitor
+//! median-only rule trusted moves there by chance; two pairs each won by `DECISIVE_GAIN`
+//! suffice); otherwise the daemon holds (tasks back on their original masks, the monitor
 //! idle) for a back-off that doubles up to `max_hold`, then probes again. The first
 //! pair that moves do not win ends the probe at once: the verdict cannot change, and where
 //! moves cost (every contended lab scenario) the rest of the probe was pure cost.
@@ -81,6 +82,16 @@ pub enum Burden {
 /// run), so a small loss in a pair is noise, and a rule that held pins back at any loss
 /// gave different verdicts on identical runs.
 pub const NOT_LOSE_MARGIN: f64 = 1.15;
+
+/// Under `Burden::Win`, moves that won each of the first `DECISIVE_PAIRS` pairs by this
+/// factor are trusted without the probe's last pair, whose epoch without moves costs a
+/// second of the gain. The first two pairs run in opposite orders (M H, H M), so a trend
+/// in the rate cannot make both look won, and well beyond the swing of one second's rate
+/// twice in a row is no chance reading. On a queue per vCPU the pairs moves won read
+/// 1.6-2.1x in anti-phase and 1.2-1.3x on a KVM-like trace (`benches/RESULTS.md`,
+/// 2026-12-02): the first end at two pairs, the second mostly take the whole probe.
+pub const DECISIVE_GAIN: f64 = 1.3;
+const DECISIVE_PAIRS: usize = 2;
 
 #[derive(Clone, Debug, PartialEq)]
 pub enum Phase {
@@ -237,13 +248,14 @@ impl MoveGuard {
                 }
                 self.epoch_start = Some((now, completed));
                 // A pair that settles the verdict ends the probe: under `Win` one that
-                // moves did not win (every pair must win), under `NotLose` one they did
-                // not clearly lose (every pair must, to hold them back).
+                // moves did not win (every pair must win) or the last of `DECISIVE_PAIRS`
+                // won by `DECISIVE_GAIN`, under `NotLose` one they did not clearly lose
+                // (every pair must, to hold them back).
                 let pair_done = self.with.len() == self.without.len();
                 let settled = pair_done
                     && match (self.with.last(), self.without.last()) {
                         (Some(&w), Some(&wo)) => match self.burden {
-                            Burden::Win => w <= wo,
+                            Burden::Win => w <= wo || self.decisive(),
                             Burden::NotLose => !clear_loss(w, wo),
                         },
                         _ => false,
@@ -255,6 +267,16 @@ impl MoveGuard {
                 Some(self.conclude(now))
             }
         }
+    }
+
+    /// Moves won each of the first `DECISIVE_PAIRS` pairs by `DECISIVE_GAIN`.
+    fn decisive(&self) -> bool {
+        self.with.len() == DECISIVE_PAIRS
+            && self
+                .with
+                .iter()
+                .zip(&self.without)
+                .all(|(&w, &wo)| w >= wo * DECISIVE_GAIN)
     }
 
     fn start_probe(&mut self, now: Mono, completed: u64) {
@@ -664,10 +686,38 @@ mod tests {
         assert!(!v.pays);
         assert_eq!(epochs, 2);
         assert_eq!(ns(v.lasts), 60 * S, "the back-off doubles as before");
-        // Pairs that moves win go on to the end of the probe.
-        let (v, epochs) = run(&mut g, 1500, 1000);
+        // Pairs that moves win go on to the end of the probe...
+        let (v, epochs) = run(&mut g, 1200, 1000);
         assert!(v.pays);
         assert_eq!(epochs, 6);
+        // ... unless the first two were won by DECISIVE_GAIN: the last pair is skipped.
+        let (v, epochs) = run(&mut g, 1300, 1000);
+        assert!(v.pays);
+        assert_eq!(epochs, 4, "two decisive pairs end the probe");
+        assert_eq!((v.with_moves, v.without_moves), (1300.0, 1000.0));
+    }
+
+    #[test]
+    fn only_two_decisive_pairs_end_a_winning_probe_early() {
+        // Epoch rates in ABBA order (M H H M M H); the probe's verdict and its epochs.
+        let epochs = |rates: [u64; 6]| {
+            let (mut g, mut t, mut c) = (guard(), 0, 0);
+            let mut i = 0;
+            let v = probe(&mut g, &mut t, &mut c, |_| {
+                i += 1;
+                rates[i - 1]
+            });
+            (v.pays, i)
+        };
+        // A first pair won by 1.5x, a second by 1.1x: the probe runs to its end.
+        assert_eq!(epochs([1500, 1000, 1000, 1100, 1200, 1000]), (true, 6));
+        // A first pair won by 1.1x, a second by 1.5x: the same.
+        assert_eq!(epochs([1100, 1000, 1000, 1500, 1200, 1000]), (true, 6));
+        // Both by 1.3x or more: over after the second pair.
+        assert_eq!(epochs([1400, 1000, 1000, 1300, 0, 0]), (true, 4));
+        // A rate falling 30% an epoch with moves doing nothing: the first pair looks
+        // decisive, the second (H M) is lost, so no trend reads as two decisive wins.
+        assert_eq!(epochs([1000, 700, 490, 343, 0, 0]), (false, 4));
     }
 
     #[test]

@@ -410,7 +410,8 @@ fn paused_tracking_counts_nothing_and_leaves_nothing_open() {
 }
 
 /// While paused, a thread new to block I/O rings the doorbell and a steady one does not,
-/// a new thread on the steady thread's CPU included.
+/// also after the steady thread's passes are cached on its CPU (`passes` in
+/// bpf/iotrack.bpf.c): a new thread on that CPU must still ring.
 #[test]
 fn paused_the_doorbell_rings_for_a_new_io_thread_and_not_for_a_steady_one() {
     assert_root();

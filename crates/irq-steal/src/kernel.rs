@@ -30,7 +30,7 @@ const MAX_CPUS: usize = 1024;
 /// most a window can be entered late.
 pub const SAMPLE_PERIOD_NS: u64 = 250_000;
 /// How often the controller refreshes the heartbeat (the program gives up at 100 ms).
-const HEARTBEAT_EVERY: Duration = Duration::from_millis(10);
+pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_millis(10);
 /// A normal task of this process that has not run for this long says the machine stopped
 /// answering (the controller, real-time, still runs): stealing stops and the run fails.
 /// Ten times the longest window a plan may hold.
@@ -61,7 +61,7 @@ const PERF_FLAG_FD_CLOEXEC: libc::c_ulong = 8;
 /// `disabled`: libbpf enables the event once the program is attached.
 const ATTR_DISABLED: u64 = 1;
 
-fn open_cpu_clock(cpu: usize) -> Result<i32> {
+pub(crate) fn open_cpu_clock(cpu: usize) -> Result<i32> {
     let attr = PerfEventAttr {
         type_: PERF_TYPE_SOFTWARE,
         size: std::mem::size_of::<PerfEventAttr>() as u32,
@@ -215,7 +215,7 @@ impl Drop for IrqSteal {
 
 /// The liveness thread: a normal task (SCHED_OTHER, whatever policy the run's starter
 /// has) that says every 10 ms that it ran, until the run stops.
-fn answer(stop: &AtomicBool, silenced: &AtomicBool, last_ran: &AtomicU64) {
+pub(crate) fn answer(stop: &AtomicBool, silenced: &AtomicBool, last_ran: &AtomicU64) {
     if let Err(e) = os_layer::sched::set_self_policy(libc::SCHED_OTHER, 0) {
         eprintln!("irq-steal: the liveness thread keeps its starter's policy ({e})");
     }
@@ -230,7 +230,7 @@ fn answer(stop: &AtomicBool, silenced: &AtomicBool, last_ran: &AtomicU64) {
 /// A low-priority SCHED_FIFO thread still preempts every CPU hog, so the heartbeat
 /// stays fresh on a loaded machine (it sleeps between beats and costs nothing); above the
 /// absorbers, which busy-wait through windows.
-fn make_realtime() {
+pub(crate) fn make_realtime() {
     if let Err(e) = os_layer::sched::set_self_policy(libc::SCHED_FIFO, ABSORBER_PRIORITY + 1) {
         eprintln!(
             "irq-steal: the controller runs as a normal task ({e}): under load the heartbeat \

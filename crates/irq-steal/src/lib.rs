@@ -8,13 +8,16 @@
 //!   when the machine stops answering (no normal task ran for `ANSWER_WITHIN`);
 //! - `absorber`: who is charged a window's time (the task interrupted, or nobody);
 //! - `throttle`: perf throttling off for the run, restored whatever happens;
-//! - `report`: what each CPU stole against what it was asked.
+//! - `report`: what each CPU stole against what it was asked;
+//! - `host`: a host scheduler in the loop instead of a plan (bpf/hostmodel.bpf.c): a fair
+//!   or credit policy decides online, an idle vCPU gives its CPU away, weights can change.
 //!
 //! The plan is the truth a benchmark's oracle reads (`Plan::is_out`, `next_change`),
 //! relative to `IrqSteal::start_ns`.
 
 pub mod absorber;
 mod bpf_skel;
+pub mod host;
 pub mod kernel;
 mod no_idle;
 pub mod plan;

@@ -1387,3 +1387,300 @@ fn agent_sighup_reloads_and_no_operator_signal_leaves_a_thread_changed() {
     assert!(log.contains("SIGQUIT: shutting down"), "{log}");
     assert!(log.contains("restored every scheduling change"), "{log}");
 }
+
+/// The hard-IRQ testbed's host model as the agent's `model` backend sees it: its `control`
+/// and `entities` maps (bpf/hostmodel.h) pinned in a fresh bpffs directory, with entities
+/// on model CPUs 0 and 1 for slots 0 and 1 that look busy (a thread adds 50 ms of run time
+/// per 100 ms to each, enough for `fund`'s busy floor). The maps and the directory go when
+/// it is dropped, a failed assertion included.
+struct FakeHostModel {
+    dir: PathBuf,
+    control: libbpf_rs::MapHandle,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    feeder: Option<std::thread::JoinHandle<()>>,
+}
+
+/// `HM_MAX_SLOTS`, `HM_MAX_CPUS` and the value sizes of bpf/hostmodel.h.
+const HM_SLOTS: u32 = 8;
+const HM_KEYS: u32 = 64 * HM_SLOTS;
+const HM_CONTROL_SIZE: u32 = 8;
+const HM_ENTITY_SIZE: u32 = 64;
+
+impl FakeHostModel {
+    fn start(name: &str) -> FakeHostModel {
+        use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType};
+        static MOUNT: std::sync::Once = std::sync::Once::new();
+        MOUNT.call_once(|| {
+            let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+            if !mounts.lines().any(|l| l.contains(" /sys/fs/bpf bpf ")) {
+                let st = Command::new("mount")
+                    .args(["-t", "bpf", "bpf", "/sys/fs/bpf"])
+                    .status()
+                    .unwrap();
+                assert!(st.success(), "mounting bpffs at /sys/fs/bpf: {st}");
+            }
+        });
+        let dir = PathBuf::from(format!(
+            "/sys/fs/bpf/vmigrater-hv-agent-test-{name}-{}",
+            std::process::id()
+        ));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        let opts = libbpf_rs::libbpf_sys::bpf_map_create_opts {
+            sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+            ..Default::default()
+        };
+        let create = |map: &str, value_size: u32| {
+            MapHandle::create(MapType::Array, Some(map), 4, value_size, HM_KEYS, &opts).unwrap()
+        };
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        // From here on a failure still removes the directory.
+        let mut model = FakeHostModel {
+            dir: dir.clone(),
+            control: create("hm_control", HM_CONTROL_SIZE),
+            stop: stop.clone(),
+            feeder: None,
+        };
+        let mut entities = create("hm_entities", HM_ENTITY_SIZE);
+        model.control.pin(dir.join("control")).unwrap();
+        entities.pin(dir.join("entities")).unwrap();
+        let busy: Vec<u32> = [0, 1]
+            .iter()
+            .flat_map(|cpu| [0, 1].map(|slot| cpu * HM_SLOTS + slot))
+            .collect();
+        for &k in &busy {
+            let mut e = [0u8; HM_ENTITY_SIZE as usize];
+            e[60..].copy_from_slice(&1024u32.to_ne_bytes());
+            entities
+                .update(&k.to_ne_bytes(), &e, MapFlags::ANY)
+                .unwrap();
+        }
+        model.feeder = Some(std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(10));
+                for &k in &busy {
+                    let mut e = entities
+                        .lookup(&k.to_ne_bytes(), MapFlags::ANY)
+                        .unwrap()
+                        .unwrap();
+                    let run = u64::from_ne_bytes(e[..8].try_into().unwrap()) + 5_000_000;
+                    e[..8].copy_from_slice(&run.to_ne_bytes());
+                    entities
+                        .update(&k.to_ne_bytes(), &e, MapFlags::ANY)
+                        .unwrap();
+                }
+            }
+        }));
+        model
+    }
+
+    fn control(&self, key: u32) -> (u32, u32) {
+        use libbpf_rs::{MapCore, MapFlags};
+        let v = self
+            .control
+            .lookup(&key.to_ne_bytes(), MapFlags::ANY)
+            .unwrap()
+            .unwrap();
+        let word = |at: usize| u32::from_ne_bytes(v[at..at + 4].try_into().unwrap());
+        (word(0), word(4))
+    }
+
+    /// The weight in effect for the slot's vCPUs 0 and 1 (0 in the map: the default).
+    fn weights(&self, slot: u32) -> [u32; 2] {
+        [0, 1].map(|cpu| match self.control(cpu * HM_SLOTS + slot).0 {
+            0 => 1024,
+            w => w,
+        })
+    }
+
+    /// The agent in `dir`, driving this model with VM `guest` (slot 0, a guest channel on
+    /// `sock`) and VM `other` (slot 1, no channel).
+    fn agent(&self, dir: &Path, sock: &Path) -> Agent {
+        let config = dir.join("agent.toml");
+        std::fs::write(
+            &config,
+            format!(
+                "period_ms = 50\nbackend = \"model\"\nmodel_dir = {:?}\nstate_dir = {:?}\n\n\
+                 [metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n\n\
+                 [[vm]]\nname = \"guest\"\nhint_socket = {:?}\nmodel_slot = 0\n\n\
+                 [[vm]]\nname = \"other\"\nmodel_slot = 1\n",
+                self.dir.display().to_string(),
+                dir.display().to_string(),
+                sock.display().to_string(),
+            ),
+        )
+        .unwrap();
+        let log = dir.join("agent.log");
+        Agent {
+            child: Some(
+                Command::new(workspace_bin("vmigrater-hv-agent"))
+                    .arg("--config")
+                    .arg(&config)
+                    .args(["--log", "debug", "run"])
+                    .stderr(std::fs::File::create(&log).unwrap())
+                    .spawn()
+                    .unwrap(),
+            ),
+            config,
+            log,
+        }
+    }
+
+    /// Every control entry, after the agent: (key, weight, boost) of those not {0, 0}.
+    fn left_changed(&self) -> Vec<(u32, u32, u32)> {
+        (0..HM_KEYS)
+            .map(|k| (k, self.control(k)))
+            .filter(|(_, c)| *c != (0, 0))
+            .map(|(k, (w, b))| (k, w, b))
+            .collect()
+    }
+}
+
+impl Drop for FakeHostModel {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(f) = self.feeder.take() {
+            let _ = f.join();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Sends `report_tasks(vcpus)` every 25 ms for up to `secs`, or until `until`.
+fn report_model_guest(
+    g: &mut UnixStream,
+    seq: &mut u64,
+    vcpus: &[(u32, u32)],
+    secs: f64,
+    until: &mut dyn FnMut() -> bool,
+) {
+    let t0 = Instant::now();
+    while t0.elapsed().as_secs_f64() < secs && !until() {
+        *seq += 1;
+        g.write_all(report_tasks(*seq, vcpus).as_bytes()).unwrap();
+        std::thread::sleep(Duration::from_millis(25));
+    }
+}
+
+/// The `model` backend on the testbed's host model (maps like bpf/hostmodel.h, pinned on
+/// bpffs): modelled vCPUs have no host thread, so the agent counts and samples them
+/// through the backend, and vCPU n runs on model CPU n. Laid out like the lab's main
+/// scenario (VM `guest` slot 0, VM `other` slot 1, both on model CPUs 0 and 1, all busy):
+/// when the guest says its vCPU 1 holds an I/O-bound task, `vm-funded` gives it two steps
+/// of CPU 1, paid for by the guest's vCPU 0 on CPU 0, where `other` gets them back; so no
+/// VM's share of the two CPUs moves. A guest that then claims I/O everywhere gets nothing.
+/// After SIGTERM every control entry is back at {0, 0} (the default weight, no boost).
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn the_model_backend_weights_modelled_vcpus_and_restores_them() {
+    assert_root();
+    let model = FakeHostModel::start("weights");
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("guest.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = model.agent(dir.path(), &sock);
+    let mut g = guest(&listener, 2);
+    let mut seq = 0;
+    let mut moved = || model.weights(0)[1] > 1024 && model.weights(1)[1] < 1024;
+    report_model_guest(&mut g, &mut seq, &[(0, 0), (1, 1)], 5.0, &mut moved);
+    let log = || std::fs::read_to_string(&agent.log).unwrap_or_default();
+    let (guest_w, other_w) = (model.weights(0), model.weights(1));
+    assert!(
+        moved(),
+        "guest {guest_w:?}, other {other_w:?}: vCPU 1's I/O bought nothing\n{}",
+        log()
+    );
+    // Both steps of the exchange: the guest's vCPU 0 pays on CPU 0, where other's vCPU 0
+    // gets back what its vCPU 1 gave up on CPU 1.
+    assert!(
+        guest_w[0] < 1024 && other_w[0] > 1024,
+        "guest {guest_w:?}, other {other_w:?}"
+    );
+    // No VM gains: the guest's share of each CPU, summed, is still one CPU of the two.
+    let share: f64 = (0..2)
+        .map(|c| f64::from(guest_w[c]) / f64::from(guest_w[c] + other_w[c]))
+        .sum();
+    assert!(
+        (share - 1.0).abs() < 0.005,
+        "the guest holds {share:.4} of the two CPUs: guest {guest_w:?}, other {other_w:?}"
+    );
+    let s = agent.status().expect("agent status");
+    for (vm, source) in [(0, "guest"), (1, "schedstat")] {
+        let vcpus = s["vms"][vm]["vcpus"].as_array().unwrap();
+        assert_eq!(vcpus.len(), 2, "{s:#}");
+        for (n, v) in vcpus.iter().enumerate() {
+            assert_eq!(v["host_cpu"], n, "vCPU n runs on model CPU n: {s:#}");
+            assert_eq!(v["source"], source, "{s:#}");
+            assert!(v["cpu_ms"].as_f64() > Some(5.0), "looks idle: {s:#}");
+        }
+    }
+    assert_eq!(s["vms"][0]["vcpus"][1]["held"], true, "{s:#}");
+    let check = Command::new(workspace_bin("vmigrater-hv-agent"))
+        .arg("--config")
+        .arg(&agent.config)
+        .arg("check")
+        .output()
+        .unwrap();
+    let out = String::from_utf8_lossy(&check.stdout);
+    assert!(check.status.success(), "{out}");
+    assert!(
+        out.contains(&format!("model:    maps pinned at {}", model.dir.display()))
+            && out.contains("vm other:    host model slot 1")
+            && out.contains("2 vCPU(s) modelled now"),
+        "{out}"
+    );
+
+    // The liar's way: I/O claimed on every vCPU leaves nobody of its own to pay.
+    let mut neutral = || model.weights(0) == [1024; 2] && model.weights(1) == [1024; 2];
+    report_model_guest(&mut g, &mut seq, &[(0, 1), (1, 1)], 3.0, &mut neutral);
+    assert!(
+        neutral(),
+        "I/O claimed everywhere bought something: guest {:?}, other {:?}",
+        model.weights(0),
+        model.weights(1)
+    );
+    let log = agent.terminate();
+    assert!(log.contains("backend=\"model\""), "{log}");
+    assert!(log.contains("modelled vCPU re-weighted"), "{log}");
+    assert_eq!(model.left_changed(), [], "not restored:\n{log}");
+    assert!(log.contains("restored=4"), "four entities driven:\n{log}");
+}
+
+/// A guest that claims I/O on every modelled vCPU from its first report on moves no
+/// weight at all, its own or the other VM's, while the agent does drive the model.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_modelled_guest_that_claims_io_everywhere_moves_no_weight() {
+    assert_root();
+    let model = FakeHostModel::start("liar");
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("guest.sock");
+    let listener = UnixListener::bind(&sock).unwrap();
+    let agent = model.agent(dir.path(), &sock);
+    let mut g = guest(&listener, 2);
+    let mut seq = 0;
+    let mut seen = Vec::new();
+    report_model_guest(&mut g, &mut seq, &[(0, 1), (1, 1)], 2.0, &mut || {
+        let w = (model.weights(0), model.weights(1));
+        if w != ([1024; 2], [1024; 2]) {
+            seen.push(w);
+        }
+        false
+    });
+    let s = agent.status().expect("agent status");
+    let log = agent.terminate();
+    assert_eq!(seen, [], "weights moved:\n{log}");
+    let vcpus = s["vms"][0]["vcpus"].as_array().unwrap();
+    assert!(
+        vcpus.len() == 2
+            && vcpus
+                .iter()
+                .all(|v| v["carries_io"] == true && v["source"] == "guest"),
+        "the claims did not reach the plan: {s:#}"
+    );
+    assert!(
+        log.contains("modelled vCPU re-weighted"),
+        "the agent never drove the model, so nothing was tested:\n{log}"
+    );
+    assert_eq!(model.left_changed(), [], "not restored:\n{log}");
+}

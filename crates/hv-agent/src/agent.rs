@@ -3,7 +3,9 @@
 //! wake-ups), run the credit core per host run queue, apply the settings through the
 //! backend, move I/O-intensive vCPU threads between the VM's host CPUs (Algorithm 2), tell
 //! each guest what was applied, and publish a status snapshot. On stop, the backend
-//! restores everything it changed.
+//! restores everything it changed. A VM of the testbed's host model (`model_slot`) has no
+//! threads: the backend says how many vCPUs it has and samples them, and its vCPU n is on
+//! model CPU n.
 
 use anyhow::Result;
 use proto::{Applied, Message, VcpuWeight};
@@ -244,7 +246,7 @@ impl Agent {
         }
         let journal = (cfg.backend == crate::config::BackendKind::KvmQemu)
             .then(|| crate::journal::Journal::new(journal_path));
-        let backend = backend::for_name(cfg.backend, cfg.weight, journal)?;
+        let backend = backend::for_name(&cfg, journal)?;
         let params = CreditParams {
             period_ns: cfg.period_ms * 1_000_000,
             ..CreditParams::default()
@@ -356,13 +358,19 @@ impl Agent {
         let mut figures = Vec::new();
         for (i, vm) in self.vms.iter_mut().enumerate() {
             let reports = vm.guest.fresh(period * 3);
+            let modelled = vm.cfg.model_slot.is_some();
             // A VM has the vCPUs the host knows of: its vCPU threads (a guest cannot invent
             // more, nor the series and state that would come with them); see `vcpu_count`.
-            let mut n = vcpu_count(
-                vm.tids.len(),
-                vm.guest.vcpus.load(Ordering::Relaxed),
-                self.unmapped_cap,
-            );
+            // A modelled VM has the entities the model runs for it, whatever its guest says.
+            let mut n = if modelled {
+                self.backend.vcpus(&vm.cfg).unwrap_or(0)
+            } else {
+                vcpu_count(
+                    vm.tids.len(),
+                    vm.guest.vcpus.load(Ordering::Relaxed),
+                    self.unmapped_cap,
+                )
+            };
             // When a guest that alone said how many vCPUs its VM has leaves, they stay for
             // one period without reports, so the credit core turns them neutral and that
             // reaches the backend (Xen weighs the whole domain, and a domain left with no
@@ -380,7 +388,11 @@ impl Agent {
             let mut deltas = Vec::with_capacity(vm.tracks.len());
             for (cpu, track) in vm.tracks.iter_mut().enumerate() {
                 track.tid = vm.tids.get(cpu).copied();
-                let sample = track.tid.and_then(observe::sample);
+                let sample = if modelled {
+                    self.backend.sample(&vm.cfg, cpu as u32)
+                } else {
+                    track.tid.and_then(observe::sample)
+                };
                 let d = match (&track.prev, &sample) {
                     (Some(p), Some(s)) => s.since(p),
                     _ => observe::Delta::default(),
@@ -401,7 +413,8 @@ impl Agent {
                 track.run_total += run;
                 track.wait_total += wait;
                 let observed = track.ema.on_period(host_events[cpu], period_ns);
-                let seen = self.cfg.observe_schedstat && !first && track.tid.is_some();
+                let seen =
+                    self.cfg.observe_schedstat && !first && (track.tid.is_some() || modelled);
                 // Kicks that single out vCPUs outrank the guest's report: they are this
                 // period's requests as the device saw them, while the guest's figures come
                 // from sampled tracking (on them the agent favoured nobody, or a vCPU the
@@ -422,7 +435,13 @@ impl Agent {
                 };
                 track.io_history = (track.io_history << 1) | u8::from(events > 0);
                 let carries_io = carries_io(report.map(|r| r.io_bound_tasks), track.io_history);
-                let host_cpu = track.tid.and_then(pinned_cpu);
+                // The model runs vCPU n on its CPU n: that is the run queue `fund` exchanges
+                // weight on between the VMs sharing it.
+                let host_cpu = if modelled {
+                    Some(cpu)
+                } else {
+                    track.tid.and_then(pinned_cpu)
+                };
                 track.status = VcpuStatus {
                     vcpu: cpu as u32,
                     tid: track.tid,
@@ -675,6 +694,11 @@ impl Agent {
 
 /// The agent's threads' ids, for `check`: what each VM resolves to right now.
 pub fn describe_threads(vm: &VmConfig) -> String {
+    if let Some(slot) = vm.model_slot {
+        return format!(
+            "host model slot {slot}: no vCPU threads, vCPU n is the entity on model CPU n"
+        );
+    }
     match resolve_threads(vm) {
         Ok(t) if t.is_empty() => "no vCPU threads (xen domain or not running)".into(),
         Ok(t) => format!("vCPU threads {t:?}"),

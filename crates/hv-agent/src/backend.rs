@@ -6,6 +6,9 @@
 //!   alone.
 //! - `Xen`: one credit2 weight per domain (`xl sched-credit2 -d DOM -w W`), 256 being the
 //!   default, through a command runner so tests can check the exact commands.
+//! - `Model` (`model.rs`): the hard-IRQ testbed's BPF host scheduler model, whose
+//!   modelled vCPUs have no host thread: the backend also says how many vCPUs such a VM
+//!   has and what each did (`vcpus`, `sample`).
 //! - `DryRun`: computes and logs, touches nothing.
 
 use anyhow::{Context, Result};
@@ -13,8 +16,9 @@ use std::collections::{BTreeMap, HashMap};
 use tracing::{debug, info, warn};
 
 use crate::cgroup::CgroupWeights;
-use crate::config::{BackendKind, WeightKind};
+use crate::config::{BackendKind, Config, VmConfig, WeightKind};
 use crate::journal::Journal;
+use crate::observe::ThreadSample;
 use crate::weights::Setting;
 
 pub trait Backend: Send {
@@ -42,6 +46,15 @@ pub trait Backend: Send {
     fn forget(&mut self, _tid: u32) {}
     /// Puts back everything this backend changed; returns how many objects it restored.
     fn restore(&mut self) -> usize;
+    /// How many vCPUs a VM has where the backend, not a host thread, runs them (a
+    /// modelled VM); None where the backend does not know the VM.
+    fn vcpus(&self, _vm: &VmConfig) -> Option<usize> {
+        None
+    }
+    /// What such a vCPU did so far, as the schedstat of a thread would say.
+    fn sample(&self, _vm: &VmConfig, _vcpu: u32) -> Option<ThreadSample> {
+        None
+    }
 }
 
 /// How the share (CVCredit) reaches a vCPU thread under `kvm-qemu`.
@@ -50,21 +63,19 @@ pub enum Share {
     Cgroup(CgroupWeights),
 }
 
-/// `journal`: where `kvm-qemu` writes the undo of each change before making it.
-pub fn for_name(
-    kind: BackendKind,
-    weight: WeightKind,
-    journal: Option<Journal>,
-) -> Result<Box<dyn Backend>> {
-    Ok(match kind {
+/// The backend `cfg` asks for; `journal`: where `kvm-qemu` writes the undo of each change
+/// before making it.
+pub fn for_name(cfg: &Config, journal: Option<Journal>) -> Result<Box<dyn Backend>> {
+    Ok(match cfg.backend {
         BackendKind::KvmQemu => Box::new(KvmQemu::new(
-            match weight {
+            match cfg.weight {
                 WeightKind::Cgroup => Share::Cgroup(CgroupWeights::new()?),
                 WeightKind::Nice => Share::Nice,
             },
             journal,
         )),
         BackendKind::Xen => Box::new(Xen::new(Box::new(RealRunner))),
+        BackendKind::Model => Box::new(crate::model::Model::open(&cfg.model_dir, &cfg.vms)?),
         BackendKind::DryRun => Box::new(DryRun),
     })
 }

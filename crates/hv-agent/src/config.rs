@@ -9,6 +9,7 @@ use std::path::{Path, PathBuf};
 
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/vmigrater/hv-agent.toml";
 pub const DEFAULT_STATE_DIR: &str = "/run/vmigrater-hv-agent";
+pub const DEFAULT_MODEL_DIR: &str = "/sys/fs/bpf/vmigrater-host-model";
 
 /// Where the agent serves its status: here, so that the config can check that the path
 /// fits a socket address without depending on the status it describes.
@@ -21,7 +22,7 @@ pub fn status_socket(state_dir: &Path) -> PathBuf {
 pub struct Config {
     /// Credit period.
     pub period_ms: u64,
-    /// `kvm-qemu`, `xen` or `dry-run`.
+    /// `kvm-qemu`, `xen`, `model` or `dry-run`.
     pub backend: BackendKind,
     /// Sustained per-guest rate limit: one report per this interval, bursts of 128 tolerated.
     pub min_report_interval_ms: u64,
@@ -47,6 +48,9 @@ pub struct Config {
     pub observe_kicks: bool,
     /// Where the status socket lives.
     pub state_dir: PathBuf,
+    /// Backend `model`: the bpffs directory where the hard-IRQ testbed pins its host
+    /// scheduler model's maps (`control`, `entities`).
+    pub model_dir: PathBuf,
     pub metrics: MetricsConfig,
     pub libvirt: LibvirtConfig,
     #[serde(rename = "vm")]
@@ -62,6 +66,9 @@ pub enum BackendKind {
     KvmQemu,
     /// Xen credit2 weights through `xl`.
     Xen,
+    /// The hard-IRQ testbed's BPF host scheduler model: weights and boosts in its pinned
+    /// `control` map, modelled vCPUs observed in its `entities` map.
+    Model,
     /// Plans and logs, changes nothing.
     DryRun,
 }
@@ -71,6 +78,7 @@ impl std::fmt::Display for BackendKind {
         f.write_str(match self {
             BackendKind::KvmQemu => "kvm-qemu",
             BackendKind::Xen => "xen",
+            BackendKind::Model => "model",
             BackendKind::DryRun => "dry-run",
         })
     }
@@ -163,6 +171,7 @@ impl Default for Config {
             observe_schedstat: true,
             observe_kicks: true,
             state_dir: DEFAULT_STATE_DIR.into(),
+            model_dir: DEFAULT_MODEL_DIR.into(),
             metrics: MetricsConfig::default(),
             libvirt: LibvirtConfig::default(),
             vms: Vec::new(),
@@ -190,6 +199,9 @@ pub struct VmConfig {
     pub host_cpus: Vec<usize>,
     /// Xen domain name or id (xen backend).
     pub domain: Option<String>,
+    /// This VM is the testbed model's slot S on every modelled CPU, its vCPU n on CPU n
+    /// (only with backend `model`; slot 0 is the testbed's own guest).
+    pub model_slot: Option<u32>,
 }
 
 impl Config {
@@ -214,6 +226,7 @@ impl Config {
         in_range("io_boost_nice", self.io_boost_nice, 0, 19)?;
         control::socket_path_fits("state_dir", &status_socket(&self.state_dir))?;
         let mut names = std::collections::HashSet::new();
+        let mut slots = std::collections::HashMap::new();
         for vm in &self.vms {
             if !names.insert(&vm.name) {
                 return Err(Invalid::new(
@@ -221,15 +234,17 @@ impl Config {
                     format!("vm {:?} is configured twice", vm.name),
                 ));
             }
+            self.validate_model_slot(vm, &mut slots)?;
             if vm.qmp_socket.is_none()
                 && vm.pid_file.is_none()
                 && vm.vcpu_threads.is_empty()
                 && vm.domain.is_none()
+                && vm.model_slot.is_none()
             {
                 return Err(Invalid::new(
                     "vm",
                     format!(
-                        "vm {:?}: give qmp_socket, pid_file, vcpu_threads or domain",
+                        "vm {:?}: give qmp_socket, pid_file, vcpu_threads, domain or model_slot",
                         vm.name
                     ),
                 ));
@@ -256,6 +271,61 @@ impl Config {
                     ),
                 ));
             }
+        }
+        Ok(())
+    }
+
+    /// A modelled VM's vCPUs are the model's entities, found by slot: nothing else may
+    /// name them, and no two VMs may claim the same ones.
+    fn validate_model_slot<'a>(
+        &self,
+        vm: &'a VmConfig,
+        slots: &mut std::collections::HashMap<u32, &'a str>,
+    ) -> std::result::Result<(), Invalid> {
+        const KEY: &str = "vm.model_slot";
+        let Some(slot) = vm.model_slot else {
+            return Ok(());
+        };
+        let name = &vm.name;
+        if self.backend != BackendKind::Model {
+            return Err(Invalid::new(
+                KEY,
+                format!(
+                    "vm {name:?}: model_slot needs backend = \"model\" (backend is {:?})",
+                    self.backend.to_string()
+                ),
+            ));
+        }
+        if slot >= crate::model::MAX_SLOTS {
+            return Err(Invalid::new(
+                KEY,
+                format!(
+                    "vm {name:?}: model_slot = {slot} is outside 0..={}",
+                    crate::model::MAX_SLOTS - 1
+                ),
+            ));
+        }
+        if let Some(other) = slots.insert(slot, name) {
+            return Err(Invalid::new(
+                KEY,
+                format!("vm {name:?}: model_slot = {slot} is vm {other:?}'s already"),
+            ));
+        }
+        let others = [
+            ("vcpu_threads", !vm.vcpu_threads.is_empty()),
+            ("qmp_socket", vm.qmp_socket.is_some()),
+            ("pid_file", vm.pid_file.is_some()),
+            ("host_cpus", !vm.host_cpus.is_empty()),
+            ("domain", vm.domain.is_some()),
+        ];
+        if let Some((key, _)) = others.iter().find(|(_, given)| *given) {
+            return Err(Invalid::new(
+                KEY,
+                format!(
+                    "vm {name:?}: model_slot and {key} both given: a modelled VM's vCPUs are \
+                     the model's entities (vCPU n on model CPU n), it has no threads"
+                ),
+            ));
         }
         Ok(())
     }
@@ -335,6 +405,74 @@ mod tests {
     }
 
     #[test]
+    fn modelled_vms_are_checked_naming_the_key() {
+        let vm = |name: &str, extra: &str| format!("\n[[vm]]\nname = {name:?}\n{extra}");
+        let ok = format!(
+            "backend = \"model\"\nmodel_dir = \"/sys/fs/bpf/hm\"\n{}{}",
+            vm("guest", "hint_socket = \"/run/g.sock\"\nmodel_slot = 0\n"),
+            vm("other", "model_slot = 7\n")
+        );
+        let c = Config::parse(&ok, "t").unwrap();
+        assert_eq!(c.backend, BackendKind::Model);
+        assert_eq!(c.backend.to_string(), "model");
+        assert_eq!(c.model_dir, PathBuf::from("/sys/fs/bpf/hm"));
+        assert_eq!(
+            c.vms.iter().map(|v| v.model_slot).collect::<Vec<_>>(),
+            [Some(0), Some(7)]
+        );
+        assert_eq!(
+            Config::default().model_dir,
+            PathBuf::from("/sys/fs/bpf/vmigrater-host-model")
+        );
+        let refused = |text: String, want: &str| {
+            let e = match Config::parse(&text, "a.toml") {
+                Ok(_) => panic!("accepted:\n{text}"),
+                Err(e) => format!("{e:#}"),
+            };
+            assert!(e.starts_with("a.toml:"), "{e}");
+            assert!(e.contains("model_slot") && e.contains(want), "{e}");
+        };
+        refused(
+            vm("a", "model_slot = 0\n"),
+            "model_slot needs backend = \"model\" (backend is \"kvm-qemu\")",
+        );
+        refused(
+            format!("backend = \"model\"\n{}", vm("a", "model_slot = 8\n")),
+            "model_slot = 8 is outside 0..=7",
+        );
+        refused(
+            format!(
+                "backend = \"model\"\n{}{}",
+                vm("a", "model_slot = 1\n"),
+                vm("b", "model_slot = 1\n")
+            ),
+            "vm \"b\": model_slot = 1 is vm \"a\"'s already",
+        );
+        for (key, value) in [
+            ("vcpu_threads", "[1]"),
+            ("qmp_socket", "\"/run/q\""),
+            ("pid_file", "\"/run/q.pid\""),
+            ("host_cpus", "[0]"),
+            ("domain", "\"d\""),
+        ] {
+            refused(
+                format!(
+                    "backend = \"model\"\n{}",
+                    vm("a", &format!("model_slot = 0\n{key} = {value}\n"))
+                ),
+                &format!("model_slot and {key} both given"),
+            );
+        }
+        // Negative or non-integer slots fail as TOML types, naming the line.
+        let e = Config::parse(
+            &format!("backend = \"model\"\n{}", vm("a", "model_slot = -1\n")),
+            "a.toml",
+        )
+        .unwrap_err();
+        assert!(format!("{e:#}").starts_with("a.toml:5:"), "{e:#}");
+    }
+
+    #[test]
     fn errors_name_the_line() {
         // Typed modes: a bad value fails at parse time with its line and the valid ones.
         let e = format!(
@@ -342,7 +480,7 @@ mod tests {
             Config::parse("period_ms = 100\nbackend = \"kvm\"\n", "t").unwrap_err()
         );
         assert!(
-            e.starts_with("t:2:") && e.contains("`kvm-qemu`, `xen`, `dry-run`"),
+            e.starts_with("t:2:") && e.contains("`kvm-qemu`, `xen`, `model`, `dry-run`"),
             "{e}"
         );
         let e = format!(

@@ -79,6 +79,7 @@ pub fn libvirt_vms(channel_dir: &Path, pid_dir: &Path) -> Vec<VmConfig> {
                 vcpu_threads: Vec::new(),
                 host_cpus: Vec::new(),
                 domain: None,
+                model_slot: None,
             })
         })
         .collect();

@@ -3,7 +3,8 @@
 use anyhow::{Context, Result};
 use clap::{CommandFactory, Parser, Subcommand};
 use hv_agent::agent::Agent;
-use hv_agent::config::{Config, DEFAULT_CONFIG_PATH};
+use hv_agent::backend::Backend as _;
+use hv_agent::config::{BackendKind, Config, DEFAULT_CONFIG_PATH};
 use hv_agent::status::AgentStatus;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -75,7 +76,7 @@ fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()>
             let load = move || {
                 let mut cfg = Config::load(&path, explicit)?;
                 if dry_run {
-                    cfg.backend = hv_agent::config::BackendKind::DryRun;
+                    cfg.backend = BackendKind::DryRun;
                 }
                 Ok(cfg)
             };
@@ -119,12 +120,24 @@ fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()>
                                 "no cpu controller mounted (weight = \"cgroup\" unusable)".into(),
                         }
                     );
+                    // The agent does not start without the model's maps: say whether they
+                    // are there and what each modelled VM has in them.
+                    let model = (cfg.backend == BackendKind::Model)
+                        .then(|| hv_agent::model::Model::open(&cfg.model_dir, &cfg.vms));
+                    match &model {
+                        Some(Ok(_)) => {
+                            println!("model:    maps pinned at {}", cfg.model_dir.display())
+                        }
+                        Some(Err(e)) => println!("model:    {e:#}"),
+                        None => {}
+                    }
                     for vm in &cfg.vms {
-                        println!(
-                            "vm {}:    {}",
-                            vm.name,
-                            hv_agent::agent::describe_threads(vm)
-                        );
+                        let mut what = hv_agent::agent::describe_threads(vm);
+                        if let (Some(Ok(m)), Some(_)) = (&model, vm.model_slot) {
+                            let n = m.vcpus(vm).unwrap_or(0);
+                            what = format!("{what}; {n} vCPU(s) modelled now");
+                        }
+                        println!("vm {}:    {what}", vm.name);
                     }
                     if cfg.libvirt.enabled {
                         for vm in hv_agent::discovery::libvirt_vms(

@@ -17,7 +17,8 @@ pub use crate::config::status_socket as socket_path;
 pub enum Source {
     /// The guest's `report` (vmigrater in the guest).
     Guest,
-    /// Host-side wake-ups of the vCPU thread (`/proc/<tid>/status`).
+    /// Host-side wake-ups of the vCPU thread (`/proc/<tid>/status`), or of a modelled vCPU
+    /// (the host model's entity).
     Schedstat,
     /// Host-side device kicks of the vCPU thread above its VM's quietest vCPU
     /// (`/proc/<tid>/io` writes; see `observe`).

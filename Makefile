@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-detection bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-host bench-detection bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
 
 setup:
 	@scripts/setup.sh
@@ -57,6 +57,15 @@ bench: bench-micro bench-contention
 bench-steal: build
 	$(CARGO) bench -p vmigrater-testbed --bench steal -- $(STEAL_ARGS)
 	cp target/bench/steal.json target/bench/steal.png benches/results/
+
+# The host scheduler in the loop (root; ~80 min with the defaults: 6 cells (fair and credit
+# policies, 2, 3 and 4 vCPUs per CPU) x 7 modes x 8 reps x ~14 s): bpf/hostmodel.bpf.c
+# decides online who holds each CPU, the agent drives it through its `model` backend, the
+# steal governor is a baseline. JSON in target/bench/, copied to benches/results/. Shorter:
+# make bench-host HOST_ARGS="--reps 2 --secs 4 --cells fair:2 --modes vanilla,agent".
+bench-host: build
+	$(CARGO) bench -p vmigrater-testbed --bench host -- $(HOST_ARGS)
+	cp target/bench/host.json benches/results/host.json
 
 # The same deschedules on a disk whose requests complete on the submitting vCPU (a loop
 # device over memory, rq_affinity = 2: the geometry of a queue per vCPU), 4 KiB reads,
@@ -131,6 +140,8 @@ bench-smoke: lab-setup apps-setup
 		--io-warmup-ms 200 --only none,anti --workloads rand4k --modes vanilla,vmigrater,pinned \
 		--out $(CURDIR)/target/bench-smoke
 	VMIGRATER_BENCH_DIR=$(CURDIR)/target/bench-smoke $(CARGO) bench -p vmigrater-testbed --bench detection -- --rounds 1 --secs 1
+	$(CARGO) bench -p vmigrater-testbed --bench host -- --reps 1 --secs 1 --warmup-secs 1 \
+		--cells fair:2 --modes vanilla,both,governor,liar --out $(CURDIR)/target/bench-smoke
 	$(CARGO) bench -p vmigrater-testbed --bench apps -- --reps 1 --secs 2 --warmup-secs 1 \
 		--only none,anti --apps pg_select_c1,nginx_c4,backup --modes vanilla,vmigrater,pinned_all,sched_oracle \
 		--out $(CURDIR)/target/bench-smoke

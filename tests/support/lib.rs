@@ -7,6 +7,7 @@ pub mod apps;
 pub mod backoff;
 pub mod completion;
 pub mod daemon;
+pub mod governor;
 pub mod host;
 pub mod loopdisk;
 pub mod oracle;

@@ -1,0 +1,664 @@
+//! The host scheduler in the loop (`make bench-host`, root): the guest workload of
+//! `vmigrater-workload` (a 4 KiB random O_DIRECT reader on a file of the root disk and a CPU
+//! hog pinned on every CPU) while bpf/hostmodel.bpf.c shares each CPU between our vCPU and
+//! the vCPUs of k - 1 other VMs under a fair (KVM-like) or credit (Xen-like) policy decided
+//! online. For every policy × k, every mode runs once per repetition, in an order rotated
+//! each repetition:
+//!
+//! - `vanilla`: Linux alone, no agent;
+//! - `vmigrater`: the release daemon, default configuration (no host channel);
+//! - `agent`: `vmigrater-hv-agent` with its `model` backend driving the model's weights
+//!   every period, fed by the guest daemon's reports over the real wire protocol (a pty
+//!   stands in for the virtio-serial port) with the daemon in `--dry-run` (it reports and
+//!   moves nothing): the host half alone;
+//! - `both`: the daemon moving tasks and reporting, and the agent;
+//! - `governor`: Linux's steal governor, emulated (tests/support/governor.rs) on the
+//!   steal the model publishes for our vCPUs, over the workload's threads;
+//! - `pinned`: the reader pinned to the disk's completion CPU (the open-loop testbed's
+//!   oracle, kept as a reference point);
+//! - `liar`: the agent, fed by a hostile guest that claims maximal I/O on every vCPU every
+//!   25 ms: its guest share against vanilla says whether claiming I/O buys CPU.
+//!
+//! Each run reports the guest's throughput beside the other VMs' work (their CPU time in
+//! the model over the workload's run, all CPUs): what we gain and what the others pay.
+//! Writes `host.json` (raw runs, per-cell medians, ratios with 95% bootstrap intervals,
+//! paired ratios) in the output directory and prints a table.
+//!
+//! Flags (after `--`): --reps N (8), --secs S (10), --warmup-secs S (3), --io-warmup-ms MS
+//! (0: from the first request), --cells LIST (policy:k, default
+//! fair:2,fair:3,fair:4,credit:2,credit:3,credit:4), --modes LIST, --duty PERIOD_MS:ON_MS
+//! (the other VMs compute ON of every PERIOD; default CPU-bound), --out DIR (default
+//! `$VMIGRATER_BENCH_DIR` or target/bench).
+
+use anyhow::{Context, Result};
+use irq_steal::host::{Duty, HostConfig, HostModel, Policy};
+use os_layer::time::{monotonic_ns, sleep_until};
+use serde_json::{json, Map, Value};
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use vmigrater_testbed::completion::CompletionMap;
+use vmigrater_testbed::daemon::BenchDaemon;
+use vmigrater_testbed::governor::{GovernorConfig, GovernorRun};
+use vmigrater_testbed::stats::{self, Estimate};
+use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
+
+const MODES: [&str; 7] = [
+    "vanilla",
+    "vmigrater",
+    "agent",
+    "both",
+    "governor",
+    "pinned",
+    "liar",
+];
+const CELLS: &str = "fair:2,fair:3,fair:4,credit:2,credit:3,credit:4";
+const FILE_SIZE: u64 = 1 << 30;
+/// The agent's credit period: its default.
+const AGENT_PERIOD_MS: u64 = 100;
+
+struct Settings {
+    reps: usize,
+    secs: f64,
+    warmup: Duration,
+    io_warmup: Duration,
+    cells: Vec<(Policy, usize)>,
+    modes: Vec<&'static str>,
+    duty: Option<Duty>,
+    out: PathBuf,
+}
+
+fn list(v: &str) -> Vec<String> {
+    v.split(',')
+        .map(|s| s.trim().to_string())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn parse_cells(v: &str) -> Result<Vec<(Policy, usize)>> {
+    list(v)
+        .iter()
+        .map(|c| {
+            let (p, k) = c
+                .split_once(':')
+                .with_context(|| format!("--cells: {c:?} is not policy:k (e.g. fair:2)"))?;
+            Ok((
+                p.parse()?,
+                k.parse()
+                    .with_context(|| format!("--cells: k of {c:?} is not a number"))?,
+            ))
+        })
+        .collect()
+}
+
+fn parse_args() -> Result<Settings> {
+    let mut s = Settings {
+        reps: 8,
+        secs: 10.0,
+        warmup: Duration::from_secs(3),
+        io_warmup: Duration::ZERO,
+        cells: parse_cells(CELLS)?,
+        modes: MODES.to_vec(),
+        duty: None,
+        out: vmigrater_testbed::bench_dir(),
+    };
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let mut val = || args.next().with_context(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--bench" => {}
+            "--reps" => s.reps = val()?.parse::<usize>()?.max(1),
+            "--secs" => s.secs = val()?.parse::<f64>()?.max(0.5),
+            "--warmup-secs" => s.warmup = Duration::from_secs_f64(val()?.parse()?),
+            "--io-warmup-ms" => s.io_warmup = Duration::from_millis(val()?.parse()?),
+            "--cells" => s.cells = parse_cells(&val()?)?,
+            "--modes" => {
+                s.modes = list(&val()?)
+                    .iter()
+                    .map(|m| {
+                        MODES.iter().copied().find(|x| x == m).with_context(|| {
+                            format!("--modes: unknown {m:?}; known: {}", MODES.join(","))
+                        })
+                    })
+                    .collect::<Result<_>>()?
+            }
+            "--duty" => {
+                let v = val()?;
+                let (p, on) = v
+                    .split_once(':')
+                    .with_context(|| format!("--duty: {v:?} is not PERIOD_MS:ON_MS"))?;
+                s.duty = Some(Duty {
+                    period_ns: p.parse::<u64>()? * 1_000_000,
+                    on_ns: on.parse::<u64>()? * 1_000_000,
+                });
+            }
+            "--out" => s.out = val()?.into(),
+            other => anyhow::bail!(
+                "unknown argument {other:?} (see the top of benches/host.rs for the flags)"
+            ),
+        }
+    }
+    Ok(s)
+}
+
+fn f(v: &Value) -> f64 {
+    v.as_f64().unwrap_or(f64::NAN)
+}
+
+/// The host end of our guest's port: the agent connects to a unix socket, the daemon
+/// writes to a pty slave; two threads copy between them, each ending when its side closes.
+struct Port {
+    dir: tempfile::TempDir,
+    listener: UnixListener,
+    slave: PathBuf,
+    master: Option<std::fs::File>,
+}
+
+impl Port {
+    fn open() -> Result<Port> {
+        use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+        use std::os::fd::AsFd;
+        let dir = tempfile::tempdir()?;
+        let listener = UnixListener::bind(dir.path().join("hint.sock"))?;
+        let pty = nix::pty::openpty(None, None).context("openpty")?;
+        let mut raw = tcgetattr(pty.slave.as_fd())?;
+        cfmakeraw(&mut raw);
+        tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw)?;
+        let slave = nix::unistd::ttyname(pty.slave.as_fd())?;
+        Ok(Port {
+            dir,
+            listener,
+            slave,
+            master: Some(std::fs::File::from(pty.master)),
+        })
+    }
+
+    fn socket(&self) -> PathBuf {
+        self.dir.path().join("hint.sock")
+    }
+
+    /// Waits for the agent's connection and starts relaying.
+    fn relay(&mut self) -> Result<()> {
+        let stream = self.accept()?;
+        let mut a = self.master.take().context("relayed twice")?;
+        let mut b = stream;
+        let (mut a2, mut b2) = (a.try_clone()?, b.try_clone()?);
+        std::thread::spawn(move || std::io::copy(&mut a, &mut b));
+        std::thread::spawn(move || std::io::copy(&mut b2, &mut a2));
+        Ok(())
+    }
+
+    /// Plays a hostile guest of `vcpus` vCPUs on the agent's connection until `stop`:
+    /// maximal completions and I/O-bound tasks on every vCPU, every 25 ms; replies drained.
+    fn lie(&mut self, vcpus: usize, stop: Arc<AtomicBool>) -> Result<()> {
+        use std::io::Write;
+        let mut g = self.accept()?;
+        let mut replies = g.try_clone()?;
+        std::thread::spawn(move || std::io::copy(&mut replies, &mut std::io::sink()));
+        std::thread::spawn(move || {
+            let (max, tasks) = (u64::MAX, u32::MAX);
+            let _ = g.write_all(
+                format!(
+                    "{{\"type\":\"hello\",\"version\":1,\"agent\":\"liar\",\"vcpus\":{vcpus}}}\n"
+                )
+                .as_bytes(),
+            );
+            let mut seq = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                seq += 1;
+                let v: Vec<String> = (0..vcpus)
+                    .map(|c| format!("{{\"cpu\":{c},\"io_completions\":{max},\"io_interval_ema_us\":1,\"io_bound_tasks\":{tasks},\"inactive_ratio\":0.0,\"slice_estimate_us\":1000}}"))
+                    .collect();
+                let line = format!(
+                    "{{\"type\":\"report\",\"seq\":{seq},\"period_ms\":25,\"vcpus\":[{}]}}\n",
+                    v.join(",")
+                );
+                if g.write_all(line.as_bytes()).is_err() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(25));
+            }
+        });
+        Ok(())
+    }
+
+    fn accept(&mut self) -> Result<std::os::unix::net::UnixStream> {
+        self.listener.set_nonblocking(true)?;
+        let t0 = Instant::now();
+        let stream = loop {
+            match self.listener.accept() {
+                Ok((s, _)) => break s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    anyhow::ensure!(
+                        t0.elapsed() < Duration::from_secs(10),
+                        "the agent did not connect to {} within 10 s",
+                        self.socket().display()
+                    );
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                Err(e) => return Err(e.into()),
+            }
+        };
+        stream.set_nonblocking(false)?;
+        Ok(stream)
+    }
+}
+
+/// `vmigrater-hv-agent` with the `model` backend on the model pinned at `pin_dir`: our
+/// guest is slot 0 (its port `socket`), the other VMs slots 1..k.
+struct BenchAgent {
+    child: Child,
+    dir: tempfile::TempDir,
+}
+
+impl BenchAgent {
+    fn start(pin_dir: &Path, socket: &Path, k: usize) -> Result<BenchAgent> {
+        let dir = tempfile::tempdir()?;
+        let mut cfg = format!(
+            "period_ms = {AGENT_PERIOD_MS}\nbackend = \"model\"\nmodel_dir = {:?}\nstate_dir = {:?}\n\n\
+             [metrics]\nenabled = false\n\n[libvirt]\nenabled = false\n\n\
+             [[vm]]\nname = \"guest\"\nmodel_slot = 0\nhint_socket = {:?}\n",
+            pin_dir.display().to_string(),
+            dir.path().display().to_string(),
+            socket.display().to_string()
+        );
+        for slot in 1..k {
+            cfg += &format!("\n[[vm]]\nname = \"vm{slot}\"\nmodel_slot = {slot}\n");
+        }
+        let config = dir.path().join("agent.toml");
+        std::fs::write(&config, cfg)?;
+        let child = Command::new(workspace_bin("vmigrater-hv-agent"))
+            .arg("--config")
+            .arg(&config)
+            .args(["--log", "info", "run"])
+            .stderr(std::fs::File::create(dir.path().join("agent.log"))?)
+            .spawn()
+            .context("starting vmigrater-hv-agent")?;
+        Ok(BenchAgent { child, dir })
+    }
+
+    fn status(&self) -> Value {
+        Command::new(workspace_bin("vmigrater-hv-agent"))
+            .arg("--config")
+            .arg(self.dir.path().join("agent.toml"))
+            .args(["status", "--json"])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .and_then(|o| serde_json::from_slice(&o.stdout).ok())
+            .unwrap_or(Value::Null)
+    }
+
+    /// SIGTERM (it restores every weight), wait; its log.
+    fn stop(mut self) -> Result<String> {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(self.child.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        )?;
+        let st = self.child.wait()?;
+        let log = std::fs::read_to_string(self.dir.path().join("agent.log")).unwrap_or_default();
+        anyhow::ensure!(st.success(), "the agent exited with {st}: {log}");
+        Ok(log)
+    }
+}
+
+impl Drop for BenchAgent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The agent's last weights per (VM, vCPU), from its status.
+fn agent_weights(status: &Value) -> Value {
+    let vms = status["vms"].as_array().cloned().unwrap_or_default();
+    vms.iter()
+        .map(|vm| {
+            json!({
+                "vm": vm["name"],
+                "reports": vm["reports"],
+                "rejected": vm["rejected"],
+                "weights": vm["vcpus"].as_array().map(|v| v.iter().map(|c| c["weight"].clone()).collect::<Vec<_>>()),
+                "carries_io": vm["vcpus"].as_array().map(|v| v.iter().map(|c| c["carries_io"].clone()).collect::<Vec<_>>()),
+            })
+        })
+        .collect()
+}
+
+fn run_once(
+    policy: Policy,
+    k: usize,
+    mode: &str,
+    file: &Path,
+    completion: Option<usize>,
+    s: &Settings,
+    tag: &str,
+) -> Result<Value> {
+    let cpus: Vec<usize> = (0..ncpus()).collect();
+    let mut cfg = HostConfig::new(policy, k, cpus.clone());
+    cfg.duty = s.duty;
+    cfg.pin_dir = format!("/sys/fs/bpf/vmigrater-bench-host-{tag}").into();
+    let model = HostModel::start(&cfg).context("starting the host model")?;
+    let reader = model.reader()?;
+    let start_ns = model.start_ns();
+    let port = matches!(mode, "agent" | "both" | "liar")
+        .then(Port::open)
+        .transpose()?;
+    let daemon_config =
+        |port: &Port| format!("[channel]\npath = {:?}\n", port.slave.display().to_string());
+    let (daemon, agent) = match (mode, &port) {
+        ("vmigrater", _) => (Some(BenchDaemon::start("", &[])?), None),
+        ("agent", Some(p)) => {
+            let agent = BenchAgent::start(&cfg.pin_dir, &p.socket(), k)?;
+            (
+                Some(BenchDaemon::start(&daemon_config(p), &["--dry-run"])?),
+                Some(agent),
+            )
+        }
+        ("both", Some(p)) => {
+            let agent = BenchAgent::start(&cfg.pin_dir, &p.socket(), k)?;
+            (
+                Some(BenchDaemon::start(&daemon_config(p), &[])?),
+                Some(agent),
+            )
+        }
+        ("liar", Some(p)) => (None, Some(BenchAgent::start(&cfg.pin_dir, &p.socket(), k)?)),
+        _ => (None, None),
+    };
+    let stop_lying = Arc::new(AtomicBool::new(false));
+    if let Some(mut p) = port {
+        if mode == "liar" {
+            p.lie(cpus.len(), stop_lying.clone())?;
+        } else {
+            p.relay()?;
+        }
+        // The port's ends live in the relay threads from here.
+        drop(p.listener);
+        std::mem::forget(p.dir);
+    }
+    // The governor watches from the start, as the kernel's does from boot; it governs the
+    // workload's threads once it exists.
+    let pids: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let governor = (mode == "governor")
+        .then(|| {
+            let steal_reader = model.reader()?;
+            let pids = pids.clone();
+            GovernorRun::start_with(
+                GovernorConfig::default(),
+                move || pids.lock().unwrap().clone(),
+                move || steal_reader.guest_steal_ns(),
+            )
+            .context("starting the steal governor")
+        })
+        .transpose()?;
+    sleep_until(start_ns + s.warmup.as_nanos() as u64);
+
+    let workload_ms = (s.io_warmup + Duration::from_secs_f64(s.secs)).as_millis() as u64;
+    let mut cmd = Command::new(workspace_bin("vmigrater-workload"));
+    cmd.arg("--file")
+        .arg(file)
+        .args(["--pattern", "random4k", "--readers", "1", "--hogs"])
+        .arg(cpus.len().to_string())
+        .args(["--pin-hogs", "--warmup-ms"])
+        .arg(s.io_warmup.as_millis().to_string())
+        .arg("--duration-ms")
+        .arg(workload_ms.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if mode == "pinned" {
+        cmd.arg("--pin").arg(
+            completion
+                .context("pinned needs the completion CPU")?
+                .to_string(),
+        );
+    }
+    let others0 = reader.others_run_ns();
+    let t0 = monotonic_ns();
+    let child = cmd.spawn().context("starting vmigrater-workload")?;
+    pids.lock().unwrap().push(child.id());
+    let out = child
+        .wait_with_output()
+        .context("waiting for vmigrater-workload")?;
+    let t1 = monotonic_ns();
+    let others1 = reader.others_run_ns();
+    anyhow::ensure!(
+        out.status.success(),
+        "vmigrater-workload failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let w: Value = serde_json::from_slice(&out.stdout).context("parsing the workload's JSON")?;
+    let agent_status = agent.as_ref().map(BenchAgent::status);
+    stop_lying.store(true, Ordering::Relaxed);
+    let governor_record = governor.map(GovernorRun::stop);
+    let daemon_json = match daemon {
+        Some(d) => {
+            let st = d.status();
+            let log = d.stop()?;
+            json!({
+                "migrations": st.as_ref().map(|s| s["migrations"].clone()),
+                "channel_reports_sent": st.as_ref().map(|s| s["channel_reports_sent"].clone()),
+                "managed": log.lines().filter(|l| l.contains("managing it")).count(),
+                "guard_holds": log.lines().filter(|l| l.contains("pays=false")).count(),
+            })
+        }
+        None => Value::Null,
+    };
+    let agent_json = match agent {
+        Some(a) => {
+            let log = a.stop()?;
+            json!({
+                "status": agent_status.as_ref().map(agent_weights),
+                "restored": log.contains("restored every scheduling change"),
+            })
+        }
+        None => Value::Null,
+    };
+    let report = model.stop().context("stopping the host model")?;
+    let elapsed = f(&w["elapsed_s"]);
+    let readers = w["readers"].as_array().cloned().unwrap_or_default();
+    let ops: f64 = readers.iter().map(|r| f(&r["ops"])).sum();
+    let hog_units: f64 = w["hogs"]
+        .as_array()
+        .map_or(0.0, |h| h.iter().map(|h| f(&h["units"])).sum());
+    let window_s = (t1 - t0) as f64 / 1e9;
+    Ok(json!({
+        "mode": mode,
+        "iops": ops / elapsed,
+        "elapsed_s": elapsed,
+        "p99_us": readers.iter().map(|r| f(&r["p99_us"])).filter(|x| x.is_finite()).reduce(f64::max),
+        "hog_units_per_s": hog_units / elapsed,
+        // The other VMs' CPU time per second of the workload's run, over all CPUs.
+        "others_cpu_per_s": (others1 - others0) as f64 / 1e9 / window_s,
+        "guest_share": report.guest_share(),
+        "reader_last_cpu": readers.iter().map(|r| r["last_cpu"].clone()).collect::<Vec<_>>(),
+        "daemon": daemon_json,
+        "agent": agent_json,
+        "governor": governor_record,
+        "model": report,
+    }))
+}
+
+fn est(e: Option<Estimate>) -> Value {
+    e.map_or(Value::Null, |e| json!(e))
+}
+
+fn summarise(runs: &[Value], modes: &[&str]) -> Value {
+    let vals = |mode: &str, key: &str| -> Vec<f64> {
+        runs.iter()
+            .filter(|r| r["mode"] == mode)
+            .map(|r| f(&r[key]))
+            .collect()
+    };
+    let paired = |a: &str, b: &str, key: &str| -> Option<Estimate> {
+        let by_rep = |m: &str| -> Map<String, Value> {
+            runs.iter()
+                .filter(|r| r["mode"] == m)
+                .map(|r| (r["rep"].to_string(), r[key].clone()))
+                .collect()
+        };
+        let (ma, mb) = (by_rep(a), by_rep(b));
+        let pairs: Vec<(f64, f64)> = ma
+            .iter()
+            .filter_map(|(rep, x)| Some((f(x), f(mb.get(rep)?))))
+            .collect();
+        stats::paired_ratio(&pairs)
+    };
+    let mut per_mode = Map::new();
+    for &m in modes {
+        let v = vals(m, "iops");
+        let o = vals(m, "others_cpu_per_s");
+        let mut e = json!({
+            "iops_runs": v,
+            "iops_median": stats::median(&v),
+            "iops_worst": v.iter().copied().reduce(f64::min),
+            "others_cpu_per_s_median": stats::median(&o),
+            "guest_share_median": stats::median(&vals(m, "guest_share")),
+            "hog_units_per_s_median": stats::median(&vals(m, "hog_units_per_s")),
+        });
+        for base in ["vanilla", "pinned", "governor"] {
+            if m == base || !modes.contains(&base) {
+                continue;
+            }
+            e[format!("vs_{base}")] = est(stats::ratio_of_medians(&v, &vals(base, "iops")));
+            e[format!("paired_vs_{base}")] = est(paired(m, base, "iops"));
+            e[format!("others_vs_{base}")] =
+                est(stats::ratio_of_medians(&o, &vals(base, "others_cpu_per_s")));
+        }
+        per_mode.insert(m.to_string(), e);
+    }
+    json!({ "modes": per_mode })
+}
+
+fn fmt_est(e: &Value) -> String {
+    if e.is_null() {
+        return "-".into();
+    }
+    format!(
+        "{:.2} [{:.2},{:.2}]",
+        f(&e["value"]),
+        f(&e["lo"]),
+        f(&e["hi"])
+    )
+}
+
+fn print_table(cells: &Map<String, Value>, modes: &[&str]) {
+    println!(
+        "\nhost scheduler in the loop: guest 4 KiB reads (IOPS, median), ratio of medians to \
+         vanilla [95% bootstrap], paired ratio, the other VMs' CPU time against vanilla"
+    );
+    println!(
+        "{:<9} {:<10} {:>9} {:>20} {:>20} {:>20}",
+        "cell", "mode", "IOPS", "vs vanilla", "paired", "others vs vanilla"
+    );
+    for (cell, c) in cells {
+        for &m in modes {
+            let e = &c["modes"][m];
+            println!(
+                "{:<9} {:<10} {:>9.0} {:>20} {:>20} {:>20}",
+                cell,
+                m,
+                f(&e["iops_median"]),
+                fmt_est(&e["vs_vanilla"]),
+                fmt_est(&e["paired_vs_vanilla"]),
+                fmt_est(&e["others_vs_vanilla"]),
+            );
+        }
+    }
+}
+
+fn main() -> Result<()> {
+    if !require_root("host-scheduler-in-the-loop benchmark") {
+        return Ok(());
+    }
+    let s = parse_args()?;
+    anyhow::ensure!(ncpus() >= 2, "the host benchmark needs at least 2 CPUs");
+    std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
+    let file = s.out.join("host-data.bin");
+    workload::prepare_file(&file, FILE_SIZE)?;
+    let map = CompletionMap::for_file(&file);
+    let completion = map.as_ref().ok().and_then(|m| m.cpus().first().copied());
+    let modes: Vec<&str> = s
+        .modes
+        .iter()
+        .copied()
+        .filter(|m| *m != "pinned" || completion.is_some())
+        .collect();
+    let per_run = s.warmup.as_secs_f64() + s.io_warmup.as_secs_f64() + s.secs + 1.5;
+    eprintln!(
+        "host benchmark: {} cells × {} modes × {} reps, ~{:.0} min; completion CPU {completion:?}",
+        s.cells.len(),
+        modes.len(),
+        s.reps,
+        (s.cells.len() * modes.len() * s.reps) as f64 * per_run / 60.0
+    );
+    let tag = std::process::id().to_string();
+    let mut raw = Vec::new();
+    let mut cells = Map::new();
+    for &(policy, k) in &s.cells {
+        let name = format!("{policy}:{k}");
+        let mut runs = Vec::new();
+        for rep in 0..s.reps {
+            for i in 0..modes.len() {
+                let mode = modes[(i + rep) % modes.len()];
+                let mut v = run_once(policy, k, mode, &file, completion, &s, &tag)
+                    .with_context(|| format!("{name} rep {rep} {mode}"))?;
+                v["cell"] = json!(name);
+                v["rep"] = json!(rep);
+                v["order"] = json!(i);
+                eprintln!(
+                    "{name:<9} rep {rep} {mode:<9} {:>8.0} IOPS  others {:.3} CPU/s  guest share {:.3}{}",
+                    f(&v["iops"]),
+                    f(&v["others_cpu_per_s"]),
+                    f(&v["guest_share"]),
+                    match &v["governor"]["decisions"] {
+                        Value::Array(d) => format!(
+                            "  preferred {:?}",
+                            d.last().map(|x| x["preferred"].clone()).unwrap_or_default()
+                        ),
+                        _ => String::new(),
+                    }
+                );
+                runs.push(v);
+            }
+        }
+        cells.insert(name, summarise(&runs, &modes));
+        raw.extend(runs);
+    }
+    let report = json!({
+        "benchmark": "host",
+        "commit": vmigrater_testbed::commit(),
+        "daemon_build": vmigrater_testbed::daemon_build(&workspace_bin("vmigrater")),
+        "command": std::env::args().collect::<Vec<_>>(),
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "cpu_model": std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().lines().find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())),
+        "setup": {
+            "cpus": ncpus(),
+            "host": "bpf/hostmodel.bpf.c: per CPU our vCPU and k - 1 other VMs' vCPUs, decided online by the policy; a halted vCPU gives its CPU away, its interrupt wakes it",
+            "accounting": "the out time is charged to the guest task interrupted (no steal accounting in this kernel)",
+            "steal_for_governor": "the model's per-vCPU out time (entities[cpu][0].wait_ns), not /proc/stat, which does not see the model",
+            "governor_scope": "the workload's threads (the reader and the pinned hogs), not every task of the machine",
+            "duty": s.duty,
+            "workload": "one 4 KiB random O_DIRECT reader (QD1) and a CPU hog pinned on every CPU",
+            "file": file.display().to_string(),
+            "completion_cpu": completion,
+            "reps": s.reps,
+            "seconds_per_run": s.secs,
+            "daemon_warmup_s": s.warmup.as_secs_f64(),
+            "io_warmup_ms": s.io_warmup.as_millis() as u64,
+            "agent_period_ms": AGENT_PERIOD_MS,
+            "modes": modes,
+            "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
+        },
+        "cells": cells,
+        "runs": raw,
+    });
+    let path = s.out.join("host.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
+    print_table(&cells, &modes);
+    println!("\nwrote {}", path.display());
+    Ok(())
+}

@@ -18,9 +18,11 @@ use std::time::{Duration, Instant};
 use tracing::{debug, info, warn};
 
 use crate::backend::{self, Backend};
-use crate::config::{Config, VmConfig};
+use crate::cgroup::CgroupWeights;
+use crate::config::{BackendKind, Config, VmConfig, WeightKind};
 use crate::discovery;
 use crate::guest::{self, GuestState};
+use crate::journal::Journal;
 use crate::observe::{self, ThreadSample, WakeupEma};
 use crate::placement::{self, Placed};
 use crate::status::{AgentStatus, Source, VcpuStatus, VmStatus};
@@ -244,9 +246,9 @@ impl Agent {
             ),
             Err(e) => warn!("journal: {e:#}"),
         }
-        let journal = (cfg.backend == crate::config::BackendKind::KvmQemu)
+        let journal = (cfg.backend == BackendKind::KvmQemu)
             .then(|| crate::journal::Journal::new(journal_path));
-        let backend = backend::for_name(&cfg, journal)?;
+        let backend = backend_for(&cfg, journal)?;
         let params = CreditParams {
             period_ns: cfg.period_ms * 1_000_000,
             ..CreditParams::default()
@@ -690,6 +692,24 @@ impl Agent {
             vm.shut();
         }
     }
+}
+
+/// The backend `cfg` asks for (here, not in `backend`, which the model backend builds on);
+/// `journal`: where `kvm-qemu` writes the undo of each change
+/// before making it.
+pub(crate) fn backend_for(cfg: &Config, journal: Option<Journal>) -> Result<Box<dyn Backend>> {
+    Ok(match cfg.backend {
+        BackendKind::KvmQemu => Box::new(backend::KvmQemu::new(
+            match cfg.weight {
+                WeightKind::Cgroup => backend::Share::Cgroup(CgroupWeights::new()?),
+                WeightKind::Nice => backend::Share::Nice,
+            },
+            journal,
+        )),
+        BackendKind::Xen => Box::new(backend::Xen::new(Box::new(backend::RealRunner))),
+        BackendKind::Model => Box::new(crate::model::Model::open(&cfg.model_dir, &cfg.vms)?),
+        BackendKind::DryRun => Box::new(backend::DryRun),
+    })
 }
 
 /// The agent's threads' ids, for `check`: what each VM resolves to right now.

@@ -16,7 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use tracing::{debug, info, warn};
 
 use crate::cgroup::CgroupWeights;
-use crate::config::{BackendKind, Config, VmConfig, WeightKind};
+use crate::config::VmConfig;
 use crate::journal::Journal;
 use crate::observe::ThreadSample;
 use crate::weights::Setting;
@@ -61,23 +61,6 @@ pub trait Backend: Send {
 pub enum Share {
     Nice,
     Cgroup(CgroupWeights),
-}
-
-/// The backend `cfg` asks for; `journal`: where `kvm-qemu` writes the undo of each change
-/// before making it.
-pub fn for_name(cfg: &Config, journal: Option<Journal>) -> Result<Box<dyn Backend>> {
-    Ok(match cfg.backend {
-        BackendKind::KvmQemu => Box::new(KvmQemu::new(
-            match cfg.weight {
-                WeightKind::Cgroup => Share::Cgroup(CgroupWeights::new()?),
-                WeightKind::Nice => Share::Nice,
-            },
-            journal,
-        )),
-        BackendKind::Xen => Box::new(Xen::new(Box::new(RealRunner))),
-        BackendKind::Model => Box::new(crate::model::Model::open(&cfg.model_dir, &cfg.vms)?),
-        BackendKind::DryRun => Box::new(DryRun),
-    })
 }
 
 use os_layer::sched::{get_attr, set_attr};

@@ -10,6 +10,8 @@ use std::path::{Path, PathBuf};
 pub const DEFAULT_CONFIG_PATH: &str = "/etc/vmigrater/hv-agent.toml";
 pub const DEFAULT_STATE_DIR: &str = "/run/vmigrater-hv-agent";
 pub const DEFAULT_MODEL_DIR: &str = "/sys/fs/bpf/vmigrater-host-model";
+/// bpf/hostmodel.h `HM_MAX_SLOTS`: entities per modelled CPU, so `model_slot`s 0..8.
+pub const MODEL_SLOTS: u32 = 8;
 
 /// Where the agent serves its status: here, so that the config can check that the path
 /// fits a socket address without depending on the status it describes.
@@ -296,12 +298,12 @@ impl Config {
                 ),
             ));
         }
-        if slot >= crate::model::MAX_SLOTS {
+        if slot >= MODEL_SLOTS {
             return Err(Invalid::new(
                 KEY,
                 format!(
                     "vm {name:?}: model_slot = {slot} is outside 0..={}",
-                    crate::model::MAX_SLOTS - 1
+                    MODEL_SLOTS - 1
                 ),
             ));
         }

@@ -21,8 +21,7 @@ use crate::config::VmConfig;
 use crate::observe::ThreadSample;
 use crate::weights::Setting;
 
-/// `HM_MAX_SLOTS`: entities per modelled CPU.
-pub const MAX_SLOTS: u32 = 8;
+pub use crate::config::MODEL_SLOTS as MAX_SLOTS;
 /// `HM_MAX_CPUS`.
 pub const MAX_CPUS: u32 = 64;
 /// `HM_DEFAULT_WEIGHT`: a nice-0 thread's CFS weight, which the model also gives an entity

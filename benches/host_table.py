@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Markdown tables of `make bench-host` (benches/host.rs) from its JSON.
+
+usage: host_table.py host.json [--detail]
+
+Without --detail: one row per cell (host policy, vCPUs per CPU): vanilla's median IOPS and
+each mode's ratio of medians to vanilla with its 95% bootstrap interval, then the other
+VMs' CPU time under each mode against vanilla. With --detail: one row per cell and mode,
+with the worst run, the paired ratio and the guest's share of its CPUs.
+"""
+import json
+import sys
+
+MODES = ["vmigrater", "agent", "both", "governor", "pinned", "liar"]
+POLICY = {"fair": "fair (KVM-like)", "credit": "credit (Xen-like)"}
+
+
+def est(e):
+    if not e:
+        return "–"
+    return f"{e['value']:.2f}× [{e['lo']:.2f}, {e['hi']:.2f}]"
+
+
+def cell_name(name):
+    policy, k = name.split(":")
+    return f"{POLICY.get(policy, policy)}, {k}:1"
+
+
+def main():
+    path = sys.argv[1]
+    detail = "--detail" in sys.argv[2:]
+    d = json.load(open(path))
+    modes = [m for m in MODES if m in d["setup"]["modes"]]
+    print(
+        f"<!-- {path}: commit {d['commit']}, kernel {d['kernel']}, "
+        f"{d['setup']['reps']} reps x {d['setup']['seconds_per_run']} s -->"
+    )
+    if detail:
+        print("| cell | mode | IOPS (median) | worst run | vs vanilla | paired vs vanilla "
+              "| others' CPU vs vanilla | guest share |")
+        print("|---|---|---|---|---|---|---|---|")
+        for name, c in d["cells"].items():
+            for m in ["vanilla"] + modes:
+                e = c["modes"][m]
+                print(
+                    f"| {cell_name(name)} | {m} | {e['iops_median']:,.0f} | "
+                    f"{e['iops_worst']:,.0f} | {est(e.get('vs_vanilla'))} | "
+                    f"{est(e.get('paired_vs_vanilla'))} | {est(e.get('others_vs_vanilla'))} | "
+                    f"{e['guest_share_median']:.3f} |"
+                )
+        return
+    head = " | ".join(f"{m} / vanilla" for m in modes)
+    others = " | ".join(f"others' CPU, {m}" for m in modes if m != "pinned")
+    print(f"| host, vCPUs per CPU | vanilla IOPS | {head} | {others} |")
+    print("|---" * (2 + len(modes) + len([m for m in modes if m != 'pinned'])) + "|")
+    for name, c in d["cells"].items():
+        row = [cell_name(name), f"{c['modes']['vanilla']['iops_median']:,.0f}"]
+        row += [est(c["modes"][m].get("vs_vanilla")) for m in modes]
+        row += [
+            est(c["modes"][m].get("others_vs_vanilla")) for m in modes if m != "pinned"
+        ]
+        print("| " + " | ".join(row) + " |")
+
+
+if __name__ == "__main__":
+    main()

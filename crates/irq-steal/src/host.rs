@@ -15,7 +15,8 @@
 //! steal the model publishes (`ModelReader::guest_steal_ns`) is not in `/proc/stat`.
 
 use crate::bpf_skel::hostmodel::{types, HostmodelSkelBuilder};
-use crate::kernel::{answer, make_realtime, open_cpu_clock, ANSWER_WITHIN, HEARTBEAT_EVERY};
+use crate::controlled::{Controlled, Controller};
+use crate::kernel::open_cpu_clock;
 use crate::throttle::ThrottleOff;
 use anyhow::{anyhow, bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
@@ -23,10 +24,6 @@ use libbpf_rs::{MapCore, MapFlags, MapHandle};
 use serde::{Deserialize, Serialize};
 use std::mem::MaybeUninit;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 
 /// bpf/hostmodel.h.
 pub const MAX_CPUS: usize = 64;
@@ -280,10 +277,7 @@ impl HostReport {
 /// A running model.
 pub struct HostModel {
     config: HostConfig,
-    start_ns: u64,
-    stop: Arc<AtomicBool>,
-    alive: Option<JoinHandle<()>>,
-    controller: Option<JoinHandle<Result<HostReport>>>,
+    run: Controlled<HostReport>,
 }
 
 impl HostModel {
@@ -300,50 +294,15 @@ impl HostModel {
             bail!("the host model needs root (BPF, perf events on whole CPUs, bpffs)");
         }
         mount_bpffs(&config.pin_dir)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let last_ran = Arc::new(AtomicU64::new(os_layer::monotonic_ns()));
-        let silenced = Arc::new(AtomicBool::new(false));
-        let alive = {
-            let (stop, last_ran, silenced) = (stop.clone(), last_ran.clone(), silenced.clone());
-            std::thread::Builder::new()
-                .name("host-model-alive".into())
-                .spawn(move || answer(&stop, &silenced, &last_ran))
-                .context("starting the host model's liveness thread")?
-        };
-        let (tx, rx) = sync_channel(1);
-        let controller = {
-            let (config, stop) = (config.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("host-model".into())
-                .spawn(move || controller(&config, &stop, &last_ran, tx))
-                .context("starting the host model's controller thread")?
-        };
-        let mut run = HostModel {
+        let cfg = config.clone();
+        Ok(HostModel {
             config: config.clone(),
-            start_ns: 0,
-            stop,
-            alive: Some(alive),
-            controller: None,
-        };
-        match rx.recv() {
-            Ok(Ok(start_ns)) => {
-                run.start_ns = start_ns;
-                run.controller = Some(controller);
-                Ok(run)
-            }
-            Ok(Err(e)) => {
-                let _ = controller.join();
-                Err(e)
-            }
-            Err(_) => Err(match controller.join() {
-                Ok(Err(e)) => e,
-                _ => anyhow!("the host model's controller thread died while starting"),
-            }),
-        }
+            run: Controlled::start("host-model", move |ctl| controller(&cfg, ctl))?,
+        })
     }
 
     pub fn start_ns(&self) -> u64 {
-        self.start_ns
+        self.run.start_ns()
     }
 
     pub fn config(&self) -> &HostConfig {
@@ -363,30 +322,7 @@ impl HostModel {
 
     /// Detaches, unpins and reports.
     pub fn stop(mut self) -> Result<HostReport> {
-        self.finish()
-    }
-
-    fn finish(&mut self) -> Result<HostReport> {
-        self.stop.store(true, Ordering::Relaxed);
-        let Some(c) = self.controller.take() else {
-            bail!("already stopped");
-        };
-        c.join()
-            .map_err(|_| anyhow!("the host model's controller thread panicked"))?
-    }
-}
-
-impl Drop for HostModel {
-    fn drop(&mut self) {
-        if self.controller.is_some() {
-            if let Err(e) = self.finish() {
-                eprintln!("host model: stopping: {e:#}");
-            }
-        }
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(a) = self.alive.take() {
-            let _ = a.join();
-        }
+        self.run.finish()
     }
 }
 
@@ -439,12 +375,7 @@ fn entity_value(slot: usize, k: usize, t: &Timings) -> Vec<u8> {
     v
 }
 
-fn controller(
-    config: &HostConfig,
-    stop: &AtomicBool,
-    last_ran: &AtomicU64,
-    started: SyncSender<Result<u64>>,
-) -> Result<HostReport> {
+fn controller(config: &HostConfig, ctl: Controller) -> Result<HostReport> {
     let mut storage = MaybeUninit::uninit();
     let mut open = match HostmodelSkelBuilder::default()
         .open(&mut storage)
@@ -452,7 +383,7 @@ fn controller(
     {
         Ok(o) => o,
         Err(e) => {
-            let _ = started.send(Err(e));
+            ctl.started(Err(e));
             return Err(anyhow!("not started"));
         }
     };
@@ -516,12 +447,12 @@ fn controller(
     let (mut skel, pins, throttle, links) = match set_up {
         Ok(x) => x,
         Err(e) => {
-            let _ = started.send(Err(e));
+            ctl.started(Err(e));
             return Err(anyhow!("not started"));
         }
     };
     let Some(bss) = skel.maps.bss_data.as_deref_mut() else {
-        let _ = started.send(Err(anyhow!(
+        ctl.started(Err(anyhow!(
             "the host model's BPF object has no mmapped .bss"
         )));
         return Err(anyhow!("not started"));
@@ -553,27 +484,15 @@ fn controller(
     let heartbeat: *mut u64 = std::ptr::addr_of_mut!(bss.heartbeat_ns);
     let start: *mut u64 = std::ptr::addr_of_mut!(bss.start_ns);
     let cpus: *mut types::hm_cpu = std::ptr::addr_of_mut!(bss.cpus).cast();
-    make_realtime();
+    ctl.make_realtime();
     // SAFETY: both point into the mmapped .bss of the loaded skeleton, alive until return.
     unsafe {
         heartbeat.write_volatile(os_layer::monotonic_ns());
         start.write_volatile(start_ns);
     }
-    let _ = started.send(Ok(start_ns));
-    let mut next = os_layer::monotonic_ns();
-    let mut unanswered = None;
-    while !stop.load(Ordering::Relaxed) {
-        let now = os_layer::monotonic_ns();
-        let silent = now.saturating_sub(last_ran.load(Ordering::Relaxed));
-        if silent > ANSWER_WITHIN.as_nanos() as u64 {
-            unanswered = Some((silent, now.saturating_sub(start_ns)));
-            break;
-        }
-        // SAFETY: as above.
-        unsafe { heartbeat.write_volatile(now) };
-        next += HEARTBEAT_EVERY.as_nanos() as u64;
-        os_layer::sleep_until(next.max(os_layer::monotonic_ns()));
-    }
+    ctl.started(Ok(start_ns));
+    // SAFETY: as above.
+    let unanswered = ctl.keep_beating(start_ns, |now| unsafe { heartbeat.write_volatile(now) });
     let end_ns = os_layer::monotonic_ns();
     drop(links);
     let k = config.vms_per_cpu;

@@ -10,6 +10,7 @@
 
 use crate::absorber::{Absorbers, Accounting, ABSORBER_PRIORITY};
 use crate::bpf_skel::IrqstealSkelBuilder;
+use crate::controlled::{Controlled, Controller};
 use crate::no_idle::NoIdle;
 use crate::plan::{Plan, MAX_WINDOWS_PER_CPU};
 use crate::report::{CpuSteal, StealReport};
@@ -18,10 +19,6 @@ use anyhow::{anyhow, bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags};
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender};
-use std::sync::Arc;
-use std::thread::JoinHandle;
 use std::time::Duration;
 
 /// bpf/irqsteal.h IS_MAX_CPUS.
@@ -90,12 +87,9 @@ pub(crate) fn open_cpu_clock(cpu: usize) -> Result<i32> {
 
 /// A running hard-IRQ stealing run.
 pub struct IrqSteal {
-    start_ns: u64,
-    stop: Arc<AtomicBool>,
+    run: Controlled<StealReport>,
+    /// Dropped after `run`: the spinners end with the run.
     no_idle: Option<NoIdle>,
-    alive: Option<JoinHandle<()>>,
-    silenced: Arc<AtomicBool>,
-    controller: Option<JoinHandle<Result<StealReport>>>,
 }
 
 impl IrqSteal {
@@ -123,52 +117,17 @@ impl IrqSteal {
         }
         let cpus: Vec<usize> = plan.cpus.iter().map(|c| c.cpu).collect();
         let no_idle = NoIdle::start(&cpus)?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let last_ran = Arc::new(AtomicU64::new(os_layer::monotonic_ns()));
-        let silenced = Arc::new(AtomicBool::new(false));
-        let alive = {
-            let (stop, last_ran, silenced) = (stop.clone(), last_ran.clone(), silenced.clone());
-            std::thread::Builder::new()
-                .name("irq-steal-alive".into())
-                .spawn(move || answer(&stop, &silenced, &last_ran))
-                .context("starting the irq-steal liveness thread")?
-        };
-        let (tx, rx) = sync_channel(1);
-        let controller = {
-            let (plan, stop) = (plan.clone(), stop.clone());
-            std::thread::Builder::new()
-                .name("irq-steal".into())
-                .spawn(move || controller(&plan, accounting, &stop, &last_ran, tx))
-                .context("starting the irq-steal controller thread")?
-        };
-        let mut run = IrqSteal {
-            start_ns: 0,
-            stop,
+        let plan = plan.clone();
+        let run = Controlled::start("irq-steal", move |ctl| controller(&plan, accounting, ctl))?;
+        Ok(IrqSteal {
+            run,
             no_idle: Some(no_idle),
-            alive: Some(alive),
-            silenced,
-            controller: None,
-        };
-        match rx.recv() {
-            Ok(Ok(start_ns)) => {
-                run.start_ns = start_ns;
-                run.controller = Some(controller);
-                Ok(run)
-            }
-            Ok(Err(e)) => {
-                let _ = controller.join();
-                Err(e)
-            }
-            Err(_) => Err(match controller.join() {
-                Ok(Err(e)) => e,
-                _ => anyhow!("the irq-steal controller thread died while starting"),
-            }),
-        }
+        })
     }
 
     /// CLOCK_MONOTONIC ns of the plan's t = 0 (the clock of `bpf_ktime_get_ns`).
     pub fn start_ns(&self) -> u64 {
-        self.start_ns
+        self.run.start_ns()
     }
 
     /// Makes the liveness thread stop saying that it ran, as when the machine stops
@@ -177,7 +136,7 @@ impl IrqSteal {
     /// choose).
     #[doc(hidden)]
     pub fn silence_liveness(&self) {
-        self.silenced.store(true, Ordering::Relaxed);
+        self.run.silence();
     }
 
     /// Detaches, restores the sysctl and reports what each CPU stole.
@@ -186,44 +145,10 @@ impl IrqSteal {
     }
 
     fn finish(&mut self) -> Result<StealReport> {
-        self.stop.store(true, Ordering::Relaxed);
-        let Some(c) = self.controller.take() else {
-            bail!("already stopped");
-        };
-        let report = c
-            .join()
-            .map_err(|_| anyhow!("the irq-steal controller thread panicked"))?;
+        let report = self.run.finish();
         // The spinners end with the run.
         self.no_idle = None;
         report
-    }
-}
-
-impl Drop for IrqSteal {
-    fn drop(&mut self) {
-        if self.controller.is_some() {
-            if let Err(e) = self.finish() {
-                eprintln!("irq-steal: stopping: {e:#}");
-            }
-        }
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(a) = self.alive.take() {
-            let _ = a.join();
-        }
-    }
-}
-
-/// The liveness thread: a normal task (SCHED_OTHER, whatever policy the run's starter
-/// has) that says every 10 ms that it ran, until the run stops.
-pub(crate) fn answer(stop: &AtomicBool, silenced: &AtomicBool, last_ran: &AtomicU64) {
-    if let Err(e) = os_layer::sched::set_self_policy(libc::SCHED_OTHER, 0) {
-        eprintln!("irq-steal: the liveness thread keeps its starter's policy ({e})");
-    }
-    while !stop.load(Ordering::Relaxed) {
-        if !silenced.load(Ordering::Relaxed) {
-            last_ran.store(os_layer::monotonic_ns(), Ordering::Relaxed);
-        }
-        std::thread::sleep(Duration::from_millis(10));
     }
 }
 
@@ -239,13 +164,7 @@ pub(crate) fn make_realtime() {
     }
 }
 
-fn controller(
-    plan: &Plan,
-    accounting: Accounting,
-    stop: &AtomicBool,
-    last_ran: &AtomicU64,
-    started: SyncSender<Result<u64>>,
-) -> Result<StealReport> {
+fn controller(plan: &Plan, accounting: Accounting, ctl: Controller) -> Result<StealReport> {
     let mut storage = MaybeUninit::uninit();
     let mut open = match IrqstealSkelBuilder::default()
         .open(&mut storage)
@@ -253,7 +172,7 @@ fn controller(
     {
         Ok(o) => o,
         Err(e) => {
-            let _ = started.send(Err(e));
+            ctl.started(Err(e));
             return Ok(StealReport::default());
         }
     };
@@ -303,7 +222,7 @@ fn controller(
     let (mut skel, throttle, links) = match set_up {
         Ok(x) => x,
         Err(e) => {
-            let _ = started.send(Err(e));
+            ctl.started(Err(e));
             return Ok(StealReport::default());
         }
     };
@@ -321,7 +240,7 @@ fn controller(
         Accounting::Absorbed => match Absorbers::start(plan, start_ns) {
             Ok(a) => Some(a),
             Err(e) => {
-                let _ = started.send(Err(e));
+                ctl.started(Err(e));
                 return Ok(StealReport::default());
             }
         },
@@ -331,7 +250,7 @@ fn controller(
     // that spins (yields) for a send in progress never lets the sender finish. That hung
     // a benchmark for 20 minutes (the controller at priority 2 yielding on CPU 1, the
     // absorber there at priority 1 runnable and never run).
-    make_realtime();
+    ctl.make_realtime();
     for &(cpu, tid) in absorbers.iter().flat_map(|a| a.tids.iter()) {
         // SAFETY: cpu < MAX_CPUS (checked at start); the program reads it at its next
         // sample, and reads 0 (no absorber) until then.
@@ -342,21 +261,9 @@ fn controller(
         heartbeat.write_volatile(os_layer::monotonic_ns());
         start.write_volatile(start_ns);
     }
-    let _ = started.send(Ok(start_ns));
-    let mut next = os_layer::monotonic_ns();
-    let mut unanswered = None;
-    while !stop.load(Ordering::Relaxed) {
-        let now = os_layer::monotonic_ns();
-        let silent = now.saturating_sub(last_ran.load(Ordering::Relaxed));
-        if silent > ANSWER_WITHIN.as_nanos() as u64 {
-            unanswered = Some((silent, now.saturating_sub(start_ns)));
-            break;
-        }
-        // SAFETY: as above.
-        unsafe { heartbeat.write_volatile(now) };
-        next += HEARTBEAT_EVERY.as_nanos() as u64;
-        os_layer::sleep_until(next.max(os_layer::monotonic_ns()));
-    }
+    ctl.started(Ok(start_ns));
+    // SAFETY: as above.
+    let unanswered = ctl.keep_beating(start_ns, |now| unsafe { heartbeat.write_volatile(now) });
     drop(links);
     drop(absorbers);
     let report = StealReport {

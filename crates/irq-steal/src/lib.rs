@@ -17,6 +17,7 @@
 
 pub mod absorber;
 mod bpf_skel;
+mod controlled;
 pub mod host;
 pub mod kernel;
 mod no_idle;

@@ -45,6 +45,7 @@ use vmigrater_testbed::backoff::{self, BackoffLog};
 use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
+use vmigrater_testbed::report::{est, f, fmt_est, list};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{ncpus, require_root, workload};
 
@@ -84,13 +85,6 @@ struct Settings {
     tag: Option<String>,
     parent_bin: Option<PathBuf>,
     accounting: Accounting,
-}
-
-fn list(v: &str) -> Vec<String> {
-    v.split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
 }
 
 fn parse_args() -> Result<Settings> {
@@ -175,10 +169,6 @@ fn parse_args() -> Result<Settings> {
         "--modes: vmigrater_parent needs --parent-bin PATH"
     );
     Ok(s)
-}
-
-fn f(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(f64::NAN)
 }
 
 /// The steal report judged against the plan up to `until_ns` (the run stops the program
@@ -379,10 +369,6 @@ fn run_once(
     }))
 }
 
-fn est(e: Option<Estimate>) -> Value {
-    e.map_or(Value::Null, |e| json!(e))
-}
-
 /// Medians, ratios and spreads of one schedule × application.
 fn summarise(runs: &[Value], modes: &[&str]) -> Value {
     let good: Vec<&Value> = runs.iter().filter(|r| r["steal_ok"] == true).collect();
@@ -462,18 +448,6 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
         per_mode.insert(m.to_string(), e);
     }
     json!({ "best_oracle": best_oracle, "modes": per_mode })
-}
-
-fn fmt_est(e: &Value) -> String {
-    if e.is_null() {
-        return "-".into();
-    }
-    format!(
-        "{:.2} [{:.2},{:.2}]",
-        f(&e["value"]),
-        f(&e["lo"]),
-        f(&e["hi"])
-    )
 }
 
 fn print_table(cells: &Map<String, Value>, s: &Settings) {

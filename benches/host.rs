@@ -24,10 +24,16 @@
 //! Writes `host.json` (raw runs, per-cell medians, ratios with 95% bootstrap intervals,
 //! paired ratios) in the output directory and prints a table.
 //!
+//! With `--workload APP` (an application of `bench-apps`, e.g. pg_select_c1) the guest runs
+//! that application instead of the reader, started cold and measured from its first request,
+//! `pinned` pins its server and client to the completion vCPU, and the file is
+//! `host-APP.json`.
+//!
 //! Flags (after `--`): --reps N (8), --secs S (10), --warmup-secs S (3), --io-warmup-ms MS
 //! (0: from the first request), --cells LIST (policy:k, default
 //! fair:2,fair:3,fair:4,credit:2,credit:3,credit:4), --modes LIST, --duty PERIOD_MS:ON_MS
-//! (the other VMs compute ON of every PERIOD; default CPU-bound), --out DIR (default
+//! (the other VMs compute ON of every PERIOD; default CPU-bound), --workload rand4k|APP
+//! (rand4k), --out DIR (default
 //! `$VMIGRATER_BENCH_DIR` or target/bench).
 
 use anyhow::{Context, Result};
@@ -40,9 +46,11 @@ use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
+use vmigrater_testbed::apps::{self, App, Apps, Placement};
 use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::governor::{GovernorConfig, GovernorRun};
+use vmigrater_testbed::report::{est, f, fmt_est, list};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
@@ -68,14 +76,8 @@ struct Settings {
     cells: Vec<(Policy, usize)>,
     modes: Vec<&'static str>,
     duty: Option<Duty>,
+    work: Work,
     out: PathBuf,
-}
-
-fn list(v: &str) -> Vec<String> {
-    v.split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
 }
 
 fn parse_cells(v: &str) -> Result<Vec<(Policy, usize)>> {
@@ -103,6 +105,7 @@ fn parse_args() -> Result<Settings> {
         cells: parse_cells(CELLS)?,
         modes: MODES.to_vec(),
         duty: None,
+        work: Work::Reads,
         out: vmigrater_testbed::bench_dir(),
     };
     let mut args = std::env::args().skip(1);
@@ -135,6 +138,7 @@ fn parse_args() -> Result<Settings> {
                     on_ns: on.parse::<u64>()? * 1_000_000,
                 });
             }
+            "--workload" => s.work = Work::parse(&val()?)?,
             "--out" => s.out = val()?.into(),
             other => anyhow::bail!(
                 "unknown argument {other:?} (see the top of benches/host.rs for the flags)"
@@ -142,10 +146,6 @@ fn parse_args() -> Result<Settings> {
         }
     }
     Ok(s)
-}
-
-fn f(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(f64::NAN)
 }
 
 /// The host end of our guest's port: the agent connects to a unix socket, the daemon
@@ -328,15 +328,78 @@ fn agent_weights(status: &Value) -> Value {
         .collect()
 }
 
+/// The processes the governor governs: the workload, or the application's cgroup (listed
+/// anew each interval, so a client started after the server is governed too).
+enum GovernedBy {
+    Pid(u32),
+    Procs(PathBuf),
+}
+
+type Governed = Arc<Mutex<Option<GovernedBy>>>;
+
+fn governed_pids(g: &Governed) -> Vec<u32> {
+    match &*g.lock().unwrap_or_else(std::sync::PoisonError::into_inner) {
+        None => Vec::new(),
+        Some(GovernedBy::Pid(p)) => vec![*p],
+        Some(GovernedBy::Procs(file)) => std::fs::read_to_string(file)
+            .unwrap_or_default()
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect(),
+    }
+}
+
+/// What a run reads: the reader's file or the applications, and the disk's completion CPU.
+struct Data {
+    file: PathBuf,
+    apps: Option<Apps>,
+    completion: usize,
+}
+
+/// The guest's workload.
+#[derive(Clone, Copy)]
+enum Work {
+    Reads,
+    App(App),
+}
+
+impl Work {
+    fn parse(name: &str) -> Result<Work> {
+        if name == "rand4k" {
+            return Ok(Work::Reads);
+        }
+        App::parse(name)
+            .map(Work::App)
+            .with_context(|| format!("--workload {name:?}: rand4k or an application of bench-apps"))
+    }
+
+    fn name(&self) -> String {
+        match self {
+            Work::Reads => "rand4k".into(),
+            Work::App(a) => a.name(),
+        }
+    }
+
+    fn metric(&self) -> &'static str {
+        match self {
+            Work::Reads => "iops",
+            Work::App(a) => a.metric(),
+        }
+    }
+}
+
 fn run_once(
     policy: Policy,
     k: usize,
     mode: &str,
-    file: &Path,
-    completion: Option<usize>,
+    data: &Data,
     s: &Settings,
     tag: &str,
 ) -> Result<Value> {
+    let work = s.work;
+    if let Work::App(_) = work {
+        apps::drop_caches()?;
+    }
     let cpus: Vec<usize> = (0..ncpus()).collect();
     let mut cfg = HostConfig::new(policy, k, cpus.clone());
     cfg.duty = s.duty;
@@ -381,14 +444,14 @@ fn run_once(
     }
     // The governor watches from the start, as the kernel's does from boot; it governs the
     // workload's threads once it exists.
-    let pids: Arc<Mutex<Vec<u32>>> = Arc::default();
+    let governed: Governed = Arc::default();
     let governor = (mode == "governor")
         .then(|| {
             let steal_reader = model.reader()?;
-            let pids = pids.clone();
+            let governed = governed.clone();
             GovernorRun::start_with(
                 GovernorConfig::default(),
-                move || pids.lock().unwrap().clone(),
+                move || governed_pids(&governed),
                 move || steal_reader.guest_steal_ns(),
             )
             .context("starting the steal governor")
@@ -396,41 +459,14 @@ fn run_once(
         .transpose()?;
     sleep_until(start_ns + s.warmup.as_nanos() as u64);
 
-    let workload_ms = (s.io_warmup + Duration::from_secs_f64(s.secs)).as_millis() as u64;
-    let mut cmd = Command::new(workspace_bin("vmigrater-workload"));
-    cmd.arg("--file")
-        .arg(file)
-        .args(["--pattern", "random4k", "--readers", "1", "--hogs"])
-        .arg(cpus.len().to_string())
-        .args(["--pin-hogs", "--warmup-ms"])
-        .arg(s.io_warmup.as_millis().to_string())
-        .arg("--duration-ms")
-        .arg(workload_ms.to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    if mode == "pinned" {
-        cmd.arg("--pin").arg(
-            completion
-                .context("pinned needs the completion CPU")?
-                .to_string(),
-        );
-    }
     let others0 = reader.others_run_ns();
     let t0 = monotonic_ns();
-    let child = cmd.spawn().context("starting vmigrater-workload")?;
-    pids.lock().unwrap().push(child.id());
-    let out = child
-        .wait_with_output()
-        .context("waiting for vmigrater-workload")?;
+    let measured = match work {
+        Work::Reads => reads(mode, data, s, &governed),
+        Work::App(app) => app_once(app, mode, data, s, &governed),
+    };
     let t1 = monotonic_ns();
     let others1 = reader.others_run_ns();
-    anyhow::ensure!(
-        out.status.success(),
-        "vmigrater-workload failed ({}): {}",
-        out.status,
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let w: Value = serde_json::from_slice(&out.stdout).context("parsing the workload's JSON")?;
     let agent_status = agent.as_ref().map(BenchAgent::status);
     stop_lying.store(true, Ordering::Relaxed);
     let governor_record = governor.map(GovernorRun::stop);
@@ -458,32 +494,100 @@ fn run_once(
         None => Value::Null,
     };
     let report = model.stop().context("stopping the host model")?;
+    let mut v = measured?;
+    let window_s = (t1 - t0) as f64 / 1e9;
+    v["mode"] = json!(mode);
+    // The other VMs' CPU time per second of the workload's run, over all CPUs.
+    v["others_cpu_per_s"] = json!((others1 - others0) as f64 / 1e9 / window_s);
+    v["guest_share"] = json!(report.guest_share());
+    v["daemon"] = daemon_json;
+    v["agent"] = agent_json;
+    v["governor"] = json!(governor_record);
+    v["model"] = json!(report);
+    Ok(v)
+}
+
+/// The 4 KiB reader and a hog per vCPU (`vmigrater-workload`): IOPS from its first request.
+fn reads(mode: &str, data: &Data, s: &Settings, governed: &Governed) -> Result<Value> {
+    let workload_ms = (s.io_warmup + Duration::from_secs_f64(s.secs)).as_millis() as u64;
+    let mut cmd = Command::new(workspace_bin("vmigrater-workload"));
+    cmd.arg("--file")
+        .arg(&data.file)
+        .args(["--pattern", "random4k", "--readers", "1", "--hogs"])
+        .arg(ncpus().to_string())
+        .args(["--pin-hogs", "--warmup-ms"])
+        .arg(s.io_warmup.as_millis().to_string())
+        .arg("--duration-ms")
+        .arg(workload_ms.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if mode == "pinned" {
+        cmd.arg("--pin").arg(data.completion.to_string());
+    }
+    let child = cmd.spawn().context("starting vmigrater-workload")?;
+    *governed.lock().unwrap() = Some(GovernedBy::Pid(child.id()));
+    let out = child
+        .wait_with_output()
+        .context("waiting for vmigrater-workload")?;
+    anyhow::ensure!(
+        out.status.success(),
+        "vmigrater-workload failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let w: Value = serde_json::from_slice(&out.stdout).context("parsing the workload's JSON")?;
     let elapsed = f(&w["elapsed_s"]);
     let readers = w["readers"].as_array().cloned().unwrap_or_default();
     let ops: f64 = readers.iter().map(|r| f(&r["ops"])).sum();
     let hog_units: f64 = w["hogs"]
         .as_array()
         .map_or(0.0, |h| h.iter().map(|h| f(&h["units"])).sum());
-    let window_s = (t1 - t0) as f64 / 1e9;
     Ok(json!({
-        "mode": mode,
+        "value": ops / elapsed,
         "iops": ops / elapsed,
         "elapsed_s": elapsed,
         "p99_us": readers.iter().map(|r| f(&r["p99_us"])).filter(|x| x.is_finite()).reduce(f64::max),
         "hog_units_per_s": hog_units / elapsed,
-        // The other VMs' CPU time per second of the workload's run, over all CPUs.
-        "others_cpu_per_s": (others1 - others0) as f64 / 1e9 / window_s,
-        "guest_share": report.guest_share(),
         "reader_last_cpu": readers.iter().map(|r| r["last_cpu"].clone()).collect::<Vec<_>>(),
-        "daemon": daemon_json,
-        "agent": agent_json,
-        "governor": governor_record,
-        "model": report,
     }))
 }
 
-fn est(e: Option<Estimate>) -> Value {
-    e.map_or(Value::Null, |e| json!(e))
+/// An application of `bench-apps` (started cold, its memory bounded, measured from its first
+/// request) and a hog per vCPU: its figure of merit. `pinned` pins server and client to the
+/// completion vCPU (the best oracle of `bench-apps`' tables).
+fn app_once(app: App, mode: &str, data: &Data, s: &Settings, governed: &Governed) -> Result<Value> {
+    let apps = data
+        .apps
+        .as_ref()
+        .context("the applications are not prepared")?;
+    let hogs: Vec<workload::Worker> = (0..ncpus())
+        .map(|c| workload::spawn_hog(Some(c)))
+        .collect::<Result<_>>()?;
+    let place = if mode == "pinned" {
+        Placement {
+            server_cpu: Some(data.completion),
+            client_cpu: Some(data.completion),
+        }
+    } else {
+        Placement::default()
+    };
+    let mut on_start = |cg: &apps::MemCgroup| {
+        *governed.lock().unwrap() = Some(GovernedBy::Procs(cg.procs_file()));
+    };
+    let t0 = Instant::now();
+    let run = apps.run(app, s.secs, &place, &mut on_start);
+    let hog_units: u64 = hogs.into_iter().map(|h| h.stop().unwrap_or(0)).sum();
+    let run = run?;
+    Ok(json!({
+        "value": run.value,
+        "metric": app.metric(),
+        "elapsed_s": run.elapsed_s,
+        "per_s": run.per_s,
+        "p99_ms": run.p99_ms,
+        "server_start_s": run.server_start_s,
+        "hog_units_per_s": hog_units as f64 / t0.elapsed().as_secs_f64(),
+        "app": run.extra,
+    }))
 }
 
 fn summarise(runs: &[Value], modes: &[&str]) -> Value {
@@ -509,12 +613,12 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
     };
     let mut per_mode = Map::new();
     for &m in modes {
-        let v = vals(m, "iops");
+        let v = vals(m, "value");
         let o = vals(m, "others_cpu_per_s");
         let mut e = json!({
-            "iops_runs": v,
-            "iops_median": stats::median(&v),
-            "iops_worst": v.iter().copied().reduce(f64::min),
+            "value_runs": v,
+            "value_median": stats::median(&v),
+            "value_worst": v.iter().copied().reduce(f64::min),
             "others_cpu_per_s_median": stats::median(&o),
             "guest_share_median": stats::median(&vals(m, "guest_share")),
             "hog_units_per_s_median": stats::median(&vals(m, "hog_units_per_s")),
@@ -523,8 +627,8 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
             if m == base || !modes.contains(&base) {
                 continue;
             }
-            e[format!("vs_{base}")] = est(stats::ratio_of_medians(&v, &vals(base, "iops")));
-            e[format!("paired_vs_{base}")] = est(paired(m, base, "iops"));
+            e[format!("vs_{base}")] = est(stats::ratio_of_medians(&v, &vals(base, "value")));
+            e[format!("paired_vs_{base}")] = est(paired(m, base, "value"));
             e[format!("others_vs_{base}")] =
                 est(stats::ratio_of_medians(&o, &vals(base, "others_cpu_per_s")));
         }
@@ -533,26 +637,21 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
     json!({ "modes": per_mode })
 }
 
-fn fmt_est(e: &Value) -> String {
-    if e.is_null() {
-        return "-".into();
-    }
-    format!(
-        "{:.2} [{:.2},{:.2}]",
-        f(&e["value"]),
-        f(&e["lo"]),
-        f(&e["hi"])
-    )
-}
-
-fn print_table(cells: &Map<String, Value>, modes: &[&str]) {
+fn print_table(cells: &Map<String, Value>, modes: &[&str], work: Work) {
     println!(
-        "\nhost scheduler in the loop: guest 4 KiB reads (IOPS, median), ratio of medians to \
-         vanilla [95% bootstrap], paired ratio, the other VMs' CPU time against vanilla"
+        "\nhost scheduler in the loop: guest {} ({}, median), ratio of medians to vanilla [95% \
+         bootstrap], paired ratio, the other VMs' CPU time against vanilla",
+        work.name(),
+        work.metric()
     );
     println!(
         "{:<9} {:<10} {:>9} {:>20} {:>20} {:>20}",
-        "cell", "mode", "IOPS", "vs vanilla", "paired", "others vs vanilla"
+        "cell",
+        "mode",
+        work.metric(),
+        "vs vanilla",
+        "paired",
+        "others vs vanilla"
     );
     for (cell, c) in cells {
         for &m in modes {
@@ -561,7 +660,7 @@ fn print_table(cells: &Map<String, Value>, modes: &[&str]) {
                 "{:<9} {:<10} {:>9.0} {:>20} {:>20} {:>20}",
                 cell,
                 m,
-                f(&e["iops_median"]),
+                f(&e["value_median"]),
                 fmt_est(&e["vs_vanilla"]),
                 fmt_est(&e["paired_vs_vanilla"]),
                 fmt_est(&e["others_vs_vanilla"]),
@@ -578,18 +677,42 @@ fn main() -> Result<()> {
     anyhow::ensure!(ncpus() >= 2, "the host benchmark needs at least 2 CPUs");
     std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
     let file = s.out.join("host-data.bin");
-    workload::prepare_file(&file, FILE_SIZE)?;
-    let map = CompletionMap::for_file(&file);
-    let completion = map.as_ref().ok().and_then(|m| m.cpus().first().copied());
-    let modes: Vec<&str> = s
-        .modes
-        .iter()
-        .copied()
-        .filter(|m| *m != "pinned" || completion.is_some())
-        .collect();
+    // The reader's file, or the applications' data, and the CPU the disk completes on.
+    let data = match s.work {
+        Work::Reads => {
+            workload::prepare_file(&file, FILE_SIZE)?;
+            let map = CompletionMap::for_file(&file)?;
+            Data {
+                file,
+                apps: None,
+                completion: *map
+                    .cpus()
+                    .first()
+                    .context("no completion CPU for the file")?,
+            }
+        }
+        Work::App(app) => {
+            let apps = Apps::new();
+            apps.prepare(app)
+                .with_context(|| format!("preparing {}", app.name()))?;
+            let map = CompletionMap::for_file(&apps.dir)?;
+            Data {
+                file,
+                completion: *map
+                    .cpus()
+                    .first()
+                    .context("no completion CPU for the data")?,
+                apps: Some(apps),
+            }
+        }
+    };
+    let completion = data.completion;
+    let modes = s.modes.clone();
     let per_run = s.warmup.as_secs_f64() + s.io_warmup.as_secs_f64() + s.secs + 1.5;
     eprintln!(
-        "host benchmark: {} cells × {} modes × {} reps, ~{:.0} min; completion CPU {completion:?}",
+        "host benchmark, {}: {} cells × {} modes × {} reps, ~{:.0} min (more for applications); \
+         completion CPU {completion}",
+        s.work.name(),
         s.cells.len(),
         modes.len(),
         s.reps,
@@ -601,17 +724,22 @@ fn main() -> Result<()> {
     for &(policy, k) in &s.cells {
         let name = format!("{policy}:{k}");
         let mut runs = Vec::new();
+        if let (Work::App(app), Some(apps)) = (s.work, &data.apps) {
+            apps.settle_storage(app)
+                .with_context(|| format!("settling {}'s storage", app.name()))?;
+        }
         for rep in 0..s.reps {
             for i in 0..modes.len() {
                 let mode = modes[(i + rep) % modes.len()];
-                let mut v = run_once(policy, k, mode, &file, completion, &s, &tag)
+                let mut v = run_once(policy, k, mode, &data, &s, &tag)
                     .with_context(|| format!("{name} rep {rep} {mode}"))?;
                 v["cell"] = json!(name);
                 v["rep"] = json!(rep);
                 v["order"] = json!(i);
                 eprintln!(
-                    "{name:<9} rep {rep} {mode:<9} {:>8.0} IOPS  others {:.3} CPU/s  guest share {:.3}{}",
-                    f(&v["iops"]),
+                    "{name:<9} rep {rep} {mode:<9} {:>8.0} {}  others {:.3} CPU/s  guest share {:.3}{}",
+                    f(&v["value"]),
+                    s.work.metric(),
                     f(&v["others_cpu_per_s"]),
                     f(&v["guest_share"]),
                     match &v["governor"]["decisions"] {
@@ -642,8 +770,13 @@ fn main() -> Result<()> {
             "steal_for_governor": "the model's per-vCPU out time (entities[cpu][0].wait_ns), not /proc/stat, which does not see the model",
             "governor_scope": "the workload's threads (the reader and the pinned hogs), not every task of the machine",
             "duty": s.duty,
-            "workload": "one 4 KiB random O_DIRECT reader (QD1) and a CPU hog pinned on every CPU",
-            "file": file.display().to_string(),
+            "workload": s.work.name(),
+            "metric": s.work.metric(),
+            "workload_desc": match s.work {
+                Work::Reads => "one 4 KiB random O_DIRECT reader (QD1) and a CPU hog pinned on every CPU".to_string(),
+                Work::App(app) => format!("{} started cold (page cache dropped, memory bounded by a cgroup), measured from its first request, and a CPU hog pinned on every CPU", app.name()),
+            },
+            "file": match &data.apps { Some(a) => a.dir.display().to_string(), None => data.file.display().to_string() },
             "completion_cpu": completion,
             "reps": s.reps,
             "seconds_per_run": s.secs,
@@ -656,9 +789,12 @@ fn main() -> Result<()> {
         "cells": cells,
         "runs": raw,
     });
-    let path = s.out.join("host.json");
+    let path = s.out.join(match s.work {
+        Work::Reads => "host.json".to_string(),
+        Work::App(app) => format!("host-{}.json", app.name()),
+    });
     std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
-    print_table(&cells, &modes);
+    print_table(&cells, &modes, s.work);
     println!("\nwrote {}", path.display());
     Ok(())
 }

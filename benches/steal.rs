@@ -62,6 +62,7 @@ use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::loopdisk::LoopDisk;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
+use vmigrater_testbed::report::{est, f, fmt_est, list};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
@@ -182,13 +183,6 @@ struct Data<'a> {
     pin: Option<usize>,
 }
 
-fn list(v: &str) -> Vec<String> {
-    v.split(',')
-        .map(|s| s.trim().to_string())
-        .filter(|s| !s.is_empty())
-        .collect()
-}
-
 fn parse_args() -> Result<Settings> {
     let mut s = Settings {
         reps: 8,
@@ -295,10 +289,6 @@ fn parse_args() -> Result<Settings> {
         "--modes: vmigrater_alt needs --alt-config FILE (its configuration)"
     );
     Ok(s)
-}
-
-fn f(v: &Value) -> f64 {
-    v.as_f64().unwrap_or(f64::NAN)
 }
 
 /// Busy CPU seconds of the whole machine (all CPUs) from /proc/stat: user through softirq,
@@ -572,10 +562,6 @@ fn run(sched: &Schedule, wl: &Workload, mode: &str, data: &Data, s: &Settings) -
     }
 }
 
-fn est(e: Option<Estimate>) -> Value {
-    e.map_or(Value::Null, |e| json!(e))
-}
-
 /// Medians, ratios and spreads of one schedule × workload.
 fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
     // Runs whose steal stayed off its plan after every retry are kept in the raw list but
@@ -667,18 +653,6 @@ fn summarise(metric: &str, runs: &[Value], modes: &[&str]) -> Value {
         per_mode.insert(m.to_string(), e);
     }
     json!({ "metric": metric, "modes": per_mode })
-}
-
-fn fmt_est(e: &Value) -> String {
-    if e.is_null() {
-        return "-".into();
-    }
-    format!(
-        "{:.2} [{:.2},{:.2}]",
-        f(&e["value"]),
-        f(&e["lo"]),
-        f(&e["hi"])
-    )
 }
 
 fn print_table(report: &Value, s: &Settings) {

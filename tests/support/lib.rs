@@ -12,6 +12,7 @@ pub mod host;
 pub mod loopdisk;
 pub mod oracle;
 pub mod placement;
+pub mod report;
 pub mod signals;
 pub mod stats;
 pub mod workload;

@@ -6,13 +6,21 @@
 //!
 //! Must never outlive its owner: dropping it stops and joins both threads.
 
-use crate::kernel::{make_realtime, ANSWER_WITHIN, HEARTBEAT_EVERY};
+use crate::absorber::ABSORBER_PRIORITY;
 use anyhow::{anyhow, bail, Context, Result};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
+
+/// How often the controller refreshes the heartbeat (the programs give up at 100 ms, the
+/// host model at 500 ms).
+const HEARTBEAT_EVERY: Duration = Duration::from_millis(10);
+/// A normal task of this process that has not run for this long says the machine stopped
+/// answering (the controller, real-time, still runs): the run stops taking CPUs and fails.
+/// Ten times the longest window a plan may hold.
+pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 
 /// The controller thread's side.
 pub(crate) struct Controller {
@@ -27,7 +35,7 @@ impl Controller {
         let _ = self.started.send(start);
     }
 
-    /// Real-time (above the absorbers), then `beat(now)` every `HEARTBEAT_EVERY` until
+    /// `beat(now)` every `HEARTBEAT_EVERY` until
     /// stopped. Some((silent_ns, at_ns)) when the machine stopped answering `at_ns` after
     /// `start_ns`.
     pub fn keep_beating(&self, start_ns: u64, mut beat: impl FnMut(u64)) -> Option<(u64, u64)> {
@@ -45,8 +53,16 @@ impl Controller {
         None
     }
 
+    /// A low-priority SCHED_FIFO thread still preempts every CPU hog, so the heartbeat
+    /// stays fresh on a loaded machine (it sleeps between beats and costs nothing); above
+    /// the absorbers, which busy-wait through windows.
     pub fn make_realtime(&self) {
-        make_realtime();
+        if let Err(e) = os_layer::sched::set_self_policy(libc::SCHED_FIFO, ABSORBER_PRIORITY + 1) {
+            eprintln!(
+                "the controller runs as a normal task ({e}): under load the heartbeat may go \
+                 stale and the CPUs be given back"
+            );
+        }
     }
 }
 

@@ -8,7 +8,7 @@
 //! controller thread ends (stop, drop, or the process's death closes them, or a liveness
 //! failure ends it), and the program itself stops stealing when the heartbeat goes stale.
 
-use crate::absorber::{Absorbers, Accounting, ABSORBER_PRIORITY};
+use crate::absorber::{Absorbers, Accounting};
 use crate::bpf_skel::IrqstealSkelBuilder;
 use crate::controlled::{Controlled, Controller};
 use crate::no_idle::NoIdle;
@@ -19,19 +19,12 @@ use anyhow::{anyhow, bail, Context, Result};
 use libbpf_rs::skel::{OpenSkel, SkelBuilder};
 use libbpf_rs::{MapCore, MapFlags};
 use std::mem::MaybeUninit;
-use std::time::Duration;
 
 /// bpf/irqsteal.h IS_MAX_CPUS.
 const MAX_CPUS: usize = 1024;
 /// The sample period: how often the program looks at the plan on each CPU, and so the
 /// most a window can be entered late.
 pub const SAMPLE_PERIOD_NS: u64 = 250_000;
-/// How often the controller refreshes the heartbeat (the program gives up at 100 ms).
-pub(crate) const HEARTBEAT_EVERY: Duration = Duration::from_millis(10);
-/// A normal task of this process that has not run for this long says the machine stopped
-/// answering (the controller, real-time, still runs): stealing stops and the run fails.
-/// Ten times the longest window a plan may hold.
-pub const ANSWER_WITHIN: Duration = Duration::from_millis(500);
 /// Between attaching and the plan's t = 0, so that every CPU starts on the same clock.
 const LEAD_NS: u64 = 20_000_000;
 
@@ -149,18 +142,6 @@ impl IrqSteal {
         // The spinners end with the run.
         self.no_idle = None;
         report
-    }
-}
-
-/// A low-priority SCHED_FIFO thread still preempts every CPU hog, so the heartbeat
-/// stays fresh on a loaded machine (it sleeps between beats and costs nothing); above the
-/// absorbers, which busy-wait through windows.
-pub(crate) fn make_realtime() {
-    if let Err(e) = os_layer::sched::set_self_policy(libc::SCHED_FIFO, ABSORBER_PRIORITY + 1) {
-        eprintln!(
-            "irq-steal: the controller runs as a normal task ({e}): under load the heartbeat \
-             may go stale and stealing pause"
-        );
     }
 }
 

@@ -27,7 +27,8 @@ pub mod schedule;
 pub mod throttle;
 
 pub use absorber::Accounting;
-pub use kernel::{IrqSteal, ANSWER_WITHIN, SAMPLE_PERIOD_NS};
+pub use controlled::ANSWER_WITHIN;
+pub use kernel::{IrqSteal, SAMPLE_PERIOD_NS};
 pub use plan::{
     CpuPlan, Plan, Window, MAX_ALL_OUT_PERCENT, MAX_OUT_PERCENT, MAX_SHORT_OUT_PERCENT,
     MAX_WINDOWS_PER_CPU, MAX_WINDOW_NS, SHORT_STRETCH_NS,

@@ -63,9 +63,11 @@ bench-steal: build
 # decides online who holds each CPU, the agent drives it through its `model` backend, the
 # steal governor is a baseline. JSON in target/bench/, copied to benches/results/. Shorter:
 # make bench-host HOST_ARGS="--reps 2 --secs 4 --cells fair:2 --modes vanilla,agent".
+# An application instead of the reader (root; its data built once by apps-setup):
+# make bench-host HOST_ARGS="--workload pg_select_c1 --cells fair:2,credit:2 --secs 15".
 bench-host: build
 	$(CARGO) bench -p vmigrater-testbed --bench host -- $(HOST_ARGS)
-	cp target/bench/host.json benches/results/host.json
+	cp target/bench/host*.json benches/results/
 
 # The same deschedules on a disk whose requests complete on the submitting vCPU (a loop
 # device over memory, rq_affinity = 2: the geometry of a queue per vCPU), 4 KiB reads,

@@ -23,6 +23,12 @@ def est(e):
     return f"{e['value']:.2f}× [{e['lo']:.2f}, {e['hi']:.2f}]"
 
 
+def med(e, what):
+    """A mode's median or worst run: `value_*` (the workload's figure), `iops_*` in files
+    written before applications ran in the loop."""
+    return e.get(f"value_{what}", e.get(f"iops_{what}"))
+
+
 def cell_name(name):
     policy, k = name.split(":")
     return f"{POLICY.get(policy, policy)}, {k}:1"
@@ -33,20 +39,21 @@ def main():
     detail = "--detail" in sys.argv[2:]
     d = json.load(open(path))
     modes = [m for m in MODES if m in d["setup"]["modes"]]
+    metric = {"iops": "IOPS", "tps": "tps"}.get(d["setup"].get("metric", "iops"), "value")
     print(
         f"<!-- {path}: commit {d['commit']}, kernel {d['kernel']}, "
         f"{d['setup']['reps']} reps x {d['setup']['seconds_per_run']} s -->"
     )
     if detail:
-        print("| cell | mode | IOPS (median) | worst run | vs vanilla | paired vs vanilla "
+        print(f"| cell | mode | {metric} (median) | worst run | vs vanilla | paired vs vanilla "
               "| others' CPU vs vanilla | guest share |")
         print("|---|---|---|---|---|---|---|---|")
         for name, c in d["cells"].items():
             for m in ["vanilla"] + modes:
                 e = c["modes"][m]
                 print(
-                    f"| {cell_name(name)} | {m} | {e['iops_median']:,.0f} | "
-                    f"{e['iops_worst']:,.0f} | {est(e.get('vs_vanilla'))} | "
+                    f"| {cell_name(name)} | {m} | {med(e, 'median'):,.0f} | "
+                    f"{med(e, 'worst'):,.0f} | {est(e.get('vs_vanilla'))} | "
                     f"{est(e.get('paired_vs_vanilla'))} | {est(e.get('others_vs_vanilla'))} | "
                     f"{e['guest_share_median']:.3f} |"
                 )
@@ -55,10 +62,10 @@ def main():
     weighted = [m for m in ("agent", "both") if m in modes]
     head = " | ".join(f"{m} / vanilla" for m in shown)
     others = " | ".join(f"other VMs' CPU, {m}" for m in weighted)
-    print(f"| host, vCPUs per CPU | vanilla IOPS | {head} | {others} |")
+    print(f"| host, vCPUs per CPU | vanilla {metric} | {head} | {others} |")
     print("|---" * (2 + len(shown) + len(weighted)) + "|")
     for name, c in d["cells"].items():
-        row = [cell_name(name), f"{c['modes']['vanilla']['iops_median']:,.0f}"]
+        row = [cell_name(name), f"{med(c['modes']['vanilla'], 'median'):,.0f}"]
         row += [est(c["modes"][m].get("vs_vanilla")) for m in shown]
         row += [est(c["modes"][m].get("others_vs_vanilla")) for m in weighted]
         print("| " + " | ".join(row) + " |")

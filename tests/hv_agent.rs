@@ -701,20 +701,7 @@ fn sigterm_is_prompt_whatever_the_period_and_the_guests() {
         ),
     )
     .unwrap();
-    let log = dir.path().join("agent.log");
-    let agent = Agent {
-        child: Some(
-            Command::new(workspace_bin("vmigrater-hv-agent"))
-                .arg("--config")
-                .arg(&config)
-                .args(["--log", "debug", "run"])
-                .stderr(std::fs::File::create(&log).unwrap())
-                .spawn()
-                .unwrap(),
-        ),
-        config,
-        log,
-    };
+    let agent = Agent::run(config, dir.path().join("agent.log"));
     let (_quiet, _) = listener.accept().unwrap();
     // Long enough for the unreachable guest's back-off to pass a second.
     std::thread::sleep(Duration::from_millis(3500));
@@ -1510,20 +1497,7 @@ impl FakeHostModel {
             ),
         )
         .unwrap();
-        let log = dir.join("agent.log");
-        Agent {
-            child: Some(
-                Command::new(workspace_bin("vmigrater-hv-agent"))
-                    .arg("--config")
-                    .arg(&config)
-                    .args(["--log", "debug", "run"])
-                    .stderr(std::fs::File::create(&log).unwrap())
-                    .spawn()
-                    .unwrap(),
-            ),
-            config,
-            log,
-        }
+        Agent::run(config, dir.join("agent.log"))
     }
 
     /// Every control entry, after the agent: (key, weight, boost) of those not {0, 0}.

@@ -98,7 +98,11 @@ impl Agent {
             ),
         )
         .unwrap();
-        let log = dir.join("agent.log");
+        Agent::run(config, dir.join("agent.log"))
+    }
+
+    /// The agent on the configuration file `config`, at debug level, its log in `log`.
+    pub fn run(config: PathBuf, log: PathBuf) -> Agent {
         let child = Command::new(workspace_bin("vmigrater-hv-agent"))
             .arg("--config")
             .arg(&config)

@@ -467,6 +467,17 @@ static __always_inline int model_on(struct hm_cpu *c, __u64 now)
 	return 1;
 }
 
+/* The model of the CPU a hook runs on, and the time; NULL where the model is off. */
+static __always_inline struct hm_cpu *hooked(__u32 *cpu, __u64 *now)
+{
+	*cpu = bpf_get_smp_processor_id();
+	if (*cpu >= HM_MAX_CPUS)
+		return 0;
+	struct hm_cpu *c = cpu_of(*cpu);
+	*now = bpf_ktime_get_ns();
+	return model_on(c, *now) ? c : 0;
+}
+
 /* Inside another hook's decision, or while our vCPU is out: only hold the CPU. */
 static __always_inline int held(struct hm_cpu *c, __u64 now)
 {
@@ -480,12 +491,10 @@ static __always_inline int held(struct hm_cpu *c, __u64 now)
 SEC("perf_event")
 int tick(struct bpf_perf_event_data *ctx)
 {
-	__u32 cpu = bpf_get_smp_processor_id();
-	if (cpu >= HM_MAX_CPUS)
-		return 0;
-	struct hm_cpu *c = cpu_of(cpu);
-	__u64 now = bpf_ktime_get_ns();
-	if (!model_on(c, now))
+	__u32 cpu;
+	__u64 now;
+	struct hm_cpu *c = hooked(&cpu, &now);
+	if (!c)
 		return 0;
 	c->samples++;
 	if (held(c, now))
@@ -502,12 +511,10 @@ SEC("raw_tp/cpu_idle")
 int idle(struct bpf_raw_tracepoint_args *ctx)
 {
 	__u32 state = (__u32)ctx->args[0];
-	__u32 cpu = bpf_get_smp_processor_id();
-	if (cpu >= HM_MAX_CPUS)
-		return 0;
-	struct hm_cpu *c = cpu_of(cpu);
-	__u64 now = bpf_ktime_get_ns();
-	if (!model_on(c, now) || held(c, now))
+	__u32 cpu;
+	__u64 now;
+	struct hm_cpu *c = hooked(&cpu, &now);
+	if (!c || held(c, now))
 		return 0;
 	c->in_hook = 1;
 	if (state == PWR_EVENT_EXIT)
@@ -521,12 +528,10 @@ int idle(struct bpf_raw_tracepoint_args *ctx)
 SEC("raw_tp/irq_handler_entry")
 int irq(struct bpf_raw_tracepoint_args *ctx)
 {
-	__u32 cpu = bpf_get_smp_processor_id();
-	if (cpu >= HM_MAX_CPUS)
-		return 0;
-	struct hm_cpu *c = cpu_of(cpu);
-	__u64 now = bpf_ktime_get_ns();
-	if (!model_on(c, now))
+	__u32 cpu;
+	__u64 now;
+	struct hm_cpu *c = hooked(&cpu, &now);
+	if (!c)
 		return 0;
 	if (now < c->resume_ns)
 		c->irq_holds++;

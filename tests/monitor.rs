@@ -225,6 +225,74 @@ fn threads_runtime_ns(prefix: &str) -> u64 {
     sum
 }
 
+/// Independent witnesses of the machine itself: one SCHED_FIFO thread per CPU, at the
+/// sleepers' priority, waking every 250 µs and recording each time it was kept from running
+/// for longer than `LATE`. A stretch when the CPU ran nothing of ours at this priority (a
+/// long non-preemptible kernel section, the host taking the CPU without accounting it as
+/// steal) shows up here as it does in the monitor; a gap the monitor invents does not.
+struct Witness {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<(usize, std::thread::JoinHandle<Vec<Late>>)>,
+}
+
+/// A stretch `(from_ns, to_ns)` on CLOCK_MONOTONIC when a witness could not run.
+type Late = (u64, u64);
+
+impl Witness {
+    const LATE: u64 = 2 * MS;
+
+    fn start(cpus: &[usize]) -> Self {
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let threads = cpus
+            .iter()
+            .map(|&cpu| {
+                let stop = stop.clone();
+                let h = std::thread::spawn(move || {
+                    let mut set = nix::sched::CpuSet::new();
+                    set.set(cpu).expect("cpu in range");
+                    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+                        .expect("pin witness");
+                    let param = libc::sched_param {
+                        sched_priority: vcpu_monitor::DEFAULT_RT_PRIORITY,
+                    };
+                    // SAFETY: plain syscall on this thread with a valid parameter block.
+                    let rc = unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) };
+                    assert_eq!(rc, 0, "witness SCHED_FIFO");
+                    let mut late = Vec::new();
+                    let mut last = monotonic_ns();
+                    while !stop.load(Relaxed) {
+                        std::thread::sleep(Duration::from_micros(250));
+                        let now = monotonic_ns();
+                        if now - last > Self::LATE {
+                            late.push((last, now));
+                        }
+                        last = now;
+                    }
+                    late
+                });
+                (cpu, h)
+            })
+            .collect();
+        Witness { stop, threads }
+    }
+
+    /// Per CPU, the stretches the witness was kept from running.
+    fn finish(self) -> Vec<(usize, Vec<Late>)> {
+        self.stop.store(true, Relaxed);
+        self.threads
+            .into_iter()
+            .map(|(cpu, h)| (cpu, h.join().expect("witness thread")))
+            .collect()
+    }
+}
+
+/// How much of `g` the witness on its CPU also missed.
+fn witnessed_ns(g: &Gap, late: &[Late]) -> u64 {
+    late.iter()
+        .map(|&(a, b)| b.min(g.end_ns).saturating_sub(a.max(g.start_ns)))
+        .sum()
+}
+
 fn anti_phase_10ms() -> Vec<Pattern> {
     vec![
         "0:10000:10000:0".parse().unwrap(),
@@ -446,7 +514,9 @@ fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
         (rec.total_ticks() - t0, threads_runtime_ns("vcpu-mon-") - r0)
     };
     let steal0 = host_steal_ticks();
+    let witness = Witness::start(&cfg.cpus);
     let (active, _, (ta, active_cpu_ns)) = with_monitor(&cfg, Demand::Active, measure);
+    let late = witness.finish();
     let host_steal = host_steal_ticks() - steal0;
     let (idle, board, (ti, idle_cpu_ns)) = with_monitor(&cfg, Demand::Idle, measure);
     let (ga, gi) = (active.total_gaps(), idle.total_gaps());
@@ -475,32 +545,49 @@ fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
         share(idle_cpu_ns),
         snap.iter().map(|s| s.period_ns / 1000).collect::<Vec<_>>(),
     );
-    // With nothing stealing, a SCHED_FIFO sleeper is late only by kernel sections that
-    // cannot be preempted (preempt=none): none on an idle machine, but a parallel build
-    // here made 8–31 per second of 0.35–4.8 ms. Those are real unavailability, just not a
-    // hypervisor's; what must hold is that they stay rare and short, i.e. the threshold
-    // sits above the baseline and nothing resembles a 10 ms deschedule.
-    let longest = active
-        .gaps
+    for (cpu, l) in &late {
+        if !l.is_empty() {
+            let us: Vec<u64> = l.iter().map(|(a, b)| (b - a) / 1000).collect();
+            eprintln!("witness cpu {cpu}: kept from running (µs): {us:?}");
+        }
+    }
+    // With nothing stealing, a SCHED_FIFO sleeper is late only when the CPU runs nothing at
+    // its priority: kernel sections that cannot be preempted (preempt=none; a parallel
+    // build here made 8-31 per second of 0.35-4.8 ms, a CI run one of 16.7 ms) or a host
+    // that takes the CPU without accounting steal. Those are real unavailability, and the
+    // witness on the same CPU misses them too. What the monitor must not do is report a
+    // gap the machine did not have: a gap counts against it unless the witness missed at
+    // least half of it.
+    let unwitnessed: Vec<Gap> = active
+        .cpus
         .iter()
-        .flat_map(|g| g.lock().unwrap().clone())
+        .flat_map(|&cpu| {
+            let l = late
+                .iter()
+                .find(|(c, _)| *c == cpu)
+                .map(|(_, l)| l.clone())
+                .unwrap_or_default();
+            active
+                .gaps(cpu)
+                .into_iter()
+                .filter(move |g| witnessed_ns(g, &l) * 2 < g.end_ns - g.start_ns)
+        })
+        .collect();
+    let longest = unwitnessed
+        .iter()
         .map(|g| g.end_ns - g.start_ns)
         .max()
         .unwrap_or(0);
     // This machine is itself a KVM guest: when its host steals (seen at 40–66% of both
     // CPUs for minutes), sleepers wake late for real. Gaps are then allowed as long as
     // their total stays within what the host stole (/proc/stat, 10 ms ticks).
-    let gap_ns: u64 = active
-        .gaps
-        .iter()
-        .flat_map(|g| g.lock().unwrap().clone())
-        .map(|g| g.end_ns - g.start_ns)
-        .sum();
+    let gap_ns: u64 = unwitnessed.iter().map(|g| g.end_ns - g.start_ns).sum();
     let stolen_ns = host_steal * 10 * MS;
+    let ug = unwitnessed.len();
     assert!(
-        ga as u64 * 100 <= ta.max(100 * n)
+        ug as u64 * 100 <= ta.max(100 * n)
             || (host_steal > 0 && gap_ns <= stolen_ns + stolen_ns / 4 + 40 * MS),
-        "{ga} gaps ({} ms) in {ta} ticks, host steal {} ms",
+        "{ug} gaps the witness did not see ({} ms) in {ta} ticks, host steal {} ms",
         gap_ns / MS,
         stolen_ns / MS
     );
@@ -508,7 +595,7 @@ fn quiet_cpus_show_no_gaps_and_idle_demand_sleeps_longer() {
     // rounding per CPU).
     assert!(
         longest < 10 * MS || (host_steal > 0 && longest <= stolen_ns + n * 10 * MS),
-        "a {longest} ns gap, and the host stole {} ms",
+        "a {longest} ns gap the witness did not see, and the host stole {} ms",
         stolen_ns / MS
     );
     // The window holds ~0.75 s of 300 µs ticks (2500 per CPU), then 2 ms probes once

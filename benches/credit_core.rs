@@ -71,6 +71,7 @@ fn agent_period(c: &mut Criterion) {
                 ema_ns: v.ema_interval_ns,
                 consumed_ns: v.consumed_ns,
                 carries_io: v.events > 0,
+                io_free: v.events == 0,
             })
         })
         .collect::<Vec<_>>();

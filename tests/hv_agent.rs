@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 use vmigrater_testbed::host::{nice_of, Agent, Hogs};
-use vmigrater_testbed::{assert_cpus, assert_root, workspace_bin};
+use vmigrater_testbed::{assert_cpus, assert_root, workspace_bin, Reaped};
 
 fn cpu_ns(tid: u32) -> u64 {
     std::fs::read_to_string(format!("/proc/{tid}/schedstat"))
@@ -198,12 +198,15 @@ fn nice_is_back_after_sigterm() {
     );
 }
 
-/// A report in which each vCPU `(cpu, io_bound_tasks)` had 200 completions 500 µs apart.
+/// A report in which each vCPU `(cpu, io_bound_tasks)` that holds I/O-bound tasks had 200
+/// completions 500 µs apart, and the others none: the tasks' completions land where they
+/// run, as on a disk with a queue per vCPU.
 fn report_tasks(seq: u64, vcpus: &[(u32, u32)]) -> String {
     let v: Vec<String> = vcpus
         .iter()
         .map(|(cpu, tasks)| {
-            format!("{{\"cpu\":{cpu},\"io_completions\":200,\"io_interval_ema_us\":500,\"io_bound_tasks\":{tasks},\"inactive_ratio\":0.0,\"slice_estimate_us\":1000}}")
+            let (n, ema) = if *tasks > 0 { (200, 500) } else { (0, 0) };
+            format!("{{\"cpu\":{cpu},\"io_completions\":{n},\"io_interval_ema_us\":{ema},\"io_bound_tasks\":{tasks},\"inactive_ratio\":0.0,\"slice_estimate_us\":1000}}")
         })
         .collect();
     format!(
@@ -313,6 +316,7 @@ fn restore_leaves_what_somebody_else_set_after_the_agent() {
         let weigh = Setting {
             key: (0, 0),
             nice: 3,
+            weight: 1.25f64.powi(-3),
             iv_credit: 0.0,
             cv_credit: 0.0,
             boost: false,
@@ -945,13 +949,15 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     // An O_DIRECT reader gives the guest daemon real I/O completions to report.
     let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
     vmigrater_testbed::workload::prepare_file(&data, 64 << 20).unwrap();
-    let mut reader = Command::new(workspace_bin("vmigrater-workload"))
-        .arg("--file")
-        .arg(&data)
-        .args(["--pattern", "random4k", "--readers", "1"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut reader = Reaped(
+        Command::new(workspace_bin("vmigrater-workload"))
+            .arg("--file")
+            .arg(&data)
+            .args(["--pattern", "random4k", "--readers", "1"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
 
     let t0 = Instant::now();
     let (mut weighted, mut last) = (false, None);
@@ -1033,13 +1039,15 @@ fn silent_guests_are_observed_from_the_host_and_exported() {
     // every completion; the agent must see that from /proc alone.
     let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
     vmigrater_testbed::workload::prepare_file(&data, 64 << 20).unwrap();
-    let mut reader = Command::new(workspace_bin("vmigrater-workload"))
-        .arg("--file")
-        .arg(&data)
-        .args(["--pattern", "random4k", "--readers", "1"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut reader = Reaped(
+        Command::new(workspace_bin("vmigrater-workload"))
+            .arg("--file")
+            .arg(&data)
+            .args(["--pattern", "random4k", "--readers", "1"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
     let t0 = Instant::now();
     let tid = loop {
         let found = std::fs::read_dir(format!("/proc/{}/task", reader.id()))

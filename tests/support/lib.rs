@@ -237,6 +237,33 @@ impl Drop for Tmpfs {
     }
 }
 
+/// A child process that is killed and reaped when dropped, so a test that panics between
+/// spawn and its own kill leaves nothing running (a reader left behind once held a pipe
+/// and a CPU for twenty minutes).
+pub struct Reaped(pub std::process::Child);
+
+impl std::ops::Deref for Reaped {
+    type Target = std::process::Child;
+    fn deref(&self) -> &std::process::Child {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Reaped {
+    fn deref_mut(&mut self) -> &mut std::process::Child {
+        &mut self.0
+    }
+}
+
+impl Drop for Reaped {
+    fn drop(&mut self) {
+        if let Ok(None) = self.0.try_wait() {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+}
+
 /// System-wide CPU time from /proc/stat, in seconds summed over all CPUs.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SystemCpu {

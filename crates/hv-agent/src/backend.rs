@@ -189,7 +189,7 @@ impl Backend for KvmQemu {
             Share::Nice => (original + s.nice).clamp(-20, 19),
             Share::Cgroup(cg) => {
                 let journal = &mut self.journal;
-                return cg.set(tid, s.nice, |t| match journal {
+                return cg.set(tid, s.weight, |t| match journal {
                     Some(j) => j.record(tid, "ISACS credits weight the vCPU (cpu.weight)", |e| {
                         e.cgroup = Some(t.clone())
                     }),
@@ -431,6 +431,7 @@ mod tests {
         Setting {
             key: (0, cpu),
             nice,
+            weight: 1.25f64.powi(-nice),
             iv_credit: 0.0,
             cv_credit: 0.0,
             boost: false,

@@ -7,8 +7,8 @@
 //!   moving single threads only inside threaded subtrees, so there this is an error that
 //!   says to use per-vCPU cgroups or `weight = "nice"`.
 //!
-//! Weights scale like nice: one step is a factor 1.25, so both mechanisms keep the total
-//! per host CPU where the credit core put it.
+//! A setting's weight factor scales the thread's weight, so the total per host CPU stays
+//! where the plan put it (whole nice steps only approach that; see `weights::exchange_weights`).
 
 use anyhow::{bail, Context, Result};
 use serde::{Deserialize, Serialize};
@@ -101,9 +101,9 @@ impl Hierarchy {
     }
 }
 
-/// `base × 1.25^(−nice)`, within the hierarchy's bounds.
-pub fn scaled(base: u64, nice: i32, bounds: (u64, u64)) -> u64 {
-    ((base as f64) * 1.25f64.powi(-nice))
+/// `base × factor`, within the hierarchy's bounds.
+pub fn scaled(base: u64, factor: f64, bounds: (u64, u64)) -> u64 {
+    ((base as f64) * factor)
         .round()
         .clamp(bounds.0 as f64, bounds.1 as f64) as u64
 }
@@ -190,13 +190,12 @@ impl CgroupWeights {
         Ok(())
     }
 
-    /// Gives `tid` the share of `nice` steps from its original weight. Returns whether a
-    /// file was written.
+    /// Gives `tid` its original weight times `factor`. Returns whether a file was written.
     /// `first_touch` sees the undo of a thread's first change before it is made.
     pub fn set(
         &mut self,
         tid: u32,
-        nice: i32,
+        factor: f64,
         first_touch: impl FnOnce(&Touched) -> Result<()>,
     ) -> Result<bool> {
         let touched = match self.touched.get(&tid) {
@@ -213,7 +212,7 @@ impl CgroupWeights {
             Touched::InPlace { group, original } => (group, *original),
             Touched::Child { group, .. } => (group, self.hierarchy.default_weight()),
         };
-        let value = scaled(base, nice, self.hierarchy.bounds());
+        let value = scaled(base, factor, self.hierarchy.bounds());
         if self.applied.get(&tid) == Some(&value) {
             return Ok(false);
         }
@@ -292,10 +291,11 @@ mod tests {
     }
 
     #[test]
-    fn weights_scale_like_nice() {
-        assert_eq!(scaled(1024, 0, (2, 262_144)), 1024);
-        assert_eq!(scaled(1024, 3, (2, 262_144)), 524);
-        assert_eq!(scaled(1024, -3, (2, 262_144)), 2000);
-        assert_eq!(scaled(100, 30, (1, 10_000)), 1);
+    fn weights_scale_within_bounds() {
+        assert_eq!(scaled(1024, 1.0, (2, 262_144)), 1024);
+        assert_eq!(scaled(1024, 1.25f64.powi(-3), (2, 262_144)), 524);
+        assert_eq!(scaled(1024, 1.25f64.powi(3), (2, 262_144)), 2000);
+        assert_eq!(scaled(100, 1e-3, (1, 10_000)), 1);
+        assert_eq!(scaled(10_000, 3.0, (1, 10_000)), 10_000);
     }
 }

@@ -41,10 +41,10 @@ pub struct Control {
 }
 
 impl Control {
-    /// What the model is told for a setting: the nice offset as a CFS-like weight (one
-    /// nice step is a factor 1.25, as the Xen backend scales credit2 weights), and boost.
+    /// What the model is told for a setting: its weight factor on the default CFS weight,
+    /// and boost.
     pub fn of(s: &Setting) -> Control {
-        let weight = (f64::from(DEFAULT_WEIGHT) * 1.25f64.powi(-s.nice))
+        let weight = (f64::from(DEFAULT_WEIGHT) * s.weight)
             .round()
             .clamp(1.0, f64::from(u32::MAX)) as u32;
         Control {
@@ -250,6 +250,7 @@ mod tests {
         Setting {
             key: (0, 0),
             nice,
+            weight: 1.25f64.powi(-nice),
             iv_credit: 0.0,
             cv_credit: 0.0,
             boost,
@@ -258,7 +259,7 @@ mod tests {
     }
 
     #[test]
-    fn nice_steps_become_weights_around_the_default() {
+    fn weight_factors_become_model_weights_around_the_default() {
         let w = |nice| Control::of(&setting(nice, false)).weight;
         assert_eq!(w(0), DEFAULT_WEIGHT);
         // 1024 × 1.25^±2, rounded.

@@ -190,3 +190,91 @@ fn a_cycle_of_three_is_found_and_a_chain_is_not() {
     );
     assert!(cycles(&g(&[("a", "b"), ("b", "c"), ("a", "c")])).is_empty());
 }
+
+/// Crates that are test beds, not product: their comments may tell the lab's story.
+const TEST_BEDS: [&str; 4] = ["irq-steal", "steal-emulator", "lab", "lab-oracle"];
+
+/// What of a comment reads as the lab notebook rather than a rule: a date
+/// (`2026-12-02`) or a run count (`5 of 16 PostgreSQL runs`). A rule's comment states
+/// the rule and points to `benches/RESULTS.md`, which keeps the dates and the counts.
+fn lab_story(comment: &str) -> Option<String> {
+    let b = comment.as_bytes();
+    let digits = |at: usize, n: usize| {
+        b.get(at..at + n)
+            .is_some_and(|s| s.iter().all(u8::is_ascii_digit))
+    };
+    for i in 0..b.len() {
+        let starts_word = i == 0 || !b[i - 1].is_ascii_alphanumeric();
+        if starts_word
+            && digits(i, 4)
+            && b.get(i + 4) == Some(&b'-')
+            && digits(i + 5, 2)
+            && b.get(i + 7) == Some(&b'-')
+            && digits(i + 8, 2)
+        {
+            return Some(comment[i..i + 10].to_owned());
+        }
+    }
+    let words: Vec<&str> = comment
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .collect();
+    for (i, w) in words.iter().enumerate() {
+        let number = |s: &str| !s.is_empty() && s.chars().all(|c| c.is_ascii_digit());
+        if number(w)
+            && words.get(i + 1) == Some(&"of")
+            && words.get(i + 2).is_some_and(|s| number(s))
+        {
+            let tail = &words[i + 3..(i + 6).min(words.len())];
+            if tail
+                .iter()
+                .any(|t| matches!(*t, "runs" | "reps" | "repetitions"))
+            {
+                return Some(words[i..(i + 6).min(words.len())].join(" "));
+            }
+        }
+    }
+    None
+}
+
+#[test]
+fn product_comments_carry_no_dates_or_run_counts() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
+    let mut files = Vec::new();
+    for e in std::fs::read_dir(&root).unwrap().map(Result::unwrap) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !TEST_BEDS.contains(&name.as_str()) && e.path().join("src").is_dir() {
+            rust_files(&e.path().join("src"), &mut files);
+        }
+    }
+    assert!(files.len() > 50, "only {} product files", files.len());
+    let mut found = Vec::new();
+    for f in &files {
+        let text = std::fs::read_to_string(f).unwrap();
+        for (n, line) in text.lines().enumerate() {
+            if let Some((_, comment)) = line.split_once("//") {
+                if let Some(story) = lab_story(comment) {
+                    found.push(format!("{}:{}: {story}", f.display(), n + 1));
+                }
+            }
+        }
+    }
+    assert!(
+        found.is_empty(),
+        "lab notebook in product comments (state the rule, point to benches/RESULTS.md):\n{}",
+        found.join("\n")
+    );
+}
+
+#[test]
+fn dates_and_run_counts_are_found_and_rules_are_not() {
+    assert_eq!(
+        lab_story(" measured on 2026-12-02: ").as_deref(),
+        Some("2026-12-02")
+    );
+    assert!(lab_story(" it helped in 5 of 16 PostgreSQL runs").is_some());
+    assert!(lab_story(" lost in 4 of 26 runs").is_some());
+    assert_eq!(lab_story(" one of 2 vCPUs, 10-20 ms, 1.3x"), None);
+    assert_eq!(lab_story(" slot 1 of 4 entries"), None);
+    assert_eq!(lab_story(" v2026-12-02x"), None);
+}

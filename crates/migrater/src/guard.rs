@@ -88,8 +88,9 @@ pub const NOT_LOSE_MARGIN: f64 = 1.15;
 /// second of the gain. The first two pairs run in opposite orders (M H, H M), so a trend
 /// in the rate cannot make both look won, and well beyond the swing of one second's rate
 /// twice in a row is no chance reading. On a queue per vCPU the pairs moves won read
-/// 1.6-2.1x in anti-phase and 1.2-1.3x on a KVM-like trace (`benches/RESULTS.md`,
-/// 2026-12-02): the first end at two pairs, the second mostly take the whole probe.
+/// 1.6-2.1x in anti-phase and 1.2-1.3x on a KVM-like trace (`benches/RESULTS.md` "the
+/// guard's decisive pairs"): the first end at two pairs, the second mostly take the whole
+/// probe.
 pub const DECISIVE_GAIN: f64 = 1.3;
 const DECISIVE_PAIRS: usize = 2;
 
@@ -128,8 +129,8 @@ pub struct MoveGuard {
     /// back), and a task's rate ramps up over its first fraction of a second. On a KVM-like
     /// trace the reader was taken over ~250 ms after its first request and read 2-3k/s
     /// for 250-500 ms more, so the first epoch (with moves) lost to the second by 10-60%
-    /// in 5 of 8 runs, and a probe ends at its first lost pair
-    /// (`benches/RESULTS.md`, 2026-12-02).
+    /// in most runs, and a probe ends at its first lost pair (`benches/RESULTS.md` "the
+    /// guard's decisive pairs").
     settling: bool,
 }
 

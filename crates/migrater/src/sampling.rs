@@ -18,7 +18,7 @@ pub const DOORBELL_POLL: Duration = Duration::from_millis(50);
 /// after it, at most this many in a row. A task placed is often the first of several:
 /// the database's backend starts after its postmaster, the second worker and its
 /// client's thread after the first; at the next period they would wait up to a whole
-/// period (2.5 s, measured 2.6-4.3 s to help in 5 of 16 PostgreSQL runs). A sample
+/// period (2.5 s; `benches/RESULTS.md` "follow-up samples"). A sample
 /// that places nothing ends the run.
 pub const FOLLOW_UPS: u32 = 4;
 

@@ -205,8 +205,8 @@ fn sleeper(
         hook.on_tick(cpu, event, board, woke);
         // A vCPU can be descheduled while this thread runs, not only while it sleeps.
         // Counting the next deadline from after a hook that took longer than the gap
-        // threshold would push that deadline past such a gap and hide it (1 of 280
-        // emulated bursts went unseen so); counting from the wake-up keeps it visible. A
+        // threshold would push that deadline past such a gap and hide it (emulated
+        // bursts went unseen so); counting from the wake-up keeps it visible. A
         // hook that is merely that slow then reads as a gap: hooks must stay well under
         // the threshold.
         let after = monotonic_ns();

@@ -58,8 +58,7 @@ impl ChannelStats {
     /// because each reply answers a report sent a period earlier: after the daemon anchors
     /// a task, the reply already on its way still names the vCPU the task ran on before,
     /// and taking it as the new truth unpinned and re-pinned the task every period
-    /// (tests/daemon.rs `a_host_hold_keeps_the_io_bound_task_where_it_runs` failed so in 4
-    /// of 26 runs).
+    /// (tests/daemon.rs `a_host_hold_keeps_the_io_bound_task_where_it_runs` catches it).
     pub fn held_vcpus(&self, now_ns: u64) -> Vec<usize> {
         (0..MAX_HELD_VCPUS)
             .filter(|&c| now_ns < self.held_until_ns.0[c].load(Ordering::Relaxed))

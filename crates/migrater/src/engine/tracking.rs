@@ -147,8 +147,8 @@ impl Engine {
         }
         // Attaching again patches kernel text, and every CPU must answer the patch's IPI:
         // a vCPU the host has taken away answers only once it runs again, and the
-        // attaching thread busy-waits meanwhile (`benches/RESULTS.md`, 2026-11-29: 3:1
-        // windows on a fast disk). So the programs come off only once a window has been
+        // attaching thread busy-waits meanwhile (`benches/RESULTS.md` "attaching its
+        // programs under deschedules": 3:1 windows on a fast disk). So the programs come off only once a window has been
         // judged and saw no vCPU descheduled; where vCPUs are taken away they stay on,
         // paused, and nothing patches kernel text while they are.
         let c = &self.tracking.contention;

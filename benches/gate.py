@@ -6,7 +6,10 @@ and four repetitions of four seconds are too few to judge by. It reads the `stea
 of `make bench-gate`'s run and exits non-zero, naming each cell and ratio that fell
 below its floor. The floors sit well below what the full benchmark measured (the README's
 hard-IRQ table: anti-phase 4 KiB 4.65x vanilla and 0.97x the oracle, request 9.05x and
-1.00x, none 1.02x and 0.98x), so that a failure says a regression, not noise.
+1.00x, none 1.02x and 0.98x), so that a failure says a regression, not noise. Where
+nothing can gain the floor is the one we promise, 0.97x vanilla; four runs of four
+seconds cannot place a median that close, so there the gate fails when the whole 95%
+interval lies below 0.97x (the build is shown to hurt) or the median below 0.90x.
 
     benches/gate.py STEAL_JSON
 """
@@ -14,15 +17,19 @@ hard-IRQ table: anti-phase 4 KiB 4.65x vanilla and 0.97x the oracle, request 9.0
 import json
 import sys
 
-# (schedule, workload, ratio, floor): the ratio is a key of the daemon's cell in
-# steal.json (`vs_MODE`: ratio of medians against MODE).
+# (schedule, workload, ratio, floor, what is held to it): the ratio is a key of the
+# daemon's cell in steal.json (`vs_MODE`: ratio of medians against MODE); "value" holds
+# the median ratio to the floor, "hi" the upper end of its 95% interval.
+NEVER_HURT = 0.97
 FLOORS = [
-    ("anti", "rand4k", "vs_vanilla", 1.5),
-    ("anti", "rand4k", "vs_pinned_slice", 0.85),
-    ("anti", "request", "vs_vanilla", 2.0),
-    ("anti", "request", "vs_pinned_slice", 0.85),
-    ("none", "rand4k", "vs_vanilla", 0.90),
-    ("none", "request", "vs_vanilla", 0.93),
+    ("anti", "rand4k", "vs_vanilla", 1.5, "value"),
+    ("anti", "rand4k", "vs_pinned_slice", 0.85, "value"),
+    ("anti", "request", "vs_vanilla", 2.0, "value"),
+    ("anti", "request", "vs_pinned_slice", 0.85, "value"),
+    ("none", "rand4k", "vs_vanilla", NEVER_HURT, "hi"),
+    ("none", "request", "vs_vanilla", NEVER_HURT, "hi"),
+    ("none", "rand4k", "vs_vanilla", 0.90, "value"),
+    ("none", "request", "vs_vanilla", 0.90, "value"),
 ]
 
 
@@ -30,9 +37,10 @@ def judge(doc):
     """The lines to print and whether every floor held."""
     lines, ok = [], True
     cells = doc.get("cells", {})
-    for sched, workload, ratio, floor in FLOORS:
+    for sched, workload, ratio, floor, held_by in FLOORS:
         cell = cells.get(sched, {}).get(workload)
-        name = f"{sched:<5} {workload:<8} vmigrater {ratio:<16} floor {floor:.2f}"
+        what = "" if held_by == "value" else f" ({held_by} of the interval)"
+        name = f"{sched:<5} {workload:<8} vmigrater {ratio:<16} floor {floor:.2f}{what}"
         if cell is None:
             lines.append(f"MISSING {name}: the run has no such cell")
             ok = False
@@ -43,7 +51,11 @@ def judge(doc):
             ok = False
             continue
         v, lo, hi = est["value"], est.get("lo"), est.get("hi")
-        held = v >= floor
+        if held_by == "hi" and hi is None:
+            lines.append(f"MISSING {name}: no interval in the cell")
+            ok = False
+            continue
+        held = (v if held_by == "value" else hi) >= floor
         ok &= held
         interval = f" [{lo:.2f}, {hi:.2f}]" if lo is not None and hi is not None else ""
         lines.append(f"{'ok  ' if held else 'FAIL'}    {name}: {v:.2f}x{interval}")

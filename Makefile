@@ -24,6 +24,7 @@ run: build
 lint: setup
 	$(CARGO) fmt --all -- --check
 	scripts/alerts-check.sh
+	python3 benches/tables.py check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Unit tests, then the real-kernel tests (root; built by another user, cargo reports them

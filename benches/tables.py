@@ -1,0 +1,91 @@
+#!/usr/bin/env python3
+"""The results tables of the docs, written from their JSON and checked against it.
+
+A generated table in README.md or benches/RESULTS.md sits under a marker naming the
+command that writes it, from the repository's root:
+
+    <!-- table: benches/host_table.py benches/results/host-fadc5fc.json -->
+    <!-- benches/results/host-fadc5fc.json: commit ..., kernel ..., 8 reps x 6.0 s -->
+    | host, vCPUs per CPU | ... |
+    |---|...|
+
+The block under the marker is the command's output, down to the first line that is
+neither a table row nor an HTML comment.
+
+    tables.py check [FILE ...]   exit 1, naming file and line, where a block differs
+    tables.py write [FILE ...]   rewrite every block from its command
+
+FILE defaults to README.md and benches/RESULTS.md. `make lint` runs `check`.
+"""
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MARKER = "<!-- table: "
+DEFAULT_FILES = ["README.md", "benches/RESULTS.md"]
+
+
+def block_end(lines, start):
+    """Index after the generated block that starts at `start`."""
+    i = start
+    while i < len(lines) and (lines[i].startswith("|") or lines[i].startswith("<!-- benches/")):
+        i += 1
+    return i
+
+
+def generate(command, where):
+    """The command's output lines; a command outside benches/ or one that fails is an
+    error naming the marker."""
+    argv = shlex.split(command)
+    if not argv or not argv[0].startswith("benches/") or not argv[0].endswith(".py"):
+        raise SystemExit(f"{where}: a table's command must be a benches/*.py script: {command!r}")
+    run = subprocess.run(
+        [sys.executable, *argv], cwd=ROOT, capture_output=True, text=True, check=False
+    )
+    if run.returncode != 0:
+        raise SystemExit(f"{where}: `{command}` failed:\n{run.stderr.strip()}")
+    return [line for line in run.stdout.splitlines() if line.strip()]
+
+
+def blocks(lines):
+    """(marker line index, command, block start, block end) for each marker."""
+    for i, line in enumerate(lines):
+        if line.startswith(MARKER) and line.rstrip().endswith("-->"):
+            command = line[len(MARKER):].rstrip()[: -len("-->")].strip()
+            yield i, command, i + 1, block_end(lines, i + 1)
+
+
+def main(argv):
+    if not argv or argv[0] not in ("check", "write"):
+        print(__doc__.strip(), file=sys.stderr)
+        return 2
+    mode, files = argv[0], argv[1:] or DEFAULT_FILES
+    stale, seen = [], 0
+    for name in files:
+        path = ROOT / name
+        lines = path.read_text().splitlines()
+        out, last = [], 0
+        for marker, command, start, end in blocks(lines):
+            seen += 1
+            fresh = generate(command, f"{name}:{marker + 1}")
+            if lines[start:end] != fresh:
+                stale.append(f"{name}:{start + 1}: the table differs from `{command}`")
+            out += lines[last:start] + fresh
+            last = end
+        out += lines[last:]
+        if mode == "write" and out != lines:
+            path.write_text("\n".join(out) + "\n")
+    if mode == "check":
+        for s in stale:
+            print(s, file=sys.stderr)
+        if stale:
+            print("run `python3 benches/tables.py write` and commit the result", file=sys.stderr)
+            return 1
+        print(f"{seen} generated tables agree with their JSON")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

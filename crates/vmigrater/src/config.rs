@@ -581,11 +581,134 @@ impl Config {
             .map_or(0, |r| r.priority)
     }
 
-    /// The default configuration as commented TOML, for `vmigrater config` and the package.
+    /// The default configuration as the package ships it (`vmigrater default-config`):
+    /// every user key with a line saying what it does and its default, commented out, and
+    /// `[advanced]` as a commented block. The defaults live in the program, so a new
+    /// release's defaults reach a machine for every key its file does not set; a file that
+    /// froze them (as a plain dump of the defaults would) keeps old timings forever.
     pub fn default_toml() -> String {
-        toml::to_string_pretty(&Config::default()).expect("defaults serialise")
+        let dump = toml::to_string_pretty(&Config::default()).expect("defaults serialise");
+        let mut out = String::from(CONFFILE_HEAD);
+        let mut section = String::new();
+        for line in dump.lines() {
+            let line = line.trim_end();
+            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                section = name.to_owned();
+                out.push('\n');
+                if let Some((_, doc)) = SECTION_DOCS.iter().find(|(s, _)| *s == section) {
+                    for l in doc.lines() {
+                        out.push_str(&format!("# {l}\n"));
+                    }
+                }
+                let commented = if section.starts_with("advanced") {
+                    "#"
+                } else {
+                    ""
+                };
+                out.push_str(&format!("{commented}{line}\n"));
+                continue;
+            }
+            let Some((key, _)) = line.split_once(" = ") else {
+                continue;
+            };
+            if key == "priority" && section.is_empty() {
+                continue; // an array of tables, shown by example at the end
+            }
+            let path = if section.is_empty() {
+                key.to_owned()
+            } else {
+                format!("{section}.{key}")
+            };
+            if let Some((_, doc)) = KEY_DOCS.iter().find(|(k, _)| *k == path) {
+                for l in doc.lines() {
+                    out.push_str(&format!("# {l}\n"));
+                }
+            }
+            out.push_str(&format!("#{line}\n"));
+        }
+        out.push_str(CONFFILE_PRIORITY);
+        out
     }
 }
+
+const CONFFILE_HEAD: &str = "\
+# vmigrater: the guest daemon's configuration (/etc/vmigrater/vmigrater.toml).
+# Every key is optional: each is shown with its default and commented out, and the
+# default lives in the program, so a new release's defaults apply wherever this file
+# sets nothing. Uncomment a key to set it; `systemctl reload vmigrater` takes up
+# migration.exclude_comm and the [[priority]] rules, anything else needs a restart.
+# An unknown key is an error naming its line. `vmigrater default-config` prints this.
+
+";
+
+const CONFFILE_PRIORITY: &str = "
+# User priorities: the first rule that matches a task sets its priority (higher wins
+# a vCPU first). A rule matches by command, process id and/or a substring of a line of
+# /proc/PID/cgroup, e.g.:
+#[[priority]]
+#comm = \"postgres\"
+#priority = 10
+";
+
+/// The comment line(s) over each section of the shipped file.
+const SECTION_DOCS: &[(&str, &str)] = &[
+    (
+        "monitor",
+        "Which vCPUs run now, and how long their slices are.",
+    ),
+    (
+        "detector",
+        "Which tasks are I/O-bound, from BPF programs on block tracepoints.",
+    ),
+    ("migration", "Which tasks move, and under what safeguards."),
+    (
+        "metrics",
+        "Prometheus metrics (OpenMetrics text at /metrics).",
+    ),
+    (
+        "channel",
+        "Per-vCPU I/O reports to vmigrater-hv-agent on the host, over a virtio-serial port.",
+    ),
+    (
+        "advanced.monitor",
+        "Timings and limits our measurements chose (docs/advanced.md, benches/RESULTS.md).\n\
+         A lab, or a hypervisor unlike any measured, may need others; a user should not.",
+    ),
+];
+
+/// The comment line(s) over each key of the shipped file; every key has one
+/// (`the_shipped_file_documents_every_key`).
+const KEY_DOCS: &[(&str, &str)] = &[
+    ("state_dir", "Where the journal of original masks and the status socket live."),
+    ("dry_run", "Plan and log migrations but never change a mask."),
+    ("monitor.source", "Where deschedules are learnt from: \"kernel\" (late kernel timers seen by BPF),\n\"sleepers\" (a SCHED_FIFO sleeper per vCPU) or \"auto\" (kernel, else sleepers)."),
+    ("monitor.cpus", "vCPUs to monitor; empty means every online CPU."),
+    ("detector.attach_mode", "BPF attach mode: \"auto\", \"tp_btf\", \"raw_tp\" or \"tracepoint\"."),
+    ("migration.exclude_comm", "Commands (comm) never to move, e.g. [\"backup\", \"rsync\"]."),
+    ("migration.guard", "Measure whether moves raise the guest's block I/O rate, and hold tasks on\ntheir own masks while they do not."),
+    ("migration.follow_completions", "Keep an I/O-bound task on the vCPU that takes its completion interrupts\nwhere that vCPU is fixed; false: always move towards running vCPUs."),
+    ("migration.keep_partners", "Keep beside a kept task the threads it wakes many times a second (a\ndatabase backend's client)."),
+    ("metrics.enabled", "Serve metrics."),
+    ("metrics.listen", "Address of the metrics endpoint (localhost only by default)."),
+    ("channel.enabled", "Report to the host agent when its port exists."),
+    ("channel.path", "The virtio-serial port."),
+    ("advanced.monitor.period_us", "Sleeper period while I/O-bound tasks need slice information."),
+    ("advanced.monitor.probe_period_us", "Period while I/O-bound tasks exist but no deschedule was seen lately."),
+    ("advanced.monitor.idle_period_us", "Period while no task is I/O-bound."),
+    ("advanced.monitor.min_gap_threshold_us", "Floor of the adaptive gap threshold."),
+    ("advanced.monitor.default_slice_us", "Slice length assumed before one has been measured."),
+    ("advanced.monitor.rt_priority", "SCHED_FIFO priority of the sleepers; 0 runs them as normal tasks."),
+    ("advanced.detector.window_ms", "Length of one classification window."),
+    ("advanced.detector.idle_poll_ms", "Poll period while nothing is I/O-bound and no block I/O is seen."),
+    ("advanced.detector.sample_ms", "Sampled tracking: the block programs track sample_ms of every\nsample_every_ms; 0 tracks every request."),
+    ("advanced.detector.sample_every_ms", "See sample_ms."),
+    ("advanced.detector.detach_after_ms", "With nothing to gain for this long the block programs come off; 0: never."),
+    ("advanced.migration.push_threshold_us", "Move a task off a vCPU whose slice ends within this."),
+    ("advanced.migration.max_load_per_vcpu", "Most runnable tasks a destination vCPU may hold."),
+    ("advanced.migration.guard_epoch_ms", "Length of one epoch of the move guard's probe."),
+    ("advanced.migration.kept_slice_us", "Scheduler slice of a kept task (shorter turns under contention)."),
+    ("advanced.channel.period_ms", "Report period to the host agent."),
+];
 
 /// The kernel keeps a task's command in 16 bytes with its NUL (TASK_COMM_LEN): a longer
 /// name, or an empty one, would never match, and the rule would silently do nothing.
@@ -1071,6 +1194,61 @@ mod tests {
     fn default_toml_round_trips() {
         let text = Config::default_toml();
         let cfg = Config::parse(&text, "defaults").unwrap();
+        let dump = |c: &Config| toml::to_string_pretty(c).unwrap();
+        assert_eq!(dump(&cfg), dump(&Config::default()));
+    }
+
+    #[test]
+    fn the_shipped_file_sets_nothing_and_documents_every_key() {
+        let text = Config::default_toml();
+        // Nothing but comments and the user sections' headers: every default stays in
+        // the program, so a new release's defaults reach an installed machine.
+        for line in text.lines() {
+            let active = !line.is_empty() && !line.starts_with('#');
+            assert!(
+                !active || (line.starts_with('[') && !line.starts_with("[advanced")),
+                "the shipped file sets {line:?}"
+            );
+        }
+        // Every key is there, commented, under a line that says what it does.
+        let dump = toml::to_string_pretty(&Config::default()).unwrap();
+        let mut section = String::new();
+        for line in dump.lines() {
+            if let Some(s) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
+                section = s.to_owned();
+                continue;
+            }
+            let Some((key, _)) = line.split_once(" = ") else {
+                continue;
+            };
+            if key == "priority" && section.is_empty() {
+                continue;
+            }
+            let path = if section.is_empty() {
+                key.to_owned()
+            } else {
+                format!("{section}.{key}")
+            };
+            assert!(
+                KEY_DOCS.iter().any(|(k, _)| *k == path),
+                "{path} has no line in KEY_DOCS"
+            );
+            assert!(text.contains(&format!("\n#{line}\n")), "{path} not shown");
+        }
+        assert!(text.contains("\n#[advanced.monitor]\n"), "{text}");
+        assert!(text.contains("\n#[[priority]]\n"), "{text}");
+        // Uncommenting a shown default sets that default: the examples parse.
+        let uncommented: String = text
+            .lines()
+            .map(|l| {
+                l.strip_prefix('#')
+                    .filter(|r| !r.starts_with(' ') && !r.is_empty())
+                    .unwrap_or(l)
+            })
+            .collect::<Vec<_>>()
+            .join("\n");
+        let cfg = Config::parse(&uncommented, "uncommented").unwrap();
+        assert_eq!(cfg.priorities.len(), 1);
         assert_eq!(cfg.advanced.monitor.period_us, 300);
     }
 }

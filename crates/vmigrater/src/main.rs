@@ -39,7 +39,8 @@ enum Command {
     Check,
     /// Ask a running daemon for its state and print a table.
     Status(StatusArgs),
-    /// Print the default configuration as TOML.
+    /// Print the configuration file the packages ship: every key with its default,
+    /// commented out, so the defaults stay in the program.
     DefaultConfig,
     /// Record this guest's vCPU deschedules for a while, as the kernel monitor sees them,
     /// in the replay form of the hard-IRQ testbed (`CPU START_US END_US` lines). Root.

@@ -25,7 +25,7 @@ use crate::guest::{self, GuestState};
 use crate::journal::Journal;
 use crate::observe::{self, ThreadSample, WakeupEma};
 use crate::placement::{self, Placed};
-use crate::status::{AgentStatus, Source, VcpuStatus, VmStatus};
+use crate::status::{AgentStatus, Origin, Source, VcpuStatus, VmStatus};
 use crate::weights::{self, Setting, VcpuFigures};
 
 /// At SIGHUP a running agent takes up, at its next period, the keys each period's plan
@@ -79,7 +79,7 @@ struct Track {
 
 struct Vm {
     cfg: VmConfig,
-    origin: &'static str,
+    origin: Origin,
     tids: Vec<u32>,
     resolved_at: Option<Instant>,
     guest: Arc<GuestState>,
@@ -92,7 +92,7 @@ struct Vm {
 }
 
 impl Vm {
-    fn new(cfg: VmConfig, origin: &'static str, min_interval: Duration) -> Result<Vm> {
+    fn new(cfg: VmConfig, origin: Origin, min_interval: Duration) -> Result<Vm> {
         let guest = Arc::new(GuestState::default());
         let stop = Arc::new(control::Stop::default());
         let thread = match cfg.hint_socket.clone() {
@@ -273,7 +273,7 @@ impl Agent {
         let vms = cfg
             .vms
             .iter()
-            .map(|v| Vm::new(v.clone(), "config", min))
+            .map(|v| Vm::new(v.clone(), Origin::Config, min))
             .collect::<Result<Vec<_>>>()?;
         Ok(Agent {
             cfg,
@@ -301,7 +301,7 @@ impl Agent {
         for v in &found {
             if !self.vms.iter().any(|vm| vm.cfg.name == v.name) {
                 info!(vm = %v.name, "libvirt VM found");
-                match Vm::new(v.clone(), "libvirt", min) {
+                match Vm::new(v.clone(), Origin::Libvirt, min) {
                     Ok(vm) => self.vms.push(vm),
                     Err(e) => warn!(vm = %v.name, "cannot follow libvirt VM: {e:#}"),
                 }
@@ -309,7 +309,7 @@ impl Agent {
         }
         let mut gone = Vec::new();
         self.vms.retain_mut(|vm| {
-            let keep = vm.origin != "libvirt" || found.iter().any(|f| f.name == vm.cfg.name);
+            let keep = vm.origin != Origin::Libvirt || found.iter().any(|f| f.name == vm.cfg.name);
             if !keep {
                 info!(vm = %vm.cfg.name, "libvirt VM gone");
                 vm.shut();
@@ -658,7 +658,7 @@ impl Agent {
                 .iter()
                 .map(|vm| VmStatus {
                     name: vm.cfg.name.clone(),
-                    origin: vm.origin.into(),
+                    origin: vm.origin,
                     connected: vm.guest.connected.load(Ordering::Relaxed),
                     reports: vm.guest.reports.load(Ordering::Relaxed),
                     rejected: vm.guest.rejected.load(Ordering::Relaxed),

@@ -61,11 +61,30 @@ pub struct VcpuStatus {
     pub held: bool,
 }
 
+/// Where the agent learnt of a VM.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Origin {
+    /// A `[[vm]]` table of the configuration: kept while the agent runs.
+    #[default]
+    Config,
+    /// Found through libvirt: dropped when libvirt no longer lists it.
+    Libvirt,
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Origin::Config => "config",
+            Origin::Libvirt => "libvirt",
+        })
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct VmStatus {
     pub name: String,
-    /// `config` or `libvirt`.
-    pub origin: String,
+    pub origin: Origin,
     pub connected: bool,
     pub reports: u64,
     pub rejected: u64,
@@ -175,7 +194,7 @@ mod tests {
             backend: BackendKind::KvmQemu,
             vms: vec![VmStatus {
                 name: "web".into(),
-                origin: "config".into(),
+                origin: Origin::Config,
                 connected: true,
                 reports: 7,
                 vcpus: vec![VcpuStatus {

@@ -62,9 +62,15 @@ impl Running {
         // try_lock: the channel must never hold up the planner; a busy lock only means
         // this period's per-vCPU task counts use the tasks' last CPU instead.
         let placement = try_lock_placement(&self.shared.placement);
+        // Where the task runs: where we pinned it, else where it last submitted. Not a dry
+        // run's simulated placement: that daemon moves nothing, and told the host its
+        // tasks sat on the vCPUs it would have chosen, so the agent took weight from the
+        // vCPU they really ran on (a dry-run guest read 0.3x vanilla in the host loop,
+        // benches/RESULTS.md "a dry run's reports").
         let on = |t: &FoundTask| {
             placement
                 .as_ref()
+                .filter(|_| !self.dry_run)
                 .and_then(|p| p.placed_on(t.tid))
                 .unwrap_or(t.last_cpu)
         };
@@ -177,5 +183,63 @@ impl Running {
     /// The metrics as of now, in OpenMetrics text: the status report's figures.
     pub fn encode_metrics(&self) -> String {
         metrics::encode(&self.report(), &self.moves)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use migrater::hook::{LatencyRing, Placement};
+    use std::collections::{HashMap, HashSet};
+    use std::sync::Mutex;
+
+    /// A daemon whose engine found one I/O-bound task, tid 7, that last submitted on
+    /// vCPU 0, and whose placement holds `simulated` (what a dry run would have done).
+    fn running(dry_run: bool, simulated: &[(u32, usize)]) -> Running {
+        let shared = Arc::new(Shared {
+            tasks: ArcSwap::from_pointee(Vec::new()),
+            placement: Mutex::new(Placement {
+                executor: None,
+                simulated: simulated.iter().copied().collect::<HashMap<_, _>>(),
+                latencies: LatencyRing::new(4),
+                hands_off: HashSet::new(),
+            }),
+            moves: Arc::new(Moves::default()),
+            migrations: Default::default(),
+        });
+        let engine = EngineSnapshot {
+            found: vec![FoundTask {
+                tid: 7,
+                tgid: 7,
+                start_time: 1,
+                last_cpu: 0,
+            }],
+            ..EngineSnapshot::default()
+        };
+        Running {
+            shared,
+            board: Arc::new(VcpuBoard::new(&[0, 1], &Default::default())),
+            moves: Arc::new(Moves::default()),
+            engine: Arc::new(ArcSwap::from_pointee(engine)),
+            attach_mode: None,
+            monitor_source: vcpu_monitor::Source::Sleepers,
+            dry_run,
+            started: Instant::now(),
+            channel: Arc::new(ChannelStats::default()),
+        }
+    }
+
+    fn tasks_per_vcpu(r: &Running) -> Vec<u32> {
+        r.channel_sample()
+            .iter()
+            .map(|s| s.io_bound_tasks)
+            .collect()
+    }
+
+    #[test]
+    fn the_host_hears_where_tasks_run_not_where_a_dry_run_would_put_them() {
+        // A dry run "placed" the task on vCPU 1 and moved nothing: it still runs on 0.
+        assert_eq!(tasks_per_vcpu(&running(true, &[(7, 1)])), vec![1, 0]);
+        assert_eq!(tasks_per_vcpu(&running(true, &[])), vec![1, 0]);
     }
 }

@@ -947,17 +947,7 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
         .spawn()
         .unwrap();
     // An O_DIRECT reader gives the guest daemon real I/O completions to report.
-    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
-    vmigrater_testbed::workload::prepare_file(&data, 64 << 20).unwrap();
-    let mut reader = Reaped(
-        Command::new(workspace_bin("vmigrater-workload"))
-            .arg("--file")
-            .arg(&data)
-            .args(["--pattern", "random4k", "--readers", "1"])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut reader = random_reader();
 
     let t0 = Instant::now();
     let (mut weighted, mut last) = (false, None);
@@ -1019,6 +1009,21 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     }
 }
 
+/// One O_DIRECT reader of 4 KiB at random offsets in a 64 MiB file, killed when dropped.
+fn random_reader() -> Reaped {
+    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
+    vmigrater_testbed::workload::prepare_file(&data, 64 << 20).unwrap();
+    Reaped(
+        Command::new(workspace_bin("vmigrater-workload"))
+            .arg("--file")
+            .arg(&data)
+            .args(["--pattern", "random4k", "--readers", "1"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
 fn http_get(addr: &str, path: &str) -> String {
     let mut s = std::net::TcpStream::connect(addr).expect("connect /metrics");
     write!(
@@ -1037,17 +1042,7 @@ fn silent_guests_are_observed_from_the_host_and_exported() {
     assert_root();
     // No guest daemon: the "vCPU thread" is a real O_DIRECT reader, which wakes up on
     // every completion; the agent must see that from /proc alone.
-    let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");
-    vmigrater_testbed::workload::prepare_file(&data, 64 << 20).unwrap();
-    let mut reader = Reaped(
-        Command::new(workspace_bin("vmigrater-workload"))
-            .arg("--file")
-            .arg(&data)
-            .args(["--pattern", "random4k", "--readers", "1"])
-            .stdout(Stdio::null())
-            .spawn()
-            .unwrap(),
-    );
+    let mut reader = random_reader();
     let t0 = Instant::now();
     let tid = loop {
         let found = std::fs::read_dir(format!("/proc/{}/task", reader.id()))

@@ -153,11 +153,13 @@ pub fn plan(params: &CreditParams, rules: &Rules, vcpus: &[VcpuFigures]) -> Vec<
 
 /// The weights (factors of the default) of the favoured and the paying vCPU of a
 /// `vm-funded` pair: in the ratio of `steps` nice steps (1.25^2·steps), as whole nice
-/// steps give, and summing to two defaults. The sum is what keeps the share of every
-/// other vCPU on the run queue: with ×1.25^s and ×1.25^−s the pair's total grows, so
-/// at three or more VMs per CPU a VM outside the exchange paid for it (the I/O guest got
-/// 2.3–7% more CPU in the loop, benches/RESULTS.md "vm-funded at 3:1 and 4:1"). Between two
-/// VMs per CPU the shares are those of whole nice steps.
+/// steps give, and summing to two defaults. On a proportional-share scheduler (CFS and
+/// EEVDF weights, cgroup weights) the sum is what keeps the share of every other vCPU on
+/// the run queue: with ×1.25^s and ×1.25^−s the pair's total grows, so at three or more
+/// VMs per CPU a VM outside the exchange paid for it (benches/RESULTS.md "vm-funded at 3:1
+/// and 4:1"). A credit1-like scheduler, which shares turns beyond the credits round robin,
+/// follows weights only in part. Between two VMs per CPU the shares are those of whole
+/// nice steps.
 pub fn exchange_weights(steps: i32) -> (f64, f64) {
     let r2 = NICE_STEP.powi(2 * steps);
     let favoured = 2.0 * r2 / (r2 + 1.0);

@@ -55,10 +55,11 @@ fn reload(vm: &mut Vm) -> Result<()> {
         ensure!(state.trim() == "active", "after {what}: {}", state.trim());
         journal(vm)
     };
+    // The shipped file shows every key commented out: an operator uncomments one.
     vm.sh(
         &format!(
-            "grep -q '^exclude_comm = \\[\\]$' {CONF} && \
-             sed -i 's/^exclude_comm = .*/exclude_comm = [\"dd\"]/' {CONF} && \
+            "grep -q '^#exclude_comm = \\[\\]$' {CONF} && \
+             sed -i 's/^#exclude_comm = .*/exclude_comm = [\"dd\"]/' {CONF} && \
              systemctl reload vmigrater"
         ),
         MIN,

@@ -1661,3 +1661,155 @@ fn a_modelled_guest_that_claims_io_everywhere_moves_no_weight() {
     );
     assert_eq!(model.left_changed(), [], "not restored:\n{log}");
 }
+
+/// A QEMU as KubeVirt runs it, in a mount namespace of its own: python stands in for it
+/// with QEMU's `-name guest=...`, a thread named `CPU 0/KVM`, and the channel's listening
+/// socket bound under a private tmpfs (so the host sees nothing at that path, as with a
+/// pod's filesystem) at a path too long for a socket address once prefixed with
+/// `/proc/<pid>/root`. It plays the guest on the connection and prints each line the host
+/// sends it.
+fn contained_qemu(mount: &Path, name: &str) -> (Reaped, PathBuf) {
+    let deep = mount.join("virt-launcher-private-libvirt-qemu-channel-target-domain-1-long");
+    let bound = deep.join("org.vmigrater.hint.0");
+    let script = r#"
+import ctypes, socket, sys, threading, time, os
+path = sys.argv[1]
+os.makedirs(os.path.dirname(path))
+s = socket.socket(socket.AF_UNIX)
+s.bind(path)
+s.listen(1)
+def vcpu():
+    ctypes.CDLL(None).prctl(15, b"CPU 0/KVM")
+    while True:
+        time.sleep(1)
+threading.Thread(target=vcpu, daemon=True).start()
+print("listening", flush=True)
+c, _ = s.accept()
+c.sendall(b'{"type":"hello","version":1,"agent":"test","vcpus":1}\n')
+f = c.makefile("r")
+def read():
+    for line in f:
+        print(line.strip(), flush=True)
+threading.Thread(target=read, daemon=True).start()
+seq = 0
+while True:
+    seq += 1
+    c.sendall(('{"type":"report","seq":%d,"period_ms":25,"vcpus":[{"cpu":0,"io_completions":5,"io_interval_ema_us":900,"io_bound_tasks":1,"inactive_ratio":0.0,"slice_estimate_us":1000}]}\n' % seq).encode())
+    time.sleep(0.025)
+"#;
+    let child = Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "--", "sh", "-c"])
+        .arg(format!(
+            "mount -t tmpfs vmigrater-test {} && exec python3 -c \"$0\" {} -name guest={name},debug-threads=on",
+            mount.display(),
+            bound.display()
+        ))
+        .arg(script)
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("unshare and python3 (util-linux, python3)");
+    (Reaped(child), bound)
+}
+
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_vm_whose_libvirt_runs_in_a_container_is_found_from_its_qemu_process() {
+    assert_root();
+    let dir = tempfile::tempdir().unwrap();
+    let mount = dir.path().join("pod");
+    std::fs::create_dir(&mount).unwrap();
+    let name = "ns1_vmi-long-name";
+    let (mut qemu, bound) = contained_qemu(&mount, name);
+    let mut out = std::io::BufReader::new(qemu.stdout.take().unwrap());
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut out, &mut line).unwrap();
+    assert_eq!(line.trim(), "listening", "the stand-in QEMU did not start");
+    assert!(
+        !bound.exists(),
+        "{} is visible on the host: the stand-in's mount namespace is not private",
+        bound.display()
+    );
+    let pid = qemu.id();
+
+    // Discovery alone: the VM, its host pid and a socket path through its root.
+    let found = hv_agent::discovery::contained_vms(Path::new("/proc"));
+    let vm = found
+        .iter()
+        .find(|v| v.name == name)
+        .unwrap_or_else(|| panic!("no VM {name} among {found:?}"));
+    assert_eq!(vm.pid, Some(pid));
+    let socket = vm.hint_socket.clone().unwrap();
+    assert_eq!(
+        socket,
+        PathBuf::from(format!("/proc/{pid}/root")).join(bound.strip_prefix("/").unwrap())
+    );
+    assert!(
+        socket.as_os_str().len() > 107,
+        "the path {} fits a socket address: the long-path connect is not exercised",
+        socket.display()
+    );
+
+    // The agent, with nothing but `containers = true`, connects through it, takes reports
+    // and names the vCPU thread.
+    let config = dir.path().join("agent.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "period_ms = 50\nbackend = \"dry-run\"\nstate_dir = {:?}\n\n[metrics]\nenabled = false\n\n[libvirt]\nenabled = true\ncontainers = true\nchannel_dir = {:?}\n",
+            dir.path().display().to_string(),
+            dir.path().join("no-libvirt-here").display().to_string()
+        ),
+    )
+    .unwrap();
+    let agent = Agent::run(config, dir.path().join("agent.log"));
+    let vcpu_tid = std::fs::read_dir(format!("/proc/{pid}/task"))
+        .unwrap()
+        .flatten()
+        .find(|t| {
+            std::fs::read_to_string(t.path().join("comm")).is_ok_and(|c| c.trim() == "CPU 0/KVM")
+        })
+        .and_then(|t| t.file_name().to_str()?.parse::<u64>().ok())
+        .expect("the stand-in's vCPU thread");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut last = None;
+    while Instant::now() < deadline {
+        if let Some(s) = agent.status() {
+            let vm = s["vms"]
+                .as_array()
+                .and_then(|v| v.iter().find(|v| v["name"] == name).cloned());
+            if vm.as_ref().is_some_and(|v| {
+                v["reports"].as_u64().unwrap_or(0) >= 10
+                    && v["vcpus"][0]["tid"].as_u64() == Some(vcpu_tid)
+            }) {
+                last = vm;
+                break;
+            }
+            last = vm;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let log = agent.terminate();
+    let vm = last.unwrap_or_else(|| panic!("the agent never listed {name}:\n{log}"));
+    assert!(
+        vm["reports"].as_u64().unwrap_or(0) >= 10
+            && vm["vcpus"][0]["tid"].as_u64() == Some(vcpu_tid),
+        "the agent did not follow the contained VM (vCPU thread {vcpu_tid}): {vm}\n{log}"
+    );
+    assert_eq!(vm["origin"], "libvirt", "{vm}");
+    // The host's replies reached the guest's end.
+    let mut replies = String::new();
+    for _ in 0..50 {
+        line.clear();
+        if std::io::BufRead::read_line(&mut out, &mut line).unwrap_or(0) == 0 {
+            break;
+        }
+        replies.push_str(&line);
+        if line.contains("\"welcome\"") {
+            break;
+        }
+    }
+    assert!(
+        replies.contains("\"welcome\""),
+        "the guest end got no welcome: {replies}"
+    );
+}

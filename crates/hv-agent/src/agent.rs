@@ -148,6 +148,9 @@ fn resolve_threads(vm: &VmConfig) -> Result<Vec<u32>> {
     if !vm.vcpu_threads.is_empty() {
         return Ok(vm.vcpu_threads.clone());
     }
+    if let Some(pid) = vm.pid {
+        return discovery::threads_by_comm(pid);
+    }
     if let Some(p) = &vm.pid_file {
         return discovery::threads_by_comm(discovery::read_pid_file(p)?);
     }
@@ -293,23 +296,16 @@ impl Agent {
     /// VMs libvirt started or stopped since the last scan.
     fn scan_libvirt(&mut self) {
         let l = &self.cfg.libvirt;
-        if !l.enabled || !l.channel_dir.is_dir() {
+        if !l.enabled || !(l.containers || l.channel_dir.is_dir()) {
             return;
         }
-        let found = discovery::libvirt_vms(&l.channel_dir, &l.pid_dir);
+        let found = discovery::libvirt_all(l);
         let min = Duration::from_millis(self.cfg.min_report_interval_ms);
-        for v in &found {
-            if !self.vms.iter().any(|vm| vm.cfg.name == v.name) {
-                info!(vm = %v.name, "libvirt VM found");
-                match Vm::new(v.clone(), Origin::Libvirt, min) {
-                    Ok(vm) => self.vms.push(vm),
-                    Err(e) => warn!(vm = %v.name, "cannot follow libvirt VM: {e:#}"),
-                }
-            }
-        }
+        // A VM found again under its name but another QEMU (a pod that restarted it) is
+        // gone and new: its pid and socket path are the old process's.
         let mut gone = Vec::new();
         self.vms.retain_mut(|vm| {
-            let keep = vm.origin != Origin::Libvirt || found.iter().any(|f| f.name == vm.cfg.name);
+            let keep = vm.origin != Origin::Libvirt || found.contains(&vm.cfg);
             if !keep {
                 info!(vm = %vm.cfg.name, "libvirt VM gone");
                 vm.shut();
@@ -319,6 +315,15 @@ impl Agent {
         });
         for tid in gone {
             self.backend.forget(tid);
+        }
+        for v in &found {
+            if !self.vms.iter().any(|vm| vm.cfg.name == v.name) {
+                info!(vm = %v.name, "libvirt VM found");
+                match Vm::new(v.clone(), Origin::Libvirt, min) {
+                    Ok(vm) => self.vms.push(vm),
+                    Err(e) => warn!(vm = %v.name, "cannot follow libvirt VM: {e:#}"),
+                }
+            }
         }
     }
 

@@ -140,13 +140,16 @@ impl Default for MetricsConfig {
 }
 
 /// VMs started by libvirt announce themselves: a channel socket named after our port in
-/// `channel_dir/domain-<id>-<name>/`, and the QEMU pid in `pid_dir/<name>.pid`.
+/// `channel_dir/domain-<id>-<name>/`, and the QEMU pid in `pid_dir/<name>.pid`. With
+/// `containers`, VMs whose libvirt runs in a container (KubeVirt's virt-launcher pods) are
+/// found from their QEMU processes instead (discovery.rs).
 #[derive(Clone, Debug, Deserialize, Serialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct LibvirtConfig {
     pub enabled: bool,
     pub channel_dir: PathBuf,
     pub pid_dir: PathBuf,
+    pub containers: bool,
 }
 
 impl Default for LibvirtConfig {
@@ -155,6 +158,7 @@ impl Default for LibvirtConfig {
             enabled: true,
             channel_dir: "/var/lib/libvirt/qemu/channel/target".into(),
             pid_dir: "/run/libvirt/qemu".into(),
+            containers: false,
         }
     }
 }
@@ -204,6 +208,10 @@ pub struct VmConfig {
     /// This VM is the testbed model's slot S on every modelled CPU, its vCPU n on CPU n
     /// (only with backend `model`; slot 0 is the testbed's own guest).
     pub model_slot: Option<u32>,
+    /// The host pid of a QEMU found under /proc (`libvirt.containers`), whose pid file, if
+    /// any, lives in a namespace of its own.
+    #[serde(skip)]
+    pub pid: Option<u32>,
 }
 
 impl Config {

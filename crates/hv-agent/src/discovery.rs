@@ -3,6 +3,11 @@
 //!   vCPU thread `CPU <n>/KVM` (`/TCG` under emulation): the pid file is enough.
 //! - libvirt creates a unix socket per `<channel>` under
 //!   `channel_dir/domain-<id>-<name>/<port name>` and the pid file `pid_dir/<name>.pid`.
+//! - A libvirt inside a container (KubeVirt's virt-launcher pod) does the same in the pod's
+//!   own mount and pid namespaces, so neither path means anything on the host. From the
+//!   host (`hostPID`), the QEMU process names its VM (`-name guest=...`) and holds the
+//!   channel's listening socket, whose bound path `/proc/<pid>/net/unix` lists and
+//!   `/proc/<pid>/root` reaches.
 
 use anyhow::{Context, Result};
 use std::path::{Path, PathBuf};
@@ -80,10 +85,144 @@ pub fn libvirt_vms(channel_dir: &Path, pid_dir: &Path) -> Vec<VmConfig> {
                 host_cpus: Vec::new(),
                 domain: None,
                 model_slot: None,
+                pid: None,
             })
         })
         .collect();
     vms.sort_by(|a, b| a.name.cmp(&b.name));
+    vms
+}
+
+/// Every VM libvirt runs with our channel: the host's libvirt first, then, with
+/// `containers`, QEMU processes found under /proc that the host's libvirt does not know.
+pub fn libvirt_all(l: &crate::config::LibvirtConfig) -> Vec<VmConfig> {
+    let mut vms = libvirt_vms(&l.channel_dir, &l.pid_dir);
+    if l.containers {
+        for vm in contained_vms(Path::new("/proc")) {
+            if !vms.iter().any(|v| v.name == vm.name) {
+                vms.push(vm);
+            }
+        }
+    }
+    vms
+}
+
+/// The guest name of a QEMU command line (`/proc/<pid>/cmdline`, NUL-separated):
+/// `-name guest=web,debug-threads=on` or `-name web`, with QEMU's `,,` for a comma.
+pub fn qemu_guest_name(cmdline: &[u8]) -> Option<String> {
+    let mut args = cmdline.split(|&b| b == 0);
+    args.find(|a| *a == b"-name")?;
+    let value = std::str::from_utf8(args.next()?).ok()?;
+    let mut opts = Vec::new();
+    let mut cur = String::new();
+    let mut chars = value.chars().peekable();
+    while let Some(c) = chars.next() {
+        if c != ',' {
+            cur.push(c);
+        } else if chars.peek() == Some(&',') {
+            chars.next();
+            cur.push(',');
+        } else {
+            opts.push(std::mem::take(&mut cur));
+        }
+    }
+    opts.push(cur);
+    let first = opts.first().filter(|o| !o.contains('=')).cloned();
+    let name = first.or_else(|| {
+        opts.iter()
+            .find_map(|o| o.strip_prefix("guest=").map(String::from))
+    })?;
+    (!name.is_empty()).then_some(name)
+}
+
+/// A procfs file read whole, up to `limit` bytes (procfs reports size 0).
+fn read_proc(path: &Path, limit: u64) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut buf = Vec::new();
+    std::fs::File::open(path)
+        .ok()?
+        .take(limit)
+        .read_to_end(&mut buf)
+        .ok()?;
+    Some(buf)
+}
+
+/// The bound path, as its process sees it, of a listening unix socket named after our
+/// port that process `proc_pid` (a `/proc/<pid>` directory) holds open.
+pub fn held_channel(proc_pid: &Path) -> Option<PathBuf> {
+    const LISTENING: u32 = 0x10000; // __SO_ACCEPTCON
+    let table = read_proc(&proc_pid.join("net/unix"), 16 << 20)?;
+    let table = String::from_utf8_lossy(&table);
+    let listening: Vec<(u64, &str)> = table
+        .lines()
+        .skip(1)
+        .filter_map(|line| {
+            // Num RefCount Protocol Flags Type St Inode Path
+            let f: Vec<&str> = line.split_whitespace().collect();
+            let path = *f.get(7)?;
+            let flags = u32::from_str_radix(f.get(3)?, 16).ok()?;
+            let inode = f.get(6)?.parse().ok()?;
+            (flags & LISTENING != 0
+                && path.starts_with('/')
+                && path.ends_with(&format!("/{PORT_NAME}")))
+            .then_some((inode, path))
+        })
+        .collect();
+    if listening.is_empty() {
+        return None;
+    }
+    for fd in std::fs::read_dir(proc_pid.join("fd")).ok()?.flatten() {
+        let Ok(target) = std::fs::read_link(fd.path()) else {
+            continue;
+        };
+        let Some(inode) = target
+            .to_str()
+            .and_then(|t| t.strip_prefix("socket:["))
+            .and_then(|t| t.strip_suffix(']'))
+            .and_then(|t| t.parse::<u64>().ok())
+        else {
+            continue;
+        };
+        if let Some((_, path)) = listening.iter().find(|(i, _)| *i == inode) {
+            return Some(PathBuf::from(path));
+        }
+    }
+    None
+}
+
+/// VMs whose QEMU runs in a container of its own (KubeVirt) or on the host, found under
+/// `proc` (`/proc`): processes started with `-name` that hold our channel's listening
+/// socket. The socket is reached through the process's own root, and the pid is the
+/// host's.
+pub fn contained_vms(proc: &Path) -> Vec<VmConfig> {
+    let Ok(entries) = std::fs::read_dir(proc) else {
+        return Vec::new();
+    };
+    let mut vms: Vec<VmConfig> = entries
+        .flatten()
+        .filter_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let dir = e.path();
+            let name = qemu_guest_name(&read_proc(&dir.join("cmdline"), 1 << 20)?)?;
+            let bound = held_channel(&dir)?;
+            let socket = dir.join("root").join(bound.strip_prefix("/").ok()?);
+            Some(VmConfig {
+                name,
+                hint_socket: Some(socket),
+                qmp_socket: None,
+                pid_file: None,
+                vcpu_threads: Vec::new(),
+                host_cpus: Vec::new(),
+                domain: None,
+                model_slot: None,
+                pid: Some(pid),
+            })
+        })
+        .collect();
+    vms.sort_by(|a, b| a.name.cmp(&b.name));
+    // Two live QEMUs with one name (a migration's source and target on one node) are one
+    // VM to a name-keyed agent, which follows one of them.
+    vms.dedup_by(|b, a| a.name == b.name);
     vms
 }
 
@@ -101,6 +240,26 @@ mod tests {
         assert_eq!(domain_name("domain-3-web-1"), Some("web-1"));
         assert_eq!(domain_name("domain-x-web"), None);
         assert_eq!(domain_name("domain-3-"), None);
+    }
+
+    #[test]
+    fn qemu_names() {
+        let name = |s: &str| qemu_guest_name(s.replace(' ', "\0").as_bytes());
+        assert_eq!(
+            name("qemu-kvm -S -name guest=ns_web,debug-threads=on -m 1024"),
+            Some("ns_web".into())
+        );
+        assert_eq!(
+            name("qemu-system-x86_64 -name web -m 1"),
+            Some("web".into())
+        );
+        assert_eq!(
+            name("qemu -name debug-threads=on,guest=a,,b"),
+            Some("a,b".into())
+        );
+        assert_eq!(name("qemu -name"), None);
+        assert_eq!(name("qemu -name guest="), None);
+        assert_eq!(name("find / -type f"), None);
     }
 
     #[test]

@@ -228,6 +228,27 @@ struct Session {
     rejected: u64,
 }
 
+/// A unix socket address holds 107 bytes of path; a channel reached through
+/// `/proc/<pid>/root` of a pod's QEMU can be longer. Its directory, opened `O_PATH`, is
+/// reached through `/proc/self/fd/<n>/` instead, a path of 40-odd bytes.
+pub fn connect(path: &std::path::Path) -> std::io::Result<UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    if path.as_os_str().as_bytes().len() <= control::MAX_SOCKET_PATH {
+        return UnixStream::connect(path);
+    }
+    let (Some(dir), Some(name)) = (path.parent(), path.file_name()) else {
+        return UnixStream::connect(path);
+    };
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY)
+        .open(dir)?;
+    let mut short = std::path::PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    short.push(name);
+    UnixStream::connect(short)
+}
+
 pub fn run(
     vm: String,
     socket: PathBuf,
@@ -246,7 +267,7 @@ pub fn run(
     };
     while !stop.is_set() {
         log.flush(false);
-        let stream = match UnixStream::connect(&socket) {
+        let stream = match connect(&socket) {
             Ok(s) => s,
             Err(e) => {
                 if !said {

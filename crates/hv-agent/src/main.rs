@@ -140,10 +140,7 @@ fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()>
                         println!("vm {}:    {what}", vm.name);
                     }
                     if cfg.libvirt.enabled {
-                        for vm in hv_agent::discovery::libvirt_vms(
-                            &cfg.libvirt.channel_dir,
-                            &cfg.libvirt.pid_dir,
-                        ) {
+                        for vm in hv_agent::discovery::libvirt_all(&cfg.libvirt) {
                             println!(
                                 "libvirt {}: {}",
                                 vm.name,

@@ -19,11 +19,13 @@ build: setup
 run: build
 	./target/release/vmigrater run
 
-# The Prometheus alert rules with their promtool unit tests and the scrape config
-# (scripts/alerts-check.sh installs promtool when missing) belong to lint as well.
+# The Prometheus alert and fleet rules with their promtool unit tests and the example
+# configs (scripts/alerts-check.sh installs promtool when missing), and the Kubernetes
+# manifests against the Kubernetes schemas (scripts/k8s-check.sh) belong to lint as well.
 lint: setup
 	$(CARGO) fmt --all -- --check
 	scripts/alerts-check.sh
+	scripts/k8s-check.sh
 	python3 benches/tables.py check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 

@@ -2,7 +2,7 @@
 CARGO ?= cargo
 TEST_THREADS ?= 1
 
-.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-host bench-detection bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check clean
+.PHONY: setup lab-setup lab-install-test build run test lint bench bench-contention bench-micro bench-lab bench-steal bench-host bench-detection bench-mq bench-gate bench-apps apps-setup bench-smoke soak fuzz fuzz-smoke package package-check rpm-install-test clean
 
 setup:
 	@scripts/setup.sh
@@ -176,6 +176,12 @@ package-check: setup
 lab-install-test: lab-setup
 	@scripts/lab-debian.sh
 	$(CARGO) run -q -p lab --bin vmigrater-lab -- install-test --packages target/package
+
+# Both RPMs of `make package` installed, upgraded to a next release (conffile unchanged and
+# changed by the operator: .rpmnew) and erased (.rpmsave) in `rpm --root` trees, the
+# scriptlets run by a static busybox (root). CI runs it after package-check.
+rpm-install-test: setup
+	@scripts/rpm-install-test.sh
 
 clean:
 	$(CARGO) clean

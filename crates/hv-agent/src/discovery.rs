@@ -220,9 +220,11 @@ pub fn contained_vms(proc: &Path) -> Vec<VmConfig> {
         })
         .collect();
     vms.sort_by(|a, b| a.name.cmp(&b.name));
-    // Two live QEMUs with one name (a migration's source and target on one node) are one
-    // VM to a name-keyed agent, which follows one of them.
-    vms.dedup_by(|b, a| a.name == b.name);
+    // Two processes that claim one name are not told apart here: a migration's source and
+    // target on one node, or a process of some pod that names itself after a VM. The
+    // agent follows neither (the VM runs as without the agent) rather than the wrong one.
+    let names: Vec<String> = vms.iter().map(|v| v.name.clone()).collect();
+    vms.retain(|v| names.iter().filter(|n| **n == v.name).count() == 1);
     vms
 }
 
@@ -260,6 +262,49 @@ mod tests {
         assert_eq!(name("qemu -name"), None);
         assert_eq!(name("qemu -name guest="), None);
         assert_eq!(name("find / -type f"), None);
+    }
+
+    /// A /proc of two QEMUs holding our port's socket under one name, one under another
+    /// name, one whose socket is not its own, and one that is not listening.
+    #[test]
+    fn qemu_processes_under_a_proc_tree() {
+        use std::os::unix::fs::symlink;
+        let root = tempfile::tempdir().unwrap();
+        let proc = root.path();
+        let header = "Num       RefCount Protocol Flags    Type St Inode Path\n";
+        let line = |inode: u64, flags: &str, path: &str| {
+            format!("0000000000000000: 00000002 00000000 {flags} 0001 01 {inode} {path}\n")
+        };
+        let mk = |pid: u32, name: &str, table: String, fds: &[u64]| {
+            let dir = proc.join(pid.to_string());
+            std::fs::create_dir_all(dir.join("net")).unwrap();
+            std::fs::create_dir_all(dir.join("fd")).unwrap();
+            let cmdline = format!("qemu-kvm\0-name\0guest={name},debug-threads=on\0");
+            std::fs::write(dir.join("cmdline"), cmdline).unwrap();
+            std::fs::write(dir.join("net/unix"), format!("{header}{table}")).unwrap();
+            for (i, inode) in fds.iter().enumerate() {
+                symlink(
+                    format!("socket:[{inode}]"),
+                    dir.join("fd").join(i.to_string()),
+                )
+                .unwrap();
+            }
+        };
+        let port = |d: &str| format!("/var/run/{d}/{PORT_NAME}");
+        mk(10, "ns_a", line(7, "00010000", &port("a")), &[3, 7]);
+        mk(11, "ns_b", line(8, "00010000", &port("b1")), &[8]);
+        mk(12, "ns_b", line(9, "00010000", &port("b2")), &[9]);
+        mk(13, "ns_c", line(5, "00010000", &port("c")), &[6]);
+        mk(14, "ns_d", line(4, "00000000", &port("d")), &[4]);
+        std::fs::create_dir_all(proc.join("self")).unwrap();
+        let vms = contained_vms(proc);
+        assert_eq!(vms.len(), 1, "{vms:?}");
+        assert_eq!(vms[0].name, "ns_a");
+        assert_eq!(vms[0].pid, Some(10));
+        assert_eq!(
+            vms[0].hint_socket.as_deref(),
+            Some(proc.join("10/root/var/run/a").join(PORT_NAME).as_path())
+        );
     }
 
     #[test]

@@ -153,6 +153,7 @@ pub fn held_channel(proc_pid: &Path) -> Option<PathBuf> {
     const LISTENING: u32 = 0x10000; // __SO_ACCEPTCON
     let table = read_proc(&proc_pid.join("net/unix"), 16 << 20)?;
     let table = String::from_utf8_lossy(&table);
+    let suffix = format!("/{PORT_NAME}");
     let listening: Vec<(u64, &str)> = table
         .lines()
         .skip(1)
@@ -162,10 +163,8 @@ pub fn held_channel(proc_pid: &Path) -> Option<PathBuf> {
             let path = *f.get(7)?;
             let flags = u32::from_str_radix(f.get(3)?, 16).ok()?;
             let inode = f.get(6)?.parse().ok()?;
-            (flags & LISTENING != 0
-                && path.starts_with('/')
-                && path.ends_with(&format!("/{PORT_NAME}")))
-            .then_some((inode, path))
+            (flags & LISTENING != 0 && path.starts_with('/') && path.ends_with(&suffix))
+                .then_some((inode, path))
         })
         .collect();
     if listening.is_empty() {

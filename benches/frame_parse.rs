@@ -16,6 +16,7 @@ fn bench(c: &mut Criterion) {
                     io_completions: 1000 + cpu as u64,
                     io_interval_ema_us: 85.5,
                     io_bound_tasks: 1,
+                    io_partner_tasks: 0,
                     inactive_ratio: 0.4,
                     slice_estimate_us: 9_900.0,
                 })

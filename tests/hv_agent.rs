@@ -202,11 +202,24 @@ fn nice_is_back_after_sigterm() {
 /// completions 500 µs apart, and the others none: the tasks' completions land where they
 /// run, as on a disk with a queue per vCPU.
 fn report_tasks(seq: u64, vcpus: &[(u32, u32)]) -> String {
+    let with: Vec<(u32, u32, u32)> = vcpus.iter().map(|&(c, t)| (c, t, 0)).collect();
+    report_partners(seq, &with)
+}
+
+/// `report_tasks` where each vCPU `(cpu, io_bound_tasks, io_partner_tasks)` also runs
+/// that many partners of I/O-bound tasks (`io_partner_tasks` is left out when 0, as the
+/// guest and older guests send it).
+fn report_partners(seq: u64, vcpus: &[(u32, u32, u32)]) -> String {
     let v: Vec<String> = vcpus
         .iter()
-        .map(|(cpu, tasks)| {
+        .map(|(cpu, tasks, partners)| {
             let (n, ema) = if *tasks > 0 { (200, 500) } else { (0, 0) };
-            format!("{{\"cpu\":{cpu},\"io_completions\":{n},\"io_interval_ema_us\":{ema},\"io_bound_tasks\":{tasks},\"inactive_ratio\":0.0,\"slice_estimate_us\":1000}}")
+            let p = if *partners > 0 {
+                format!(",\"io_partner_tasks\":{partners}")
+            } else {
+                String::new()
+            };
+            format!("{{\"cpu\":{cpu},\"io_completions\":{n},\"io_interval_ema_us\":{ema},\"io_bound_tasks\":{tasks}{p},\"inactive_ratio\":0.0,\"slice_estimate_us\":1000}}")
         })
         .collect();
     format!(
@@ -220,7 +233,8 @@ fn report_tasks(seq: u64, vcpus: &[(u32, u32)]) -> String {
 /// CPU hog. When the guest of `io` says its vCPU 0 holds an I/O-bound task, that vCPU gets
 /// more of CPU 0, paid for by `io`'s own vCPU 1 on CPU 1: neither VM's share of the two
 /// CPUs moves. A guest that then claims I/O on every vCPU has nobody left to pay: nothing
-/// changes. Everything is back after SIGTERM.
+/// changes; nor while the other vCPU runs a partner of the I/O-bound task. Everything is
+/// back after SIGTERM.
 #[test]
 #[cfg_attr(
     not(all(vmigrater_root, vmigrater_2cpus)),
@@ -247,23 +261,23 @@ fn io_share_is_paid_for_by_the_same_vm() {
     );
     let mut g = guest(&listener, 2);
     let mut seq = 0;
-    let mut send = |g: &mut UnixStream, vcpus: &[(u32, u32)], secs: f64| {
+    let mut send = |g: &mut UnixStream, vcpus: &[(u32, u32, u32)], secs: f64| {
         let t0 = Instant::now();
         while t0.elapsed().as_secs_f64() < secs {
             seq += 1;
-            g.write_all(report_tasks(seq, vcpus).as_bytes()).unwrap();
+            g.write_all(report_partners(seq, vcpus).as_bytes()).unwrap();
             std::thread::sleep(Duration::from_millis(25));
         }
     };
     let nices = |t: &[u32]| t.iter().map(|&x| nice_of(x)).collect::<Vec<_>>();
-    send(&mut g, &[(0, 1), (1, 0)], 0.5);
+    send(&mut g, &[(0, 1, 0), (1, 0, 0)], 0.5);
     assert_eq!(
         nices(&t),
         vec![-2, 2, 2, -2],
         "io vCPU 0 up, its neighbour on CPU 0 down, and the reverse on CPU 1"
     );
     let before: Vec<u64> = t.iter().map(|&x| cpu_ns(x)).collect();
-    send(&mut g, &[(0, 1), (1, 0)], 2.0);
+    send(&mut g, &[(0, 1, 0), (1, 0, 0)], 2.0);
     let d: Vec<f64> = t
         .iter()
         .zip(&before)
@@ -278,13 +292,26 @@ fn io_share_is_paid_for_by_the_same_vm() {
         (0.42..=0.58).contains(&io_vm),
         "VM io's share of the two CPUs moved: {io_vm:.3}"
     );
-    send(&mut g, &[(0, 1), (1, 1)], 0.5);
+    send(&mut g, &[(0, 1, 0), (1, 1, 0)], 0.5);
     assert_eq!(
         nices(&t),
         vec![0, 0, 0, 0],
         "I/O claimed everywhere buys nothing"
     );
-    send(&mut g, &[(0, 1), (1, 0)], 0.5);
+    // vCPU 1 runs the I/O task's partner (a database's client): it is on the I/O's path
+    // and does not pay either. Once the partner is gone, the favour comes back.
+    send(&mut g, &[(0, 1, 0), (1, 0, 1)], 0.5);
+    assert_eq!(
+        nices(&t),
+        vec![0, 0, 0, 0],
+        "a partner's vCPU paid for the I/O's"
+    );
+    send(&mut g, &[(0, 1, 0), (1, 0, 0)], 0.5);
+    assert_eq!(
+        nices(&t),
+        vec![-2, 2, 2, -2],
+        "the favour did not come back"
+    );
     let log = agent.terminate();
     assert_eq!(nices(&t), vec![0, 0, 0, 0], "nice not restored:\n{log}");
 }

@@ -71,8 +71,8 @@ struct Track {
     movable_from: u64,
     /// One bit per recent period (newest lowest): did it show I/O?
     io_history: u8,
-    /// One bit per recent period (newest lowest): did the guest report an I/O-bound task
-    /// on it?
+    /// One bit per recent period (newest lowest): did the guest report an I/O-bound task,
+    /// or a partner of one, on it?
     task_history: u8,
     status: VcpuStatus,
 }
@@ -459,8 +459,13 @@ impl Agent {
                 track.io_history = (track.io_history << 1) | u8::from(events > 0);
                 let carries_io = carries_io(report.map(|r| r.io_bound_tasks), track.io_history);
                 let reported = reports.get(&(cpu as u32));
+                // A partner of an I/O-bound task (a database's client) is on the I/O's
+                // path: its vCPU paying for the favour slowed the I/O (PostgreSQL in the
+                // loop, benches/RESULTS.md "the applications in the loop").
                 track.task_history = (track.task_history << 1)
-                    | u8::from(reported.is_some_and(|r| r.io_bound_tasks > 0));
+                    | u8::from(
+                        reported.is_some_and(|r| r.io_bound_tasks > 0 || r.io_partner_tasks > 0),
+                    );
                 let no_tasks_lately = match reported {
                     Some(_) => track.task_history == 0,
                     None => !carries_io,

@@ -165,6 +165,9 @@ pub struct EngineSnapshot {
     pub io_bound_tasks: usize,
     /// Every I/O-bound task found, managed or not (the host's per-vCPU figures).
     pub found: Vec<FoundTask>,
+    /// The partners of `found` seen within `PARTNER_GRACE` (a database's client): the host
+    /// must not make their vCPUs pay for a favour to the I/O's.
+    pub partners: Vec<TaskId>,
     /// Per-vCPU completions (estimated between samples).
     pub cpu_io: Vec<CpuIoSample>,
     /// Tasks handed back, cumulative.
@@ -200,6 +203,7 @@ impl Default for EngineSnapshot {
             demand: Demand::Idle,
             io_bound_tasks: 0,
             found: Vec::new(),
+            partners: Vec::new(),
             cpu_io: Vec::new(),
             releases: 0,
             detector_errors: 0,

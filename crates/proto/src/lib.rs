@@ -18,7 +18,10 @@
 //!   else as a heartbeat (vmigrater: every 20th period); `seq` strictly increases;
 //!   `io_completions` counts completions in this period (ISACS E_n), `io_interval_ema_us`
 //!   is Eq. 1's EMA, `inactive_ratio` the share of the period the vCPU was seen
-//!   descheduled.
+//!   descheduled. `io_partner_tasks` (optional, absent = 0; added after version 1 without
+//!   a version bump, like `held`): threads on this vCPU that an I/O-bound task wakes and is
+//!   woken by (a database's client): they are on the I/O's path, so the host must not make
+//!   this vCPU pay for another's favour.
 //!
 //! Host → guest:
 //! - `{"type":"welcome","version":1,"host_slice_us":11000}` (`host_slice_us` optional).
@@ -46,6 +49,10 @@ pub const PROTOCOL_VERSION: u32 = 1;
 /// The virtio-serial port name (guest: /dev/virtio-ports/<this>).
 pub const PORT_NAME: &str = "org.vmigrater.hint.0";
 pub const MAX_VCPUS: usize = 1024;
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
@@ -77,6 +84,8 @@ pub struct VcpuReport {
     pub io_completions: u64,
     pub io_interval_ema_us: f64,
     pub io_bound_tasks: u32,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub io_partner_tasks: u32,
     pub inactive_ratio: f64,
     pub slice_estimate_us: f64,
 }
@@ -222,6 +231,7 @@ mod tests {
                 io_completions: 1200,
                 io_interval_ema_us: 85.5,
                 io_bound_tasks: 1,
+                io_partner_tasks: 0,
                 inactive_ratio: 0.48,
                 slice_estimate_us: 9900.0,
             }],

@@ -145,6 +145,7 @@ mod tests {
                 io_completions: 10,
                 io_interval_ema_us: 50.0,
                 io_bound_tasks: 1,
+                io_partner_tasks: 0,
                 inactive_ratio: 0.5,
                 slice_estimate_us: 10_000.0,
             }],

@@ -23,6 +23,8 @@ pub struct VcpuSample {
     pub completions: u64,
     pub ema_interval_ns: u64,
     pub io_bound_tasks: u32,
+    /// Partners of I/O-bound tasks running here (`proto::VcpuReport::io_partner_tasks`).
+    pub io_partner_tasks: u32,
     pub inactive_total_ns: u64,
     pub est_slice_ns: u64,
 }
@@ -101,6 +103,7 @@ pub fn build_report(seq: u64, period: Duration, prev: &[VcpuSample], now: &[Vcpu
                         .saturating_sub(p.map_or(s.completions, |p| p.completions)),
                     io_interval_ema_us: s.ema_interval_ns as f64 / 1e3,
                     io_bound_tasks: s.io_bound_tasks,
+                    io_partner_tasks: s.io_partner_tasks,
                     inactive_ratio: (inactive as f64 / period_ns).clamp(0.0, 1.0),
                     slice_estimate_us: s.est_slice_ns as f64 / 1e3,
                 }
@@ -120,7 +123,7 @@ pub const QUIET_EVERY: u32 = 20;
 fn says_nothing(r: &Report) -> bool {
     r.vcpus
         .iter()
-        .all(|v| v.io_completions == 0 && v.io_bound_tasks == 0)
+        .all(|v| v.io_completions == 0 && v.io_bound_tasks == 0 && v.io_partner_tasks == 0)
 }
 
 /// Whether this period's report goes out (pure): always when it says something or the
@@ -422,6 +425,7 @@ mod tests {
                 completions: 350,
                 ema_interval_ns: 80_000,
                 io_bound_tasks: 2,
+                io_partner_tasks: 1,
                 inactive_total_ns: 51_000_000,
                 est_slice_ns: 9_900_000,
             },
@@ -438,6 +442,10 @@ mod tests {
         assert!((r.vcpus[0].inactive_ratio - 0.5).abs() < 1e-9);
         assert_eq!(r.vcpus[0].io_interval_ema_us, 80.0);
         assert_eq!(r.vcpus[0].slice_estimate_us, 9_900.0);
+        assert_eq!(
+            (r.vcpus[0].io_partner_tasks, r.vcpus[1].io_partner_tasks),
+            (1, 0)
+        );
         // A vCPU first seen now reports no delta rather than its whole history.
         assert_eq!(r.vcpus[1].io_completions, 0);
         // And the result passes the host's validation.

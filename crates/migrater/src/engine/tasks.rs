@@ -413,6 +413,18 @@ impl Engine {
                 .any(|a| !self.tasks.anchored.iter().any(|b| b.tid == a.tid));
         self.tracking.placed_in_sample |= placed && tracking;
         self.snap.found = f.eligible.iter().map(|i| found_task(i)).collect();
+        let mut partners: Vec<TaskId> = self
+            .tasks
+            .partners
+            .values()
+            .filter(|(p, _)| f.eligible.iter().any(|i| i.task.tid == p.of))
+            .map(|(p, _)| TaskId {
+                tid: p.tid,
+                start_time: p.start_time,
+            })
+            .collect();
+        partners.sort();
+        self.snap.partners = partners;
         self.snap.kept_with_completions = kept_tasks;
         self.snap.demand = done.demand;
         self.tasks.current = Arc::new(managed);

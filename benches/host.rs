@@ -11,6 +11,8 @@
 //!   every period, fed by the guest daemon's reports over the real wire protocol (a pty
 //!   stands in for the virtio-serial port) with the daemon in `--dry-run` (it reports and
 //!   moves nothing): the host half alone;
+//! - `dryrun`: the daemon in `--dry-run` alone, no channel, no agent: what the reporting
+//!   daemon of `agent` costs the guest by itself;
 //! - `both`: the daemon moving tasks and reporting, and the agent;
 //! - `governor`: Linux's steal governor, emulated (tests/support/governor.rs) on the
 //!   steal the model publishes for our vCPUs, over the workload's threads;
@@ -54,10 +56,11 @@ use vmigrater_testbed::report::{est, f, fmt_est, list};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
-const MODES: [&str; 7] = [
+const MODES: [&str; 8] = [
     "vanilla",
     "vmigrater",
     "agent",
+    "dryrun",
     "both",
     "governor",
     "pinned",
@@ -414,6 +417,7 @@ fn run_once(
         |port: &Port| format!("[channel]\npath = {:?}\n", port.slave.display().to_string());
     let (daemon, agent) = match (mode, &port) {
         ("vmigrater", _) => (Some(BenchDaemon::start("", &[])?), None),
+        ("dryrun", _) => (Some(BenchDaemon::start("", &["--dry-run"])?), None),
         ("agent", Some(p)) => {
             let agent = BenchAgent::start(&cfg.pin_dir, &p.socket(), k)?;
             (

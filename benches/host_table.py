@@ -13,7 +13,7 @@ other VMs' CPU time and the guest's share of its CPUs.
 import json
 import sys
 
-MODES = ["vmigrater", "agent", "both", "governor", "pinned", "liar"]
+MODES = ["vmigrater", "agent", "dryrun", "both", "governor", "pinned", "liar"]
 POLICY = {"fair": "fair (KVM-like)", "credit": "credit (Xen-like)"}
 
 

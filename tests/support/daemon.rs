@@ -99,6 +99,18 @@ impl BenchDaemon {
         serde_json::from_slice(&out.stdout).ok()
     }
 
+    /// `vmigrater explain --json [target]`, or `None` while it does not answer.
+    pub fn explain(&self, target: Option<&str>) -> Option<Value> {
+        let out = Command::new(workspace_bin("vmigrater"))
+            .args(["explain", "--json", "--state-dir"])
+            .arg(self.state_dir.path())
+            .args(target)
+            .stderr(Stdio::null())
+            .output()
+            .ok()?;
+        serde_json::from_slice(&out.stdout).ok()
+    }
+
     /// Its log so far (info: each decision is one line).
     pub fn log(&self) -> String {
         std::fs::read_to_string(self.state_dir.path().join("daemon.log")).unwrap_or_default()

@@ -167,7 +167,15 @@ pub struct EngineSnapshot {
     pub found: Vec<FoundTask>,
     /// The partners of `found` seen within `PARTNER_GRACE` (a database's client): the host
     /// must not make their vCPUs pay for a favour to the I/O's.
-    pub partners: Vec<TaskId>,
+    pub partners: Vec<Partner>,
+    /// What the detector's last window found I/O-bound, excluded tasks included, with
+    /// whether the user excluded each (`vmigrater explain`).
+    pub seen: Vec<SeenTask>,
+    /// The first rule that kept the planner from moving tasks in the last step.
+    pub gate: MoveGate,
+    /// vCPUs were out all at once lately: only tasks kept with their completions stay
+    /// managed.
+    pub out_together: bool,
     /// Per-vCPU completions (estimated between samples).
     pub cpu_io: Vec<CpuIoSample>,
     /// Tasks handed back, cumulative.
@@ -181,6 +189,32 @@ pub struct EngineSnapshot {
     pub early_samples: u64,
     /// Threads that inherited a pin from a task we pinned, set back, cumulative.
     pub inherited_pins_undone: u64,
+}
+
+/// A thread the detector found I/O-bound.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SeenTask {
+    pub info: IoTaskInfo,
+    /// Its command is in `exclude_comm` (or it is one of the daemon's own threads).
+    pub excluded: bool,
+}
+
+/// Why the planner may not move tasks: the first rule that stops it, in the order the
+/// step applies them.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub enum MoveGate {
+    /// Moves are allowed.
+    #[default]
+    Open,
+    /// The host agent favours the vCPUs that hold the tasks: they stay there.
+    HostHolds,
+    /// No vCPU was out while another ran, often enough for a move to pay (the contention
+    /// gate), and vCPUs were not out all at once either.
+    NotContended,
+    /// The move guard found that moves did not pay: none for `for_s` more seconds.
+    GuardHolding { for_s: f64 },
+    /// The move guard is measuring, and this epoch runs without moves.
+    GuardProbing,
 }
 
 /// A task pinned to the vCPU that takes its requests' completions.
@@ -204,6 +238,9 @@ impl Default for EngineSnapshot {
             io_bound_tasks: 0,
             found: Vec::new(),
             partners: Vec::new(),
+            seen: Vec::new(),
+            gate: MoveGate::Open,
+            out_together: false,
             cpu_io: Vec::new(),
             releases: 0,
             detector_errors: 0,

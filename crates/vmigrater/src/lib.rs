@@ -6,6 +6,7 @@ pub mod check;
 pub mod config;
 pub mod daemon;
 pub mod detect;
+pub mod explain;
 pub mod instance;
 pub mod metrics;
 pub mod record;

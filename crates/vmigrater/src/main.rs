@@ -5,7 +5,7 @@ use clap::{CommandFactory, Parser, Subcommand};
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use vmigrater::config::{Config, DEFAULT_CONFIG_PATH};
-use vmigrater::{check, daemon, record, status};
+use vmigrater::{check, daemon, explain, record, status};
 
 /// `--version`, with the commit it was built from (`build.rs`): the benchmarks record it
 /// beside their own.
@@ -39,6 +39,10 @@ enum Command {
     Check,
     /// Ask a running daemon for its state and print a table.
     Status(StatusArgs),
+    /// Why a thread is or is not moved: what the detector saw, whether the daemon manages
+    /// it, the rule that decides and what would change it. Without a target, the daemon's
+    /// overall state.
+    Explain(ExplainArgs),
     /// Print the configuration file the packages ship: every key with its default,
     /// commented out, so the defaults stay in the program.
     DefaultConfig,
@@ -80,6 +84,19 @@ struct RunArgs {
 #[derive(clap::Args, Debug)]
 struct StatusArgs {
     /// Print the raw JSON report instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// State directory of the daemon to ask (default: the config's `state_dir`).
+    #[arg(long)]
+    state_dir: Option<PathBuf>,
+}
+
+#[derive(clap::Args, Debug)]
+struct ExplainArgs {
+    /// A process or thread id (every thread of a process), or a command name (every
+    /// thread whose command or whose process's command it is).
+    target: Option<String>,
+    /// Print JSON instead of text.
     #[arg(long)]
     json: bool,
     /// State directory of the daemon to ask (default: the config's `state_dir`).
@@ -186,6 +203,31 @@ fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()>
                 );
             } else {
                 print!("{}", status::render(&report));
+            }
+            Ok(())
+        }
+        Command::Explain(args) => {
+            let state_dir = match &args.state_dir {
+                Some(d) => d.clone(),
+                None => load_config(&cli)?.state_dir,
+            };
+            let report = status::query(&state_dir)?;
+            let threads = match &args.target {
+                Some(t) => explain::threads(t)?,
+                None => Vec::new(),
+            };
+            let all: Vec<explain::Explanation> = threads
+                .iter()
+                .map(|t| explain::explain(&report, t))
+                .collect();
+            if args.json {
+                let v = serde_json::json!({
+                    "daemon": explain::overall(&report),
+                    "threads": all,
+                });
+                println!("{}", serde_json::to_string_pretty(&v).context("encoding")?);
+            } else {
+                print!("{}", explain::render(&report, &all));
             }
             Ok(())
         }

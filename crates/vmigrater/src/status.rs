@@ -156,6 +156,67 @@ pub struct StatusReport {
     /// the planner does not move them).
     #[serde(default)]
     pub kept_with_completions: Vec<KeptStatus>,
+    /// Why the planner may not move tasks now.
+    #[serde(default)]
+    pub move_gate: GateReport,
+    /// While the guard holds: seconds until its next probe.
+    #[serde(default)]
+    pub guard_hold_remaining_s: f64,
+    /// vCPUs were out all at once lately: only tasks kept with their completions stay
+    /// managed.
+    #[serde(default)]
+    pub out_together: bool,
+    /// What the detector found I/O-bound in its last window, the excluded included.
+    #[serde(default)]
+    pub seen: Vec<SeenStatus>,
+    /// Partners of I/O-bound tasks (kept beside them where `keep_partners` is on).
+    #[serde(default)]
+    pub partners: Vec<PartnerStatus>,
+    /// Tasks whose mask someone else changed after the daemon: left alone while they live.
+    #[serde(default)]
+    pub hands_off: Vec<u32>,
+}
+
+/// Why the planner may not move tasks now (`migrater::engine::MoveGate`); `open` when
+/// it may, and from a daemon too old to say.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum GateReport {
+    #[default]
+    Open,
+    HostHolds,
+    NotContended,
+    GuardHolding,
+    GuardProbing,
+}
+
+/// A thread the detector found I/O-bound in its last window.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct SeenStatus {
+    pub tid: u32,
+    pub tgid: u32,
+    pub comm: String,
+    /// Share of the window with a request of its in flight.
+    pub io_fraction: f64,
+    /// Share of the window on a CPU.
+    pub cpu_fraction: f64,
+    pub iops: f64,
+    pub load: f64,
+    pub last_cpu: u32,
+    /// The vCPU its requests complete on, once the daemon knows it.
+    pub completion_cpu: Option<usize>,
+    /// Its command is in `migration.exclude_comm`, or it is the daemon's own.
+    pub excluded: bool,
+}
+
+/// A thread an I/O-bound task wakes and is woken by (`migration.keep_partners`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PartnerStatus {
+    pub tid: u32,
+    pub tgid: u32,
+    pub comm: String,
+    /// The I/O-bound task's tid.
+    pub of: u32,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]

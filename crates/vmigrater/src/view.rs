@@ -13,10 +13,10 @@ use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
 use crate::channel::{ChannelStats, VcpuSample};
 use crate::metrics::{self, Moves};
 use crate::status::{
-    self, AttachReport, DemandReport, KeptStatus, SourceReport, StatusReport, TaskStatus,
-    VcpuStatus,
+    self, AttachReport, DemandReport, GateReport, KeptStatus, PartnerStatus, SeenStatus,
+    SourceReport, StatusReport, TaskStatus, VcpuStatus,
 };
-use migrater::engine::EngineSnapshot;
+use migrater::engine::{EngineSnapshot, MoveGate};
 use migrater::hook::{lock_placement, try_lock_placement, FoundTask, Shared, TaskId};
 
 /// Context of the daemon that the control plane and the channel read.
@@ -96,7 +96,12 @@ impl Running {
                     .as_ref()
                     .filter(|_| !self.dry_run)
                     .and_then(|pl| pl.placed_on(p.tid))
-                    .or_else(|| cpu_of(p))
+                    .or_else(|| {
+                        cpu_of(&TaskId {
+                            tid: p.tid,
+                            start_time: p.start_time,
+                        })
+                    })
             })
             .collect();
         self.board
@@ -203,6 +208,50 @@ impl Running {
                     cpu: k.cpu,
                 })
                 .collect(),
+            move_gate: match engine.gate {
+                MoveGate::Open => GateReport::Open,
+                MoveGate::HostHolds => GateReport::HostHolds,
+                MoveGate::NotContended => GateReport::NotContended,
+                MoveGate::GuardHolding { .. } => GateReport::GuardHolding,
+                MoveGate::GuardProbing => GateReport::GuardProbing,
+            },
+            guard_hold_remaining_s: match engine.gate {
+                MoveGate::GuardHolding { for_s } => for_s,
+                _ => 0.0,
+            },
+            out_together: engine.out_together,
+            seen: engine
+                .seen
+                .iter()
+                .map(|t| SeenStatus {
+                    tid: t.info.task.tid,
+                    tgid: t.info.task.tgid,
+                    comm: t.info.comm.clone(),
+                    io_fraction: t.info.task.io_fraction,
+                    cpu_fraction: t.info.task.cpu_fraction,
+                    iops: t.info.task.iops,
+                    load: t.info.task.load,
+                    last_cpu: t.info.task.last_cpu,
+                    completion_cpu: (t.info.task.completion.count > 0)
+                        .then_some(t.info.task.completion.cpu as usize),
+                    excluded: t.excluded,
+                })
+                .collect(),
+            partners: engine
+                .partners
+                .iter()
+                .map(|p| PartnerStatus {
+                    tid: p.tid,
+                    tgid: p.tgid,
+                    comm: p.comm.clone(),
+                    of: p.of,
+                })
+                .collect(),
+            hands_off: {
+                let mut h: Vec<u32> = placement.hands_off.iter().map(|t| t.tid).collect();
+                h.sort_unstable();
+                h
+            },
         }
     }
 
@@ -240,9 +289,13 @@ mod tests {
                 start_time: 1,
                 last_cpu: 0,
             }],
-            partners: vec![TaskId {
+            partners: vec![task_detector::Partner {
+                of: 7,
                 tid: 8,
+                tgid: 8,
+                comm: "client".into(),
                 start_time: 2,
+                wakes: 100,
             }],
             ..EngineSnapshot::default()
         };

@@ -10,15 +10,15 @@
 use os_layer::Mono;
 use std::collections::HashSet;
 use std::sync::Arc;
-use task_detector::{BlockTracking, IoTaskInfo};
+use task_detector::{BlockTracking, IoTaskInfo, Partner};
 use tracing::{debug, info};
 use vcpu_monitor::Demand;
 
 use super::decision::{self, Applied, Decision, Keep, Otherwise, Pin, Release, Why};
-use super::{Actuator, Anchored, Engine, KeptTask, TaskPlacement, KEEP_GRACE};
+use super::{Actuator, Anchored, Engine, KeptTask, MoveGate, SeenTask, TaskPlacement, KEEP_GRACE};
 use crate::admission::{self, Admission};
 use crate::completion::Home;
-use crate::guard::Burden;
+use crate::guard::{Burden, Phase};
 use crate::hook::{FoundTask, TaskEntry, TaskId};
 
 /// What the step decided about tasks, for its nap.
@@ -81,6 +81,15 @@ impl Engine {
         }
         let moves_allowed = !host_holds && self.moves_allowed(now, progress, !eligible.is_empty());
         self.snap.moves_allowed = moves_allowed;
+        self.snap.gate = self.gate(now, moves_allowed, host_holds, together);
+        self.snap.out_together = together;
+        self.snap.seen = found
+            .iter()
+            .map(|i| SeenTask {
+                info: i.clone(),
+                excluded: !eligible.iter().any(|e| e.task.tid == i.task.tid),
+            })
+            .collect();
         let next = if moves_allowed {
             let admissible: Vec<IoTaskInfo> = found
                 .iter()
@@ -413,17 +422,14 @@ impl Engine {
                 .any(|a| !self.tasks.anchored.iter().any(|b| b.tid == a.tid));
         self.tracking.placed_in_sample |= placed && tracking;
         self.snap.found = f.eligible.iter().map(|i| found_task(i)).collect();
-        let mut partners: Vec<TaskId> = self
+        let mut partners: Vec<Partner> = self
             .tasks
             .partners
             .values()
             .filter(|(p, _)| f.eligible.iter().any(|i| i.task.tid == p.of))
-            .map(|(p, _)| TaskId {
-                tid: p.tid,
-                start_time: p.start_time,
-            })
+            .map(|(p, _)| p.clone())
             .collect();
-        partners.sort();
+        partners.sort_by_key(|p| p.tid);
         self.snap.partners = partners;
         self.snap.kept_with_completions = kept_tasks;
         self.snap.demand = done.demand;
@@ -514,6 +520,27 @@ impl Engine {
             );
         }
         may_pay && g.moves_allowed()
+    }
+
+    /// The first rule that kept moves off in this step (`MoveGate`).
+    fn gate(&self, now: Mono, moves_allowed: bool, host_holds: bool, together: bool) -> MoveGate {
+        if moves_allowed {
+            return MoveGate::Open;
+        }
+        if host_holds {
+            return MoveGate::HostHolds;
+        }
+        if !(self.tracking.contended || together) {
+            return MoveGate::NotContended;
+        }
+        match self.guard.as_ref().map(|g| g.phase()) {
+            Some(Phase::Holding { until }) => MoveGate::GuardHolding {
+                for_s: until.since(now).as_secs_f64(),
+            },
+            Some(Phase::Probing { .. }) => MoveGate::GuardProbing,
+            // Trusting without candidates: nothing to move.
+            _ => MoveGate::Open,
+        }
     }
 
     /// This window's managed tasks: the ones managed before keep their entry, new ones

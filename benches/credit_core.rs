@@ -72,6 +72,7 @@ fn agent_period(c: &mut Criterion) {
                 consumed_ns: v.consumed_ns,
                 carries_io: v.events > 0,
                 io_free: v.events == 0,
+                always_runnable: true,
             })
         })
         .collect::<Vec<_>>();

@@ -326,6 +326,8 @@ fn agent_weights(status: &Value) -> Value {
                 "rejected": vm["rejected"],
                 "weights": vm["vcpus"].as_array().map(|v| v.iter().map(|c| c["weight"].clone()).collect::<Vec<_>>()),
                 "carries_io": vm["vcpus"].as_array().map(|v| v.iter().map(|c| c["carries_io"].clone()).collect::<Vec<_>>()),
+                "always_runnable": vm["vcpus"].as_array().map(|v| v.iter().map(|c| c["always_runnable"].clone()).collect::<Vec<_>>()),
+                "runnable_ms": vm["vcpus"].as_array().map(|v| v.iter().map(|c| c["cpu_ms"].as_f64().unwrap_or(0.0) + c["wait_ms"].as_f64().unwrap_or(0.0)).collect::<Vec<_>>()),
             })
         })
         .collect()
@@ -483,6 +485,8 @@ fn run_once(
                 "channel_reports_sent": st.as_ref().map(|s| s["channel_reports_sent"].clone()),
                 "managed": log.lines().filter(|l| l.contains("managing it")).count(),
                 "guard_holds": log.lines().filter(|l| l.contains("pays=false")).count(),
+                "move_gate": st.as_ref().map(|s| s["move_gate"].clone()),
+                "partners": st.as_ref().map(|s| s["partners"].clone()),
             })
         }
         None => Value::Null,

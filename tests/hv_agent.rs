@@ -270,7 +270,9 @@ fn io_share_is_paid_for_by_the_same_vm() {
         }
     };
     let nices = |t: &[u32]| t.iter().map(|&x| nice_of(x)).collect::<Vec<_>>();
-    send(&mut g, &[(0, 1, 0), (1, 0, 0)], 0.5);
+    // Half a second for the payer to be seen runnable through 4 periods, then half a
+    // second for the exchange.
+    send(&mut g, &[(0, 1, 0), (1, 0, 0)], 1.0);
     assert_eq!(
         nices(&t),
         vec![-2, 2, 2, -2],
@@ -1480,8 +1482,13 @@ impl FakeHostModel {
                         .lookup(&k.to_ne_bytes(), MapFlags::ANY)
                         .unwrap()
                         .unwrap();
+                    // Busy vCPUs: running half the time, waiting for the CPU the rest
+                    // (a little more than the 10 ms, so that a late wake-up of this
+                    // feeder never reads as a halt).
                     let run = u64::from_ne_bytes(e[..8].try_into().unwrap()) + 5_000_000;
+                    let wait = u64::from_ne_bytes(e[8..16].try_into().unwrap()) + 6_000_000;
                     e[..8].copy_from_slice(&run.to_ne_bytes());
+                    e[8..16].copy_from_slice(&wait.to_ne_bytes());
                     entities
                         .update(&k.to_ne_bytes(), &e, MapFlags::ANY)
                         .unwrap();

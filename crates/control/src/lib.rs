@@ -4,6 +4,7 @@
 //! resolves, and only ever calls the daemon's closures: it owns no daemon state.
 //! Also the one TOML reader both configurations go through, so errors name `file:line`.
 
+pub mod conffile;
 pub mod dist;
 pub mod exposition;
 pub mod logging;

@@ -59,6 +59,16 @@ const RESCAN: Duration = Duration::from_secs(2);
 /// cost the guest cache warmth, and ping-pong would cost more than it gains.
 const MOVE_COOLDOWN_PERIODS: u64 = 10;
 
+/// A vCPU runnable this share of a period or more did not halt in it: a CPU-bound vCPU
+/// (a guest's hog, a batch job) reads ~1.0, a database client's vCPU between requests
+/// less (benches/RESULTS.md "a payer that halts").
+const RUNNABLE_SHARE: f64 = 0.95;
+/// What a running thread's `schedstat` may lag behind its run time: one scheduler tick
+/// at the slowest common HZ (250), so that a hog read mid-tick is not taken for a halt.
+const SCHEDSTAT_LAG: Duration = Duration::from_millis(4);
+/// The periods (`Track::runnable_history` bits) a payer must have been runnable through.
+const RUNNABLE_PERIODS: u8 = 0b1111;
+
 #[derive(Default)]
 struct Track {
     tid: Option<u32>,
@@ -74,6 +84,11 @@ struct Track {
     /// One bit per recent period (newest lowest): did the guest report an I/O-bound task,
     /// or a partner of one, on it?
     task_history: u8,
+    /// One bit per recent period (newest lowest): was the thread runnable (running or
+    /// waiting for a CPU) for at least `RUNNABLE_SHARE` of it?
+    runnable_history: u8,
+    /// When `prev` was read: the period each delta covers.
+    sampled_at: Option<Instant>,
     status: VcpuStatus,
 }
 
@@ -421,18 +436,24 @@ impl Agent {
                     _ => observe::Delta::default(),
                 };
                 let first = track.prev.is_none();
+                let at = Instant::now();
+                let covered = track.sampled_at.replace(at).map(|p| at - p);
                 track.prev = sample;
-                deltas.push((d, first));
+                deltas.push((d, first, covered));
             }
             let kicks: Vec<Option<u64>> = deltas
                 .iter()
-                .map(|(d, _)| d.kicks.filter(|_| self.cfg.observe_kicks))
+                .map(|(d, _, _)| d.kicks.filter(|_| self.cfg.observe_kicks))
                 .collect();
-            let wakeups: Vec<u64> = deltas.iter().map(|(d, _)| d.wakeups).collect();
+            let wakeups: Vec<u64> = deltas.iter().map(|(d, _, _)| d.wakeups).collect();
             let (host_events, by_kicks) = observe::host_io_events(&kicks, &wakeups, period_ns);
             for (cpu, track) in vm.tracks.iter_mut().enumerate() {
-                let (d, first) = deltas[cpu];
+                let (d, first, covered) = deltas[cpu];
                 let (run, wait) = (d.run_ns, d.wait_ns);
+                let runnable = covered.filter(|_| !first).is_some_and(|c| {
+                    Duration::from_nanos(run + wait) + SCHEDSTAT_LAG >= c.mul_f64(RUNNABLE_SHARE)
+                });
+                track.runnable_history = (track.runnable_history << 1) | u8::from(runnable);
                 track.run_total += run;
                 track.wait_total += wait;
                 let observed = track.ema.on_period(host_events[cpu], period_ns);
@@ -491,6 +512,7 @@ impl Agent {
                     moves: track.moves,
                     weight: 1.0,
                     carries_io,
+                    always_runnable: track.runnable_history & RUNNABLE_PERIODS == RUNNABLE_PERIODS,
                     ..Default::default()
                 };
                 figures.push(VcpuFigures {
@@ -501,6 +523,7 @@ impl Agent {
                     consumed_ns: run,
                     carries_io,
                     io_free: no_tasks_lately,
+                    always_runnable: track.status.always_runnable,
                 });
             }
             let mine = &mut figures[first_figure..];

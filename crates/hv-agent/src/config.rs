@@ -185,6 +185,77 @@ impl Default for Config {
     }
 }
 
+impl Config {
+    /// The configuration file the packages ship (`vmigrater-hv-agent default-config`):
+    /// every key commented out under a line saying what it does, so that the defaults
+    /// live in the program and a new release's reach every host whose file sets nothing.
+    pub fn default_toml() -> String {
+        let dump = toml::to_string_pretty(&Config::default()).expect("defaults serialise");
+        let body = control::conffile::commented_defaults(
+            &dump,
+            KEY_DOCS,
+            SECTION_DOCS,
+            |_| false,
+            &["vm"],
+        );
+        format!("{CONFFILE_HEAD}{body}{CONFFILE_VMS}")
+    }
+}
+
+const CONFFILE_HEAD: &str = "\
+# vmigrater-hv-agent: the host agent's configuration (/etc/vmigrater/hv-agent.toml).
+# Every key is optional: each is shown with its default and commented out, and the
+# default lives in the program, so a new release's defaults apply wherever this file
+# sets nothing. Uncomment a key to set it; `systemctl reload vmigrater-hv-agent` takes
+# up share, max_nice_delta, io_boost_nice, observe_schedstat and observe_kicks, anything
+# else needs a restart. An unknown key is an error naming its line.
+# `vmigrater-hv-agent default-config` prints this.
+
+";
+
+const CONFFILE_VMS: &str = "
+# VMs the agent follows besides those libvirt announces, e.g.:
+#[[vm]]
+#name = \"db1\"
+#hint_socket = \"/run/vmigrater/db1.hint.sock\"
+#qmp_socket = \"/run/vmigrater/db1.qmp.sock\"
+";
+
+/// The comment over each section of the shipped file.
+const SECTION_DOCS: &[(&str, &str)] = &[
+    (
+        "metrics",
+        "Prometheus metrics (OpenMetrics text at /metrics).",
+    ),
+    (
+        "libvirt",
+        "VMs that libvirt starts with our channel (org.vmigrater.hint.0) are found on their own.",
+    ),
+];
+
+/// The comment line(s) over each key of the shipped file; every key has one
+/// (`the_shipped_file_sets_nothing_and_documents_every_key`).
+const KEY_DOCS: &[(&str, &str)] = &[
+    ("period_ms", "Credit period: how often the agent reads the guests and sets weights."),
+    ("backend", "How weights reach the hypervisor: \"kvm-qemu\" (the vCPU threads' nice or cgroup\nweight), \"xen\" (credit2 weights), \"model\" (the testbed) or \"dry-run\"."),
+    ("min_report_interval_ms", "Sustained per-guest report rate limit (bursts of 128 tolerated)."),
+    ("max_nice_delta", "Nice range the weights may use; 0 never changes a weight."),
+    ("share", "\"vm-funded\": a vCPU carrying its VM's I/O gets weight paid by the same VM's\nother vCPUs; \"isacs\": the paper's CPU-BOOST compensation."),
+    ("io_boost_nice", "Weight steps (nice) a vCPU carrying I/O gets under vm-funded; 0 turns the\nexchange off."),
+    ("weight", "\"nice\" or \"cgroup\" (cpu.shares on v1, cpu.weight on v2)."),
+    ("balance_io", "ISACS Algorithm 2: move I/O-intensive vCPU threads between a VM's host_cpus."),
+    ("observe_schedstat", "For VMs without reports, infer I/O from the vCPU threads' wake-ups and run time."),
+    ("observe_kicks", "Prefer device kicks (the vCPU thread's write calls) to wake-ups where they\nsingle out a vCPU."),
+    ("state_dir", "Where the journal of original settings and the status socket live."),
+    ("model_dir", "Backend \"model\": the bpffs directory of the testbed's host model maps."),
+    ("metrics.enabled", "Serve metrics."),
+    ("metrics.listen", "Address of the metrics endpoint (localhost only by default)."),
+    ("libvirt.enabled", "Find libvirt's VMs."),
+    ("libvirt.channel_dir", "Where libvirt puts its VMs' channel sockets."),
+    ("libvirt.pid_dir", "Where libvirt puts its QEMU pid files."),
+    ("libvirt.containers", "Also find VMs whose libvirt runs in a container (KubeVirt's virt-launcher\npods) from their QEMU processes."),
+];
+
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct VmConfig {
@@ -344,6 +415,36 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_shipped_file_sets_nothing_and_documents_every_key() {
+        let text = Config::default_toml();
+        let parsed: Config = toml::from_str(&text).unwrap();
+        let dump = |c: &Config| toml::to_string_pretty(c).unwrap();
+        assert_eq!(dump(&parsed), dump(&Config::default()));
+        for line in text.lines() {
+            let active = !line.is_empty() && !line.starts_with('#');
+            assert!(
+                !active || line.starts_with('['),
+                "the shipped file sets {line:?}"
+            );
+        }
+        let defaults = dump(&Config::default());
+        assert!(
+            control::conffile::undocumented(&defaults, KEY_DOCS, &["vm"]).is_empty(),
+            "{:?}",
+            control::conffile::undocumented(&defaults, KEY_DOCS, &["vm"])
+        );
+        // Uncommenting the example gives a VM that parses.
+        let vm: String = CONFFILE_VMS
+            .lines()
+            .filter_map(|l| l.strip_prefix('#'))
+            .filter(|l| !l.starts_with(' '))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let with_vm: Config = toml::from_str(&vm).unwrap();
+        assert_eq!(with_vm.vms[0].name, "db1");
+    }
 
     #[test]
     fn defaults_and_a_vm() {

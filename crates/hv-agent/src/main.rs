@@ -158,7 +158,7 @@ fn real_main(cli: Cli, signals: Option<control::signals::Signals>) -> Result<()>
             Ok(())
         }
         Command::DefaultConfig => {
-            print!("{}", toml::to_string_pretty(&Config::default())?);
+            print!("{}", Config::default_toml());
             Ok(())
         }
         Command::GenDist { dir } => control::dist::write(Cli::command(), &dir).map(drop),

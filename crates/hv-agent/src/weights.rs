@@ -49,6 +49,12 @@ pub struct VcpuFigures {
     /// weight taken from a vCPU where an I/O task runs, or where its completions land,
     /// slows the very I/O the favour is for.
     pub io_free: bool,
+    /// The thread was runnable (running or waiting for a CPU) nearly all of each recent
+    /// period: it never halts. Only such a vCPU pays for a favour: one that halts wakes
+    /// again, and each of its wake-ups waits longer behind a smaller weight (on a
+    /// credit1-like host it loses BOOST and waits out other VMs' 30 ms slices), which a
+    /// request that crosses it (a database's client) pays at every turn.
+    pub always_runnable: bool,
 }
 
 /// How the plan turns credits into settings.
@@ -177,7 +183,8 @@ pub fn exchange_weights(steps: i32) -> (f64, f64) {
 /// Each vCPU takes part in one exchange at most; where none is possible (a one-vCPU VM, a
 /// VM whose every vCPU claims I/O — a liar's way to ask for more), nothing changes.
 ///
-/// Only a vCPU free of its VM's I/O (`io_free`) pays. Only a vCPU that used at least
+/// Only a vCPU free of its VM's I/O (`io_free`) that never halts (`always_runnable`)
+/// pays. Only a vCPU that used at least
 /// `min_busy_ns` of CPU in the period pays, and only one
 /// that did gets steps back in an exchange: weight taken from a halted vCPU costs it
 /// nothing (its CPU goes to the others anyway), so a guest could otherwise claim I/O on
@@ -202,8 +209,9 @@ pub fn fund(vcpus: &[&VcpuFigures], steps: i32, min_busy_ns: u64) -> Vec<i32> {
     let vm = |i: usize| vcpus[i].key.0;
     let rq = |i: usize| vcpus[i].run_queue;
     let busy = |i: usize| vcpus[i].consumed_ns >= min_busy_ns;
-    let payer =
-        |i: usize, used: &[bool]| !used[i] && !vcpus[i].carries_io && vcpus[i].io_free && busy(i);
+    let payer = |i: usize, used: &[bool]| {
+        !used[i] && !vcpus[i].carries_io && vcpus[i].io_free && vcpus[i].always_runnable && busy(i)
+    };
     for v in 0..n {
         if !vcpus[v].carries_io || used[v] {
             continue;
@@ -255,6 +263,7 @@ mod tests {
             consumed_ns: consumed_ms * MS,
             carries_io: events > 0,
             io_free: events == 0,
+            always_runnable: true,
         }
     }
 
@@ -330,6 +339,7 @@ mod tests {
             consumed_ns: 50 * MS,
             carries_io: io,
             io_free: !io,
+            always_runnable: true,
         }
     }
 
@@ -520,6 +530,24 @@ mod tests {
         v[0].io_free = false;
         assert_eq!(funded(&v), vec![0, 0, 0, 0]);
         v[0].io_free = true;
+        assert_eq!(funded(&v), vec![2, -2, -2, 2]);
+    }
+
+    #[test]
+    fn a_vcpu_that_halts_does_not_pay() {
+        // VM 0's vCPU 0 runs no I/O but halts and wakes (a database's client between its
+        // requests): a smaller weight would delay every wake-up. Nothing changes.
+        let mut v = [
+            vcpu(0, 0, 0, false),
+            vcpu(0, 1, 1, true),
+            vcpu(1, 0, 0, false),
+            vcpu(1, 1, 1, false),
+        ];
+        v[0].always_runnable = false;
+        assert_eq!(funded(&v), vec![0, 0, 0, 0]);
+        // The other VM's vCPU that would get its steps back may halt: it only gains.
+        v[0].always_runnable = true;
+        v[2].always_runnable = false;
         assert_eq!(funded(&v), vec![2, -2, -2, 2]);
     }
 

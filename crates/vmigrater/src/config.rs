@@ -588,46 +588,15 @@ impl Config {
     /// froze them (as a plain dump of the defaults would) keeps old timings forever.
     pub fn default_toml() -> String {
         let dump = toml::to_string_pretty(&Config::default()).expect("defaults serialise");
-        let mut out = String::from(CONFFILE_HEAD);
-        let mut section = String::new();
-        for line in dump.lines() {
-            let line = line.trim_end();
-            if let Some(name) = line.strip_prefix('[').and_then(|l| l.strip_suffix(']')) {
-                section = name.to_owned();
-                out.push('\n');
-                if let Some((_, doc)) = SECTION_DOCS.iter().find(|(s, _)| *s == section) {
-                    for l in doc.lines() {
-                        out.push_str(&format!("# {l}\n"));
-                    }
-                }
-                let commented = if section.starts_with("advanced") {
-                    "#"
-                } else {
-                    ""
-                };
-                out.push_str(&format!("{commented}{line}\n"));
-                continue;
-            }
-            let Some((key, _)) = line.split_once(" = ") else {
-                continue;
-            };
-            if key == "priority" && section.is_empty() {
-                continue; // an array of tables, shown by example at the end
-            }
-            let path = if section.is_empty() {
-                key.to_owned()
-            } else {
-                format!("{section}.{key}")
-            };
-            if let Some((_, doc)) = KEY_DOCS.iter().find(|(k, _)| *k == path) {
-                for l in doc.lines() {
-                    out.push_str(&format!("# {l}\n"));
-                }
-            }
-            out.push_str(&format!("#{line}\n"));
-        }
-        out.push_str(CONFFILE_PRIORITY);
-        out
+        let body = control::conffile::commented_defaults(
+            &dump,
+            KEY_DOCS,
+            SECTION_DOCS,
+            |s| s.starts_with("advanced"),
+            // An array of tables, shown by example at the end.
+            &["priority"],
+        );
+        format!("{CONFFILE_HEAD}{body}{CONFFILE_PRIORITY}")
     }
 }
 

@@ -276,7 +276,9 @@ impl BenchAgent {
         let child = Command::new(workspace_bin("vmigrater-hv-agent"))
             .arg("--config")
             .arg(&config)
-            .args(["--log", "info", "run"])
+            // Each change of a modelled vCPU's weight or boost is a debug line: counted
+            // per run (`agent.guest_changes`).
+            .args(["--log", "info,hv_agent::model=debug", "run"])
             .stderr(std::fs::File::create(dir.path().join("agent.log"))?)
             .spawn()
             .context("starting vmigrater-hv-agent")?;
@@ -494,9 +496,15 @@ fn run_once(
     let agent_json = match agent {
         Some(a) => {
             let log = a.stop()?;
+            let changes: Vec<&str> = log
+                .lines()
+                .filter(|l| l.contains("re-weighted") && l.contains("guest"))
+                .collect();
             json!({
                 "status": agent_status.as_ref().map(agent_weights),
                 "restored": log.contains("restored every scheduling change"),
+                "guest_changes": changes.len(),
+                "guest_boosts": changes.iter().filter(|l| l.contains("boost=true")).count(),
             })
         }
         None => Value::Null,

@@ -308,7 +308,8 @@ fn io_share_is_paid_for_by_the_same_vm() {
         vec![0, 0, 0, 0],
         "a partner's vCPU paid for the I/O's"
     );
-    send(&mut g, &[(0, 1, 0), (1, 0, 0)], 0.5);
+    // Back after 8 periods without the partner (0.4 s), applied at the next period.
+    send(&mut g, &[(0, 1, 0), (1, 0, 0)], 1.0);
     assert_eq!(
         nices(&t),
         vec![-2, 2, 2, -2],

@@ -10,7 +10,7 @@
 use anyhow::Result;
 use proto::{Applied, Message, VcpuWeight};
 use sched_core::CreditParams;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
@@ -59,15 +59,17 @@ const RESCAN: Duration = Duration::from_secs(2);
 /// cost the guest cache warmth, and ping-pong would cost more than it gains.
 const MOVE_COOLDOWN_PERIODS: u64 = 10;
 
-/// A vCPU runnable this share of a period or more did not halt in it: a CPU-bound vCPU
-/// (a guest's hog, a batch job) reads ~1.0, a database client's vCPU between requests
-/// less (benches/RESULTS.md "a payer that halts").
+/// A vCPU runnable this share of its last `RUNNABLE_PERIODS` or more did not halt in
+/// them: a CPU-bound vCPU (a guest's hog, a batch job) reads ~1.0, a database client's
+/// vCPU between requests less (benches/RESULTS.md "a payer that halts").
 const RUNNABLE_SHARE: f64 = 0.95;
-/// What a running thread's `schedstat` may lag behind its run time: one scheduler tick
-/// at the slowest common HZ (250), so that a hog read mid-tick is not taken for a halt.
-const SCHEDSTAT_LAG: Duration = Duration::from_millis(4);
-/// The periods (`Track::runnable_history` bits) a payer must have been runnable through.
-const RUNNABLE_PERIODS: u8 = 0b1111;
+/// What `schedstat` may lag behind a thread's real run and wait time: run time is added
+/// at ticks (4 ms at HZ=250), wait time when the thread gets the CPU (a slice of the other
+/// threads' later), so that a hog read between them is not taken for a halt. Judged over
+/// the window, not per period, so that the lag is counted once.
+const SCHEDSTAT_LAG: Duration = Duration::from_millis(10);
+/// The periods over which a payer must have been runnable.
+const RUNNABLE_PERIODS: usize = 4;
 
 #[derive(Default)]
 struct Track {
@@ -84,9 +86,9 @@ struct Track {
     /// One bit per recent period (newest lowest): did the guest report an I/O-bound task,
     /// or a partner of one, on it?
     task_history: u8,
-    /// One bit per recent period (newest lowest): was the thread runnable (running or
-    /// waiting for a CPU) for at least `RUNNABLE_SHARE` of it?
-    runnable_history: u8,
+    /// The last `RUNNABLE_PERIODS` periods: (ns runnable, running or waiting for a CPU;
+    /// ns the period covered).
+    runnable_window: VecDeque<(u64, u64)>,
     /// When `prev` was read: the period each delta covers.
     sampled_at: Option<Instant>,
     status: VcpuStatus,
@@ -196,6 +198,16 @@ fn carries_io(guest_io_tasks: Option<u32>, io_history: u8) -> bool {
         Some(n) => n > 0,
         None => (io_history & 0b1111).count_ones() >= 3,
     }
+}
+
+/// Whether a thread was runnable `RUNNABLE_SHARE` of its last `RUNNABLE_PERIODS`
+/// periods (`Track::runnable_window`), schedstat's lag allowed once.
+fn always_runnable(window: &VecDeque<(u64, u64)>) -> bool {
+    let (runnable, covered) = window
+        .iter()
+        .fold((0u64, 0u64), |(r, c), &(wr, wc)| (r + wr, c + wc));
+    window.len() == RUNNABLE_PERIODS
+        && (runnable + SCHEDSTAT_LAG.as_nanos() as u64) as f64 >= RUNNABLE_SHARE * covered as f64
 }
 
 /// Per vCPU of a VM, whether hardly any of the VM's I/O events land there (under a tenth
@@ -450,10 +462,17 @@ impl Agent {
             for (cpu, track) in vm.tracks.iter_mut().enumerate() {
                 let (d, first, covered) = deltas[cpu];
                 let (run, wait) = (d.run_ns, d.wait_ns);
-                let runnable = covered.filter(|_| !first).is_some_and(|c| {
-                    Duration::from_nanos(run + wait) + SCHEDSTAT_LAG >= c.mul_f64(RUNNABLE_SHARE)
-                });
-                track.runnable_history = (track.runnable_history << 1) | u8::from(runnable);
+                match covered.filter(|_| !first) {
+                    Some(c) => {
+                        if track.runnable_window.len() == RUNNABLE_PERIODS {
+                            track.runnable_window.pop_front();
+                        }
+                        track
+                            .runnable_window
+                            .push_back((run + wait, c.as_nanos() as u64));
+                    }
+                    None => track.runnable_window.clear(),
+                }
                 track.run_total += run;
                 track.wait_total += wait;
                 let observed = track.ema.on_period(host_events[cpu], period_ns);
@@ -512,7 +531,7 @@ impl Agent {
                     moves: track.moves,
                     weight: 1.0,
                     carries_io,
-                    always_runnable: track.runnable_history & RUNNABLE_PERIODS == RUNNABLE_PERIODS,
+                    always_runnable: always_runnable(&track.runnable_window),
                     ..Default::default()
                 };
                 figures.push(VcpuFigures {
@@ -829,6 +848,14 @@ mod tests {
     #[test]
     fn io_is_what_the_guest_says_else_what_keeps_showing() {
         assert_eq!(io_free(&[0, 300]), vec![true, false]);
+        // A hog read between ticks: ~4 ms short in one period, made up in the next.
+        let ms = |r: u64, c: u64| (r * 1_000_000, c * 1_000_000);
+        let hog: VecDeque<_> = [ms(96, 100), ms(104, 100), ms(97, 100), ms(100, 100)].into();
+        assert!(always_runnable(&hog));
+        // A client's vCPU halting a tenth of the time, and a window not yet full.
+        let client: VecDeque<_> = [ms(90, 100); 4].into();
+        assert!(!always_runnable(&client));
+        assert!(!always_runnable(&[ms(100, 100); 3].into()));
         assert_eq!(io_free(&[29, 300]), vec![true, false], "stray events");
         assert_eq!(
             io_free(&[100, 300]),

@@ -59,7 +59,7 @@ pub struct VcpuStatus {
     /// Favoured for the VM's I/O by the `vm-funded` rule (the guest is told `held`).
     #[serde(default)]
     pub held: bool,
-    /// Runnable nearly all of each of the last 4 periods (never halted): only such a
+    /// Runnable nearly all of its last 4 periods (never halted): only such a
     /// vCPU pays under `vm-funded`.
     #[serde(default)]
     pub always_runnable: bool,

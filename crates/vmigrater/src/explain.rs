@@ -453,6 +453,12 @@ pub fn threads(target: &str) -> Result<Vec<Thread>> {
             bail!("no thread or process {pid} (is it still running?)");
         }
     } else {
+        // Names first (one read each); the facts only of the threads that match.
+        let comm = |dir: &std::path::Path| {
+            std::fs::read_to_string(dir.join("comm"))
+                .map(|c| c.trim_end_matches('\n').to_string())
+                .ok()
+        };
         for e in std::fs::read_dir(proc).context("reading /proc")? {
             let Some(pid) = e
                 .ok()
@@ -460,18 +466,17 @@ pub fn threads(target: &str) -> Result<Vec<Thread>> {
             else {
                 continue;
             };
-            let pcomm = os_layer::TaskStat::of_tid(pid).map(|s| s.comm);
-            let Ok(tasks) = std::fs::read_dir(proc.join(pid.to_string()).join("task")) else {
+            let pdir = proc.join(pid.to_string());
+            let whole = comm(&pdir).as_deref() == Some(target);
+            let Ok(tasks) = std::fs::read_dir(pdir.join("task")) else {
                 continue;
             };
             for te in tasks.flatten() {
                 let Some(tid) = te.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
                     continue;
                 };
-                if let Some(t) = thread(tid) {
-                    if t.comm == target || pcomm.as_deref() == Some(target) {
-                        out.push(t);
-                    }
+                if whole || comm(&te.path()).as_deref() == Some(target) {
+                    out.extend(thread(tid));
                 }
             }
         }

@@ -51,6 +51,18 @@ fn source_report(s: vcpu_monitor::Source) -> SourceReport {
     }
 }
 
+impl From<MoveGate> for GateReport {
+    fn from(g: MoveGate) -> Self {
+        match g {
+            MoveGate::Open => GateReport::Open,
+            MoveGate::HostHolds => GateReport::HostHolds,
+            MoveGate::NotContended => GateReport::NotContended,
+            MoveGate::GuardHolding { .. } => GateReport::GuardHolding,
+            MoveGate::GuardProbing => GateReport::GuardProbing,
+        }
+    }
+}
+
 impl Running {
     /// Cumulative per-vCPU figures for the host channel.
     pub fn channel_sample(&self) -> Vec<VcpuSample> {
@@ -208,13 +220,7 @@ impl Running {
                     cpu: k.cpu,
                 })
                 .collect(),
-            move_gate: match engine.gate {
-                MoveGate::Open => GateReport::Open,
-                MoveGate::HostHolds => GateReport::HostHolds,
-                MoveGate::NotContended => GateReport::NotContended,
-                MoveGate::GuardHolding { .. } => GateReport::GuardHolding,
-                MoveGate::GuardProbing => GateReport::GuardProbing,
-            },
+            move_gate: engine.gate.into(),
             guard_hold_remaining_s: match engine.gate {
                 MoveGate::GuardHolding { for_s } => for_s,
                 _ => 0.0,

@@ -72,7 +72,7 @@ for p in vmigrater vmigrater-hv-agent; do
         vmigrater-hv-agent) conf=hv-agent.toml ;;
     esac
     man_pages=("$p" "$p-run" "$p-check" "$p-status" "$p-default-config")
-    if [ "$p" = vmigrater ]; then man_pages+=("$p-record"); fi
+    if [ "$p" = vmigrater ]; then man_pages+=("$p-record" "$p-explain"); fi
     deb=$out/${p}_${version}-1_${deb_arch}.deb
     rpm=$out/${p}-${version}-1.${rpm_arch}.rpm
 

@@ -98,8 +98,12 @@ pub fn explain(r: &StatusReport, t: &Thread) -> Explanation {
             "a kernel thread: only user threads are measured and moved".into(),
             "nothing".into(),
         )
+    } else if r.hands_off.contains(&t.tid) {
+        // Before the placement lists: the hook lets go at once, while the engine's list
+        // of managed tasks still names the thread until its next tick.
+        hands_off()
     } else {
-        placed(r, t).unwrap_or_else(|| left(r, t, seen.as_ref()))
+        placed(r, t).unwrap_or_else(|| left(r, seen.as_ref()))
     };
     Explanation {
         thread: t.clone(),
@@ -185,16 +189,17 @@ fn placed(r: &StatusReport, t: &Thread) -> Option<Verdict> {
     ))
 }
 
+fn hands_off() -> Verdict {
+    (
+        Reason::HandsOff,
+        None,
+        "someone else changed its CPU mask after the daemon did: the daemon leaves it alone for as long as it lives".into(),
+        "nothing while it lives (a restarted process is a new task)".into(),
+    )
+}
+
 /// A thread the daemon leaves where it is: the rule that leaves it.
-fn left(r: &StatusReport, t: &Thread, seen: Option<&SeenStatus>) -> Verdict {
-    if r.hands_off.contains(&t.tid) {
-        return (
-            Reason::HandsOff,
-            None,
-            "someone else changed its CPU mask after the daemon did: the daemon leaves it alone for as long as it lives".into(),
-            "nothing while it lives (a restarted process is a new task)".into(),
-        );
-    }
+fn left(r: &StatusReport, seen: Option<&SeenStatus>) -> Verdict {
     if let Some(s) = seen {
         if s.excluded {
             return (
@@ -596,6 +601,15 @@ mod tests {
         assert_eq!(reason(&r, &reader), Reason::Excluded);
         r.hands_off = vec![7];
         assert_eq!(reason(&r, &reader), Reason::HandsOff);
+        // The engine's list still naming it until its next tick does not outvote the hook.
+        r.tasks = vec![TaskStatus {
+            tid: 7,
+            allowed: vec![0, 1],
+            ..Default::default()
+        }];
+        assert_eq!(reason(&r, &reader), Reason::HandsOff);
+        r.tasks.clear();
+        r.hands_off.clear();
 
         r.partners = vec![PartnerStatus {
             tid: 7,

@@ -237,8 +237,8 @@ fn lab_story(comment: &str) -> Option<String> {
     None
 }
 
-#[test]
-fn product_comments_carry_no_dates_or_run_counts() {
+/// The source files of the product's crates.
+fn product_files() -> Vec<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("crates");
     let mut files = Vec::new();
     for e in std::fs::read_dir(&root).unwrap().map(Result::unwrap) {
@@ -248,6 +248,12 @@ fn product_comments_carry_no_dates_or_run_counts() {
         }
     }
     assert!(files.len() > 50, "only {} product files", files.len());
+    files
+}
+
+#[test]
+fn product_comments_carry_no_dates_or_run_counts() {
+    let files = product_files();
     let mut found = Vec::new();
     for f in &files {
         let text = std::fs::read_to_string(f).unwrap();
@@ -277,4 +283,118 @@ fn dates_and_run_counts_are_found_and_rules_are_not() {
     assert_eq!(lab_story(" one of 2 vCPUs, 10-20 ms, 1.3x"), None);
     assert_eq!(lab_story(" slot 1 of 4 entries"), None);
     assert_eq!(lab_story(" v2026-12-02x"), None);
+}
+
+/// The longest function a reader should have to hold in mind at once.
+const MAX_FN_LINES: usize = 100;
+
+fn indent(line: &str) -> &str {
+    &line[..line.len() - line.trim_start().len()]
+}
+
+/// Functions with a body (name, first line, length in lines) outside `#[cfg(test)]`
+/// modules. The tree is rustfmt-formatted (`make lint`), so a body ends at the first
+/// line that is a `}` at its signature's indent; that is all the parsing needed.
+fn functions(text: &str) -> Vec<(String, usize, usize)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let closes = |from: usize, at: &str| {
+        (from..lines.len()).find(|&j| lines[j].strip_prefix(at) == Some("}"))
+    };
+    let mut found = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let line = lines[i];
+        let code = line.trim_start();
+        if code == "#[cfg(test)]"
+            && lines
+                .get(i + 1)
+                .is_some_and(|l| l.trim_start().starts_with("mod "))
+        {
+            i = closes(i + 1, indent(lines[i + 1])).map_or(lines.len(), |j| j + 1);
+            continue;
+        }
+        let sig = [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "const ",
+            "async ",
+            "unsafe ",
+            "extern \"C\" ",
+        ]
+        .iter()
+        .fold(code, |c, p| c.strip_prefix(p).unwrap_or(c));
+        if let Some(rest) = sig.strip_prefix("fn ") {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            // The signature may run over several lines; it ends with `{` or, without a body, `;`.
+            let end = (i..lines.len()).find(|&j| lines[j].trim_end().ends_with(['{', ';']));
+            if let Some(open) = end.filter(|&j| lines[j].trim_end().ends_with('{')) {
+                if let Some(close) = closes(open, indent(line)) {
+                    found.push((name, i + 1, close - i + 1));
+                }
+            }
+        }
+        i += 1;
+    }
+    found
+}
+
+#[test]
+fn no_product_function_is_over_100_lines() {
+    let mut long = Vec::new();
+    for f in product_files() {
+        let text = std::fs::read_to_string(&f).unwrap();
+        for (name, line, len) in functions(&text) {
+            if len > MAX_FN_LINES {
+                long.push(format!("{}:{line}: {name}, {len} lines", f.display()));
+            }
+        }
+    }
+    assert!(
+        long.is_empty(),
+        "functions over {MAX_FN_LINES} lines (split them into named steps):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn functions_are_measured_and_tests_and_declarations_are_not() {
+    let text = "\
+pub fn short(a: u32) -> u32 {
+    a
+}
+
+trait T {
+    fn declared(&self);
+    fn provided(&self) {
+        let _ = 1;
+    }
+}
+
+pub(crate) fn spread(
+    a: u32,
+) -> u32 {
+    if a > 0 {
+        a
+    } else {
+        0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    fn helper() {}
+}
+";
+    assert_eq!(
+        functions(text),
+        [
+            ("short".to_string(), 1, 3),
+            ("provided".to_string(), 7, 3),
+            ("spread".to_string(), 12, 9),
+        ]
+    );
 }

@@ -48,7 +48,7 @@
 //! --parent-bin PATH (the daemon of `vmigrater_parent`), --accounting absorbed|interrupted
 //! (who is charged a window's time: by default a real-time absorber per CPU, as on a guest
 //! that subtracts steal time; or the task it interrupts, as this kernel does by itself;
-//! see crates/irq-steal/src/absorber.rs).
+//! see testbeds/irq-steal/src/absorber.rs).
 
 use anyhow::{Context, Result};
 use irq_steal::{Accounting, IrqSteal, Schedule, StealReport};

@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: GPL-2.0
-/* A host scheduler in the loop (crates/irq-steal/src/host.rs).
+/* A host scheduler in the loop (testbeds/irq-steal/src/host.rs).
  *
  * Each modelled CPU of this kernel is our guest's vCPU, sharing a host CPU with the vCPUs
  * of nslots - 1 other VMs that exist only here. A host scheduler policy decides online who

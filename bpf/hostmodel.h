@@ -1,4 +1,4 @@
-/* Shared between bpf/hostmodel.bpf.c, crates/irq-steal/src/host.rs (the testbed that
+/* Shared between bpf/hostmodel.bpf.c, testbeds/irq-steal/src/host.rs (the testbed that
  * loads it) and crates/hv-agent/src/model.rs (the agent's backend that drives it): the
  * host scheduler model's maps.
  *

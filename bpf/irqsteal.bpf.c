@@ -1,5 +1,5 @@
 // SPDX-License-Identifier: GPL-2.0
-/* Hypervisor-like deschedules on the machine itself (crates/irq-steal).
+/* Hypervisor-like deschedules on the machine itself (testbeds/irq-steal).
  *
  * Attached to one PERF_COUNT_SW_CPU_CLOCK event per planned CPU, this program runs in
  * hard-IRQ context on that CPU every sample period. When the CPU's plan says it is inside

@@ -1,4 +1,4 @@
-/* Shared between bpf/irqsteal.bpf.c and crates/irq-steal/src/kernel.rs: the per-CPU plan
+/* Shared between bpf/irqsteal.bpf.c and testbeds/irq-steal/src/kernel.rs: the per-CPU plan
  * state and counters in .bss, and one window of the `windows` array map. */
 #ifndef VMIGRATER_IRQSTEAL_H
 #define VMIGRATER_IRQSTEAL_H

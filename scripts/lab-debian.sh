@@ -2,7 +2,7 @@
 # A Debian 12 guest with systemd as init for the package install test
 # (`make lab-install-test`): debootstrap --variant=minbase into an ext4 image, cached as
 # target/lab/debian/rootfs.img (rebuilt only when this script changes). The lab's kernel
-# boots it through the lab initramfs (crates/lab/guest/init, `lab.root=/dev/vda`), which
+# boots it through the lab initramfs (testbeds/lab/guest/init, `lab.root=/dev/vda`), which
 # loads the virtio modules and switches to it. Inside, a unit serves the lab's command port,
 # root has no password, and nothing needs the network: the runtime dependencies of our
 # packages are installed here. Also installs debootstrap, e2fsprogs and promtool (Debian's
@@ -15,7 +15,7 @@ out=$lab/debian
 need_promtool lab-debian
 need_debs lab-debian debootstrap e2fsprogs
 
-stamp=$(sha256sum "$0" crates/lab/guest/agent.sh | sha256sum | cut -c1-16)
+stamp=$(sha256sum "$0" testbeds/lab/guest/agent.sh | sha256sum | cut -c1-16)
 if [ -f "$out/rootfs.img" ] && [ "$(cat "$out/stamp" 2>/dev/null)" = "$stamp" ]; then
     exit 0
 fi
@@ -41,7 +41,7 @@ $SUDO chroot "$root" passwd -d root >/dev/null
 echo lab | $SUDO tee "$root/etc/hostname" >/dev/null
 echo "/dev/vda / ext4 defaults 0 1" | $SUDO tee "$root/etc/fstab" >/dev/null
 $SUDO mkdir -p "$root/lab"
-$SUDO cp crates/lab/guest/agent.sh "$root/lab/agent.sh"
+$SUDO cp testbeds/lab/guest/agent.sh "$root/lab/agent.sh"
 $SUDO tee "$root/etc/systemd/system/lab-cmd.service" >/dev/null <<'EOF'
 [Unit]
 Description=vmigrater lab command agent (the host drives the guest through this port)

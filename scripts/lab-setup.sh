@@ -10,7 +10,7 @@ lab=${VMIGRATER_LAB_DIR:-target/lab}
 need_debs lab-setup qemu-system-x86 busybox-static
 
 # The virtio modules every lab guest loads, then what mounting an ext4 root needs (the
-# systemd guest of the install test); keep in step with crates/lab/src/image.rs.
+# systemd guest of the install test); keep in step with testbeds/lab/src/image.rs.
 modules="virtio_ring virtio virtio_pci_legacy_dev virtio_pci_modern_dev virtio_pci virtio_blk virtio_console
          crc16 mbcache jbd2 crc32c_generic ext4"
 have=yes

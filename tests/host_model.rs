@@ -1,4 +1,4 @@
-//! The host scheduler model (crates/irq-steal `host`, bpf/hostmodel.bpf.c) on the real
+//! The host scheduler model (testbeds/irq-steal `host`, bpf/hostmodel.bpf.c) on the real
 //! kernel: the physics a benchmark in the loop rests on. Busy vCPUs get 1/k of their CPU
 //! under both policies, as the threads on them see it; a vCPU that sleeps most of the time
 //! is woken at its interrupt under the fair policy, while under a plan it waits for its

@@ -1,4 +1,4 @@
-//! The hard-IRQ deschedule testbed (crates/irq-steal) on the real kernel: it steals what
+//! The hard-IRQ deschedule testbed (testbeds/irq-steal) on the real kernel: it steals what
 //! its plan asks, nothing runs on a CPU during a window, perf throttling comes back however
 //! the controller ends, and a plan beyond the bounds never loads. Root only (BPF, perf
 //! events on whole CPUs, a sysctl), except the refusal.

@@ -58,7 +58,7 @@ enum Cmd {
         /// Only these modes (comma-separated: no_sharing, vanilla, vmigrater, vmigrater_dry, agent, both, vmigrater_oracle, pinned_vcpu0).
         #[arg(long, value_delimiter = ',')]
         modes: Vec<String>,
-        /// The guest daemon's configuration file (default: the lab's, crates/lab/guest/vmigrater.toml).
+        /// The guest daemon's configuration file (default: the lab's, testbeds/lab/guest/vmigrater.toml).
         #[arg(long)]
         guest_config: Option<PathBuf>,
         /// An extra daemon mode NAME run with the configuration FILE (repeatable): for

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use tracing::{debug, warn};
 
-use crate::board::{Demand, VcpuBoard};
+use crate::board::{Demand, Slot, VcpuBoard};
 use crate::config::MonitorConfig;
 use crate::estimator::{EstimatorConfig, Observation, SliceEstimator};
 use crate::{monotonic_ns, sleep_until};
@@ -187,21 +187,8 @@ fn sleeper(
                 Observation::Running => TickEvent::Running,
             }
         };
-        slot.last_seen_ns.store(woke, Relaxed);
-        slot.gap_threshold_ns.store(est.threshold_ns(), Relaxed);
-        slot.est_slice_ns.store(est.est_slice_ns(), Relaxed);
-        if woke.saturating_sub(last_gap_ns) > quiet_ns {
-            // No descheduling seen lately: as far as we know the slice never ends.
-            slot.slice_start_ns.store(woke, Relaxed);
-        } else if let Some(start) = est.slice_start_ns() {
-            slot.slice_start_ns.store(start, Relaxed);
-        }
-        slot.hiccups.store(est.hiccups, Relaxed);
-        if let TickEvent::Resumed { .. } = event {
-            slot.deschedules.store(est.deschedules, Relaxed);
-            slot.inactive_total_ns.store(est.inactive_total_ns, Relaxed);
-            slot.last_inactive_ns.store(est.last_inactive_ns, Relaxed);
-        }
+        let quiet = woke.saturating_sub(last_gap_ns) > quiet_ns;
+        publish(slot, &est, event, woke, quiet);
         hook.on_tick(cpu, event, board, woke);
         // A vCPU can be descheduled while this thread runs, not only while it sleeps.
         // Counting the next deadline from after a hook that took longer than the gap
@@ -217,4 +204,24 @@ fn sleeper(
         };
     }
     debug!(cpu, "sleeper stopped");
+}
+
+/// Publishes what the estimator knows after the wake-up at `woke`; `quiet`: no
+/// deschedule seen for `quiet_after`.
+fn publish(slot: &Slot, est: &SliceEstimator, event: TickEvent, woke: u64, quiet: bool) {
+    slot.last_seen_ns.store(woke, Relaxed);
+    slot.gap_threshold_ns.store(est.threshold_ns(), Relaxed);
+    slot.est_slice_ns.store(est.est_slice_ns(), Relaxed);
+    if quiet {
+        // No descheduling seen lately: as far as we know the slice never ends.
+        slot.slice_start_ns.store(woke, Relaxed);
+    } else if let Some(start) = est.slice_start_ns() {
+        slot.slice_start_ns.store(start, Relaxed);
+    }
+    slot.hiccups.store(est.hiccups, Relaxed);
+    if let TickEvent::Resumed { .. } = event {
+        slot.deschedules.store(est.deschedules, Relaxed);
+        slot.inactive_total_ns.store(est.inactive_total_ns, Relaxed);
+        slot.last_inactive_ns.store(est.last_inactive_ns, Relaxed);
+    }
 }

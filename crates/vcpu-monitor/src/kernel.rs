@@ -18,8 +18,9 @@
 //!
 //! So the daemon wakes about twice per hypervisor slice while I/O-bound tasks exist, and
 //! never while none do: no sleeper per vCPU, no timer of its own per tick. It must never
-//! spin or wake on a timer other than those two, and never write the BPF state except its
-//! `emit_events` switch.
+//! spin or wake on a timer other than those two, and never write the BPF state but the
+//! words that steer the program (the `emit_events` switch, the vCPUs holding tasks, the
+//! slice each heartbeat brackets: `state`).
 
 mod event_loop;
 mod load;

@@ -160,27 +160,7 @@ impl Planner {
             return Vec::new();
         }
         let cfg = &self.cfg;
-        let max_cpu = vcpus
-            .iter()
-            .map(|v| v.cpu)
-            .filter(|&c| c < MAX_CPU)
-            .max()
-            .unwrap_or(0);
-        let mut cpu_index = vec![NO_VCPU; max_cpu + 1];
-        for (i, v) in vcpus.iter().enumerate() {
-            // First view wins on duplicates, so a malformed input still plans deterministically.
-            if v.cpu <= max_cpu && cpu_index[v.cpu] == NO_VCPU {
-                cpu_index[v.cpu] = i as u32;
-            }
-        }
-        let index_of = |cpu: usize| -> Option<usize> {
-            cpu_index
-                .get(cpu)
-                .copied()
-                .filter(|&i| i != NO_VCPU)
-                .map(|i| i as usize)
-        };
-        let is_target = |v: &VcpuView| v.active && v.remaining_ns >= cfg.push_threshold_ns;
+        let table = VcpuTable::new(vcpus);
 
         let mut order: Vec<usize> = (0..tasks.len()).collect();
         order.sort_by(|&a, &b| {
@@ -197,67 +177,11 @@ impl Planner {
             let task = &tasks[ti];
             let load = task.load.max(MIN_LOAD);
             let current = task.placed_on.unwrap_or(task.last_cpu);
-            let cur_idx = index_of(current).filter(|_| task.allowed.contains(&current));
-            let share = |i: usize| vcpus[i].remaining_ns as f64 * load / (given[i] + load);
-            let fits = |i: usize| given[i] + load <= cfg.max_load_per_vcpu;
-
-            let candidate = |i: usize| Candidate {
-                index: i,
-                fits: fits(i),
-                share_ns: share(i),
-            };
-            // The best allowed target, by `Candidate::beats`.
-            let mut best: Option<Candidate> = None;
-            for &cpu in &task.allowed {
-                let Some(i) = index_of(cpu) else { continue };
-                if !is_target(&vcpus[i]) {
-                    continue;
-                }
-                let cand = candidate(i);
-                best = match best {
-                    None => Some(cand),
-                    Some(b) if cand.beats(&b, vcpus) => Some(cand),
-                    keep => keep,
-                };
-            }
-
-            let cur_target = cur_idx.filter(|&i| is_target(&vcpus[i]));
-            let dest = match (cur_target, best) {
-                (Some(c), Some(b)) => {
-                    let c_fits = fits(c);
-                    let must_leave = !c_fits && b.fits;
-                    let gain = b.share_ns - share(c);
-                    if must_leave
-                        || (b.index != c && gain >= cfg.min_gain_ns as f64 && (b.fits || !c_fits))
-                    {
-                        b.index
-                    } else {
-                        c
-                    }
-                }
-                (Some(c), None) => c,
-                (None, Some(b)) => b.index,
-                (None, None) => {
-                    // No target allowed. A task on a stopped vCPU moves to the running vCPU
-                    // with the most slice left: anything running beats stopped. A task on
-                    // a vCPU ending its slice goes to where it runs again soonest.
-                    let stopped = cur_idx.is_none_or(|i| !vcpus[i].active);
-                    let fallback = task
-                        .allowed
-                        .iter()
-                        .filter_map(|&cpu| index_of(cpu))
-                        .filter(|&i| vcpus[i].active)
-                        .map(candidate)
-                        .reduce(|b, c| if c.beats(&b, vcpus) { c } else { b });
-                    match (fallback, cur_idx) {
-                        (Some(c), _) if stopped => c.index,
-                        (_, Some(c)) if !stopped => match next_back(vcpus, &task.allowed, c) {
-                            Some(i) => i,
-                            None => continue,
-                        },
-                        _ => continue,
-                    }
-                }
+            let cur_idx = table
+                .index_of(current)
+                .filter(|_| task.allowed.contains(&current));
+            let Some(dest) = destination(cfg, &table, &task.allowed, cur_idx, &given, load) else {
+                continue;
             };
             given[dest] += load;
             let to = vcpus[dest].cpu;
@@ -266,6 +190,7 @@ impl Planner {
             if Some(to) == task.placed_on || (task.placed_on.is_none() && Some(dest) == cur_idx) {
                 continue;
             }
+            let cur_target = cur_idx.filter(|&i| is_target(cfg, &vcpus[i]));
             let reason = match trigger {
                 Trigger::Resumed { cpu } if cpu == to => Reason::Pull,
                 _ if cur_target.is_none() => Reason::Push,
@@ -280,6 +205,111 @@ impl Planner {
         }
         moves
     }
+}
+
+/// The vCPU views with a lookup from CPU id to their index.
+struct VcpuTable<'a> {
+    views: &'a [VcpuView],
+    /// Per CPU id up to the largest one seen: its index in `views`, or `NO_VCPU`.
+    by_cpu: Vec<u32>,
+}
+
+impl<'a> VcpuTable<'a> {
+    fn new(views: &'a [VcpuView]) -> Self {
+        let max_cpu = views
+            .iter()
+            .map(|v| v.cpu)
+            .filter(|&c| c < MAX_CPU)
+            .max()
+            .unwrap_or(0);
+        let mut by_cpu = vec![NO_VCPU; max_cpu + 1];
+        for (i, v) in views.iter().enumerate() {
+            // First view wins on duplicates, so a malformed input still plans deterministically.
+            if v.cpu <= max_cpu && by_cpu[v.cpu] == NO_VCPU {
+                by_cpu[v.cpu] = i as u32;
+            }
+        }
+        VcpuTable { views, by_cpu }
+    }
+
+    fn index_of(&self, cpu: usize) -> Option<usize> {
+        self.by_cpu
+            .get(cpu)
+            .copied()
+            .filter(|&i| i != NO_VCPU)
+            .map(|i| i as usize)
+    }
+}
+
+/// A vCPU a task may be moved onto for its slice: running, with at least
+/// `push_threshold_ns` left.
+fn is_target(cfg: &PlannerConfig, v: &VcpuView) -> bool {
+    v.active && v.remaining_ns >= cfg.push_threshold_ns
+}
+
+/// Where one task should run, as an index into `table`'s views; `None` leaves it where it
+/// is. `allowed`: the CPUs it may use; `current`: the index of the vCPU it is on, only if
+/// that one is allowed; `given`: the load each vCPU took from tasks placed earlier in this
+/// plan; `load`: the task's own, floored at `MIN_LOAD`.
+fn destination(
+    cfg: &PlannerConfig,
+    table: &VcpuTable,
+    allowed: &[usize],
+    current: Option<usize>,
+    given: &[f64],
+    load: f64,
+) -> Option<usize> {
+    let vcpus = table.views;
+    let candidate = |i: usize| Candidate {
+        index: i,
+        fits: given[i] + load <= cfg.max_load_per_vcpu,
+        share_ns: vcpus[i].remaining_ns as f64 * load / (given[i] + load),
+    };
+    let allowed_indices = || allowed.iter().filter_map(|&cpu| table.index_of(cpu));
+    let best = allowed_indices()
+        .filter(|&i| is_target(cfg, &vcpus[i]))
+        .map(candidate);
+    match (
+        current.filter(|&i| is_target(cfg, &vcpus[i])),
+        best_candidate(best, vcpus),
+    ) {
+        (Some(c), Some(b)) => {
+            let c = candidate(c);
+            let must_leave = !c.fits && b.fits;
+            let gain = b.share_ns - c.share_ns;
+            if must_leave
+                || (b.index != c.index && gain >= cfg.min_gain_ns as f64 && (b.fits || !c.fits))
+            {
+                Some(b.index)
+            } else {
+                Some(c.index)
+            }
+        }
+        (Some(c), None) => Some(c),
+        (None, Some(b)) => Some(b.index),
+        (None, None) => {
+            // No target allowed. A task on a stopped vCPU moves to the running vCPU
+            // with the most slice left: anything running beats stopped. A task on
+            // a vCPU ending its slice goes to where it runs again soonest.
+            match current.filter(|&i| vcpus[i].active) {
+                None => {
+                    let running = allowed_indices()
+                        .filter(|&i| vcpus[i].active)
+                        .map(candidate);
+                    best_candidate(running, vcpus).map(|c| c.index)
+                }
+                Some(ending) => next_back(vcpus, allowed, ending),
+            }
+        }
+    }
+}
+
+/// The candidate that beats the others (`Candidate::beats`), the first one among equals.
+fn best_candidate(
+    candidates: impl Iterator<Item = Candidate>,
+    vcpus: &[VcpuView],
+) -> Option<Candidate> {
+    candidates.reduce(|b, c| if c.beats(&b, vcpus) { c } else { b })
 }
 
 /// The descheduled vCPU among `allowed` expected back first, if it is back before `ending`
@@ -638,6 +668,151 @@ mod tests {
         for _ in 0..10 {
             assert_eq!(planner().plan(Trigger::Tick { cpu: 3 }, &v, &t), m);
         }
+    }
+
+    /// `destination` for a task with `load` that may use `allowed` and sits on the vCPU at
+    /// index `current`, after earlier tasks gave each vCPU `given`.
+    fn dest(
+        cfg: &PlannerConfig,
+        v: &[VcpuView],
+        allowed: &[usize],
+        current: Option<usize>,
+        given: &[f64],
+        load: f64,
+    ) -> Option<usize> {
+        destination(cfg, &VcpuTable::new(v), allowed, current, given, load)
+    }
+
+    fn capped(max_load_per_vcpu: f64) -> PlannerConfig {
+        PlannerConfig {
+            max_load_per_vcpu,
+            ..PlannerConfig::default()
+        }
+    }
+
+    #[test]
+    fn destination_stays_on_its_target_for_a_small_gain() {
+        let cfg = PlannerConfig::default();
+        let v = [running(0, 6), running(1, 7)];
+        assert_eq!(dest(&cfg, &v, &[0, 1], Some(0), &[0.0, 0.0], 1.0), Some(0));
+        // Its own vCPU is the best one.
+        let v = [running(0, 9), running(1, 7)];
+        assert_eq!(dest(&cfg, &v, &[0, 1], Some(0), &[0.0, 0.0], 1.0), Some(0));
+    }
+
+    #[test]
+    fn destination_leaves_its_target_for_a_large_gain() {
+        let cfg = PlannerConfig::default();
+        let v = [running(0, 3), running(1, 10)];
+        assert_eq!(dest(&cfg, &v, &[0, 1], Some(0), &[0.0, 0.0], 1.0), Some(1));
+        // The share counts the load already given: 10 ms shared with as much again is 5.
+        let v = [running(0, 4), running(1, 10)];
+        assert_eq!(dest(&cfg, &v, &[0, 1], Some(0), &[0.0, 1.0], 1.0), Some(0));
+    }
+
+    #[test]
+    fn destination_leaves_a_full_target_for_one_with_room() {
+        // Far less slice on vCPU 1, but vCPU 0 is already full.
+        let v = [running(0, 30), running(1, 2)];
+        assert_eq!(
+            dest(&capped(1.0), &v, &[0, 1], Some(0), &[1.0, 0.0], 1.0),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn destination_with_no_room_anywhere_moves_only_for_a_large_gain() {
+        let v = [running(0, 6), running(1, 7)];
+        assert_eq!(
+            dest(&capped(1.0), &v, &[0, 1], Some(0), &[1.0, 1.0], 1.0),
+            Some(0)
+        );
+        let v = [running(0, 2), running(1, 20)];
+        assert_eq!(
+            dest(&capped(1.0), &v, &[0, 1], Some(1), &[1.0, 1.0], 1.0),
+            Some(1)
+        );
+        assert_eq!(
+            dest(&capped(1.0), &v, &[0, 1], Some(0), &[1.0, 1.0], 1.0),
+            Some(1)
+        );
+    }
+
+    #[test]
+    fn destination_off_a_non_target_is_the_best_allowed_target() {
+        let cfg = PlannerConfig::default();
+        let v = [running(0, 4), running(1, 9), stopped(2, 1)];
+        // Unplaced elsewhere, on a stopped vCPU, on one ending its slice.
+        assert_eq!(dest(&cfg, &v, &[0, 1, 2], None, &[0.0; 3], 1.0), Some(1));
+        assert_eq!(dest(&cfg, &v, &[0, 1, 2], Some(2), &[0.0; 3], 1.0), Some(1));
+        let ending = VcpuView {
+            remaining_ns: 500_000,
+            ..running(2, 0)
+        };
+        let v = [running(0, 4), running(1, 9), ending];
+        assert_eq!(dest(&cfg, &v, &[0, 1, 2], Some(2), &[0.0; 3], 1.0), Some(1));
+        // Only among the allowed ones, and CPUs without a view are skipped.
+        assert_eq!(dest(&cfg, &v, &[0, 2, 7], Some(2), &[0.0; 3], 1.0), Some(0));
+        // Room first: the longer slice is full.
+        assert_eq!(
+            dest(&capped(2.0), &v, &[0, 1, 2], Some(2), &[0.0, 1.5, 0.0], 1.0),
+            Some(0)
+        );
+        // Same share: the lower CPU id.
+        let v = [running(3, 5), running(1, 5), stopped(2, 1)];
+        assert_eq!(dest(&cfg, &v, &[1, 2, 3], Some(2), &[0.0; 3], 1.0), Some(1));
+    }
+
+    #[test]
+    fn destination_off_a_stopped_vcpu_without_target_is_any_running_one() {
+        let cfg = PlannerConfig::default();
+        let short = |cpu, ns| VcpuView {
+            remaining_ns: ns,
+            ..running(cpu, 0)
+        };
+        let v = [short(0, 300_000), stopped(1, 2), short(2, 600_000)];
+        assert_eq!(dest(&cfg, &v, &[0, 1, 2], Some(1), &[0.0; 3], 1.0), Some(2));
+        assert_eq!(dest(&cfg, &v, &[0, 1, 2], None, &[0.0; 3], 1.0), Some(2));
+        // Nothing allowed runs: it stays.
+        let v = [running(0, 10), stopped(1, 2)];
+        assert_eq!(dest(&cfg, &v, &[1], Some(1), &[0.0; 2], 1.0), None);
+        assert_eq!(dest(&cfg, &v, &[1], None, &[0.0; 2], 1.0), None);
+    }
+
+    #[test]
+    fn destination_off_an_ending_slice_without_target_is_the_first_back() {
+        let cfg = PlannerConfig::default();
+        let ending = VcpuView {
+            remaining_ns: 500_000,
+            ..running(0, 0)
+        };
+        let v = [ending.clone(), back_in(1, 6), back_in(2, 2), back_in(3, 1)];
+        assert_eq!(dest(&cfg, &v, &[0, 1, 2], Some(0), &[0.0; 4], 1.0), Some(2));
+        // Back later than its own vCPU would be, or unknown: it stays (nor does another
+        // running vCPU with a short slice take it).
+        let v = [ending.clone(), back_in(1, 14)];
+        assert_eq!(dest(&cfg, &v, &[0, 1], Some(0), &[0.0; 2], 1.0), None);
+        let short = VcpuView {
+            remaining_ns: 900_000,
+            ..running(2, 0)
+        };
+        let v = [ending, stopped(1, 2), short];
+        assert_eq!(dest(&cfg, &v, &[0, 1, 2], Some(0), &[0.0; 3], 1.0), None);
+    }
+
+    #[test]
+    fn vcpu_table_first_view_wins_and_unknown_cpus_have_no_index() {
+        let v = [
+            running(4, 1),
+            running(2, 1),
+            running(4, 9),
+            running(MAX_CPU, 1),
+        ];
+        let t = VcpuTable::new(&v);
+        assert_eq!(t.index_of(4), Some(0));
+        assert_eq!(t.index_of(2), Some(1));
+        assert_eq!(t.index_of(3), None);
+        assert_eq!(t.index_of(MAX_CPU), None);
     }
 
     #[test]

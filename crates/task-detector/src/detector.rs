@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use crate::classifier::{ClassifierConfig, IoClassifier, IoTask, ThreadObservation};
 use crate::hooks::AttachMode;
-use crate::tracker::{CpuIoSample, ForkSample, IoTracker};
+use crate::tracker::{CpuIoSample, ForkSample, IoTracker, ThreadIoSample};
 
 /// An I/O-bound thread with what the daemon needs to manage it safely.
 #[derive(Clone, Debug, PartialEq)]
@@ -199,6 +199,113 @@ impl<'obj> Detector<'obj> {
             })
             .collect()
     }
+
+    /// Adds the wake-ups since the last poll to this sample's, with each thread's tgid.
+    fn count_wakes(&mut self) -> Result<()> {
+        for w in self.tracker.take_wakes()? {
+            *self.wakes.entry((w.waker, w.wakee)).or_default() += w.wakes;
+            self.tgids.insert(w.waker, w.waker_tgid);
+            self.tgids.insert(w.wakee, w.wakee_tgid);
+        }
+        Ok(())
+    }
+
+    /// What the classifier is fed of the sampled threads, with their identity; threads
+    /// that exited, or stayed idle long untracked, are forgotten here and in the kernel map.
+    fn observe_threads(
+        &mut self,
+        samples: &[ThreadIoSample],
+        real_now: u64,
+        cpu_out_ns: &[(usize, u64)],
+    ) -> Vec<(ThreadObservation, Identity)> {
+        let mut obs = Vec::new();
+        let mut gone = Vec::new();
+        for s in samples {
+            if !self.worth_observing(s, real_now) {
+                // Idle for long and not tracked: drop it from the kernel map too.
+                if real_now.saturating_sub(s.last_ts) > 10_000_000_000 {
+                    gone.push(s.tid);
+                }
+                continue;
+            }
+            match self.observe(s, cpu_out_ns) {
+                Some(o) => obs.push(o),
+                None => gone.push(s.tid), // exited
+            }
+        }
+        for tid in gone {
+            self.tracker.forget_thread(tid);
+            self.identities.remove(&tid);
+            self.last_ios.remove(&tid);
+            self.untracked_cpu.remove(&tid);
+        }
+        obs
+    }
+
+    /// Whether a sampled thread has fresh I/O or is being classified; notes its request
+    /// count when fresh, or when the last one noted is older than the longest window.
+    fn worth_observing(&mut self, s: &ThreadIoSample, real_now: u64) -> bool {
+        // A thread starts being classified only with enough requests within the
+        // classifier's longest window to possibly qualify; a lone background write
+        // costs no /proc read.
+        let cfg = self.classifier.config();
+        let (min_ios, longest) = (cfg.min_ios_per_window, cfg.max_window_ns);
+        let prev = self.last_ios.get(&s.tid).copied();
+        let new_ios = s.ios.saturating_sub(prev.map_or(s.ios, |(ios, _)| ios));
+        let fresh = new_ios >= min_ios || (prev.is_none() && s.in_flight > 0);
+        if fresh || prev.is_none_or(|(_, at)| real_now.saturating_sub(at) >= longest) {
+            self.last_ios.insert(s.tid, (s.ios, real_now));
+        }
+        fresh || self.classifier.tracks(s.tid)
+    }
+
+    /// One thread's observation from its sample and /proc; `None` once it exited.
+    fn observe(
+        &mut self,
+        s: &ThreadIoSample,
+        cpu_out_ns: &[(usize, u64)],
+    ) -> Option<(ThreadObservation, Identity)> {
+        let (Some(id), Some(cpu_ns)) = (
+            self.identity(s.tgid, s.tid),
+            self.proc.cpu_ns(s.tgid, s.tid),
+        ) else {
+            return None;
+        };
+        let cpu_ns = cpu_ns.saturating_sub(self.untracked_cpu.get(&s.tid).copied().unwrap_or(0));
+        let o = ThreadObservation {
+            tid: s.tid,
+            tgid: s.tgid,
+            busy_ns: s.busy_ns,
+            ios: s.ios,
+            bytes: s.bytes,
+            cpu_ns,
+            cpu_out_ns: cpu_out_ns
+                .iter()
+                .find(|c| c.0 == s.last_cpu as usize)
+                .map_or(0, |c| c.1),
+            is_kernel: id.is_kernel,
+            last_cpu: s.last_cpu,
+            completions: s.completions,
+        };
+        Some((o, id))
+    }
+
+    /// Feeds the classifier this window's observations; the I/O-bound tasks, named.
+    fn classify(&mut self, now: u64, obs: &[(ThreadObservation, Identity)]) -> Vec<IoTaskInfo> {
+        let plain: Vec<ThreadObservation> = obs.iter().map(|(o, _)| o.clone()).collect();
+        let tasks = self.classifier.observe(now, &plain);
+        tasks
+            .into_iter()
+            .filter_map(|task| {
+                let id = obs.iter().find(|(o, _)| o.tid == task.tid)?.1.clone();
+                Some(IoTaskInfo {
+                    task,
+                    comm: id.comm,
+                    start_time: id.start_time,
+                })
+            })
+            .collect()
+    }
 }
 
 impl BlockTracking for Detector<'_> {
@@ -281,11 +388,7 @@ impl BlockTracking for Detector<'_> {
         // first pause). The maps are read on the real clock.
         let real_now = vcpu_clock();
         let now = real_now - self.untracked_ns;
-        for w in self.tracker.take_wakes()? {
-            *self.wakes.entry((w.waker, w.wakee)).or_default() += w.wakes;
-            self.tgids.insert(w.waker, w.waker_tgid);
-            self.tgids.insert(w.wakee, w.wakee_tgid);
-        }
+        self.count_wakes()?;
         let forks = self.tracker.take_forks()?;
         let cpus = self.tracker.sample_cpus()?;
         // Idle fast path: no completion anywhere since the last poll and nobody being
@@ -302,74 +405,8 @@ impl BlockTracking for Detector<'_> {
             });
         }
         let samples = self.tracker.sample_threads(real_now)?;
-        let mut obs = Vec::new();
-        let mut gone = Vec::new();
-        for s in &samples {
-            // A thread starts being classified only with enough requests within the
-            // classifier's longest window to possibly qualify; a lone background write
-            // costs no /proc read.
-            let cfg = self.classifier.config();
-            let (min_ios, longest) = (cfg.min_ios_per_window, cfg.max_window_ns);
-            let prev = self.last_ios.get(&s.tid).copied();
-            let new_ios = s.ios.saturating_sub(prev.map_or(s.ios, |(ios, _)| ios));
-            let fresh = new_ios >= min_ios || (prev.is_none() && s.in_flight > 0);
-            if fresh || prev.is_none_or(|(_, at)| real_now.saturating_sub(at) >= longest) {
-                self.last_ios.insert(s.tid, (s.ios, real_now));
-            }
-            if !fresh && !self.classifier.tracks(s.tid) {
-                // Idle for long and not tracked: drop it from the kernel map too.
-                if real_now.saturating_sub(s.last_ts) > 10_000_000_000 {
-                    gone.push(s.tid);
-                }
-                continue;
-            }
-            let (Some(id), Some(cpu_ns)) = (
-                self.identity(s.tgid, s.tid),
-                self.proc.cpu_ns(s.tgid, s.tid),
-            ) else {
-                gone.push(s.tid); // exited
-                continue;
-            };
-            let cpu_ns =
-                cpu_ns.saturating_sub(self.untracked_cpu.get(&s.tid).copied().unwrap_or(0));
-            obs.push((
-                ThreadObservation {
-                    tid: s.tid,
-                    tgid: s.tgid,
-                    busy_ns: s.busy_ns,
-                    ios: s.ios,
-                    bytes: s.bytes,
-                    cpu_ns,
-                    cpu_out_ns: cpu_out_ns
-                        .iter()
-                        .find(|c| c.0 == s.last_cpu as usize)
-                        .map_or(0, |c| c.1),
-                    is_kernel: id.is_kernel,
-                    last_cpu: s.last_cpu,
-                    completions: s.completions,
-                },
-                id,
-            ));
-        }
-        for tid in gone {
-            self.tracker.forget_thread(tid);
-            self.identities.remove(&tid);
-            self.last_ios.remove(&tid);
-            self.untracked_cpu.remove(&tid);
-        }
-        let plain: Vec<ThreadObservation> = obs.iter().map(|(o, _)| o.clone()).collect();
-        let tasks = self.classifier.observe(now, &plain);
-        let tasks: Vec<IoTaskInfo> = tasks
-            .into_iter()
-            .filter_map(|task| {
-                let id = obs.iter().find(|(o, _)| o.tid == task.tid)?.1.clone();
-                Some(IoTaskInfo {
-                    task,
-                    comm: id.comm,
-                    start_time: id.start_time,
-                })
-            })
-            .collect();
+        let obs = self.observe_threads(&samples, real_now, cpu_out_ns);
+        let tasks = self.classify(now, &obs);
         let partners = self.partners_of(&tasks);
         Ok(DetectorOutput {
             tasks,

@@ -321,6 +321,39 @@ impl Engine {
         done: Applied,
         tracking: bool,
     ) {
+        let (kept_tasks, mut anchored_now) = self.note_keeps(f, d, &done);
+        anchored_now.extend(self.note_beside(d, &done));
+        anchored_now.extend(
+            d.hold
+                .iter()
+                .filter(|p| done.held.contains(&p.task.tid))
+                .map(|p| Anchored {
+                    tid: p.task.tid,
+                    comm: p.comm.clone(),
+                }),
+        );
+        managed.retain(|e| !done.dropped.contains(&e.tid));
+        // Remembered while it is found, so that one not keepable is not taken again each
+        // window that only keeps.
+        self.tasks.unkept.retain(|tid| {
+            managed.iter().any(|e| e.tid == *tid) || f.found.iter().any(|i| i.task.tid == *tid)
+        });
+        self.note_releases(&done);
+        self.note_snapshot(f, &managed, &anchored_now, tracking);
+        self.snap.kept_with_completions = kept_tasks;
+        self.snap.demand = done.demand;
+        self.tasks.current = Arc::new(managed);
+        self.tasks.anchored = anchored_now;
+    }
+
+    /// The tasks kept with their completions that the placement did pin (logged the first
+    /// time), and the same as anchored; remembers the ones it could not pin as unkept.
+    fn note_keeps(
+        &mut self,
+        f: &Facts,
+        d: &Decision,
+        done: &Applied,
+    ) -> (Vec<KeptTask>, Vec<Anchored>) {
         let mut kept_tasks = Vec::new();
         let mut anchored_now = Vec::new();
         for k in &d.keep {
@@ -361,6 +394,13 @@ impl Engine {
         self.tasks
             .kept_found
             .retain(|tid, _| done.kept.contains(tid));
+        (kept_tasks, anchored_now)
+    }
+
+    /// The partners the placement did pin beside their kept task (logged the first time),
+    /// as anchored.
+    fn note_beside(&self, d: &Decision, done: &Applied) -> Vec<Anchored> {
+        let mut anchored = Vec::new();
         for b in d
             .beside
             .iter()
@@ -378,26 +418,16 @@ impl Engine {
                     b.cpu
                 );
             }
-            anchored_now.push(Anchored {
+            anchored.push(Anchored {
                 tid,
                 comm: b.pin.comm.clone(),
             });
         }
-        anchored_now.extend(
-            d.hold
-                .iter()
-                .filter(|p| done.held.contains(&p.task.tid))
-                .map(|p| Anchored {
-                    tid: p.task.tid,
-                    comm: p.comm.clone(),
-                }),
-        );
-        managed.retain(|e| !done.dropped.contains(&e.tid));
-        // Remembered while it is found, so that one not keepable is not taken again each
-        // window that only keeps.
-        self.tasks.unkept.retain(|tid| {
-            managed.iter().any(|e| e.tid == *tid) || f.found.iter().any(|i| i.task.tid == *tid)
-        });
+        anchored
+    }
+
+    /// Logs the tasks handed back and counts them.
+    fn note_releases(&mut self, done: &Applied) {
         for (r, outcome) in &done.released {
             info!(
                 tid = r.tid,
@@ -408,6 +438,18 @@ impl Engine {
             );
         }
         self.snap.releases += done.released.len() as u64;
+    }
+
+    /// The snapshot's view of the tasks, and whether this sample placed a task anew. Runs
+    /// before `tasks.current` and `tasks.anchored` take the new sets, which it compares
+    /// against.
+    fn note_snapshot(
+        &mut self,
+        f: &Facts,
+        managed: &[TaskEntry],
+        anchored_now: &[Anchored],
+        tracking: bool,
+    ) {
         // On hold the I/O-bound tasks still exist; they are only left alone.
         self.snap.io_bound_tasks = if f.moves_allowed {
             managed.len()
@@ -431,10 +473,6 @@ impl Engine {
             .collect();
         partners.sort_by_key(|p| p.tid);
         self.snap.partners = partners;
-        self.snap.kept_with_completions = kept_tasks;
-        self.snap.demand = done.demand;
-        self.tasks.current = Arc::new(managed);
-        self.tasks.anchored = anchored_now;
     }
 
     /// Keeps managing the tasks kept with their completions that this window did not

@@ -8,7 +8,7 @@
 //! model CPU n.
 
 use anyhow::Result;
-use proto::{Applied, Message, VcpuWeight};
+use proto::{Applied, Message, VcpuReport, VcpuWeight};
 use sched_core::CreditParams;
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::Ordering;
@@ -94,6 +94,23 @@ struct Track {
     status: VcpuStatus,
 }
 
+impl Track {
+    /// Adds a period's runnable time to `runnable_window`; a period without a delta to
+    /// judge (`covered` None) starts the window afresh.
+    fn note_runnable(&mut self, covered: Option<Duration>, runnable_ns: u64) {
+        match covered {
+            Some(c) => {
+                if self.runnable_window.len() == RUNNABLE_PERIODS {
+                    self.runnable_window.pop_front();
+                }
+                self.runnable_window
+                    .push_back((runnable_ns, c.as_nanos() as u64));
+            }
+            None => self.runnable_window.clear(),
+        }
+    }
+}
+
 struct Vm {
     cfg: VmConfig,
     origin: Origin,
@@ -155,6 +172,187 @@ impl Vm {
         self.signal_stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
+        }
+    }
+
+    /// Sizes `tracks` to the vCPUs the VM has this period.
+    fn fit_tracks(&mut self, backend: &dyn Backend, unmapped_cap: usize) {
+        // A VM has the vCPUs the host knows of: its vCPU threads (a guest cannot invent
+        // more, nor the series and state that would come with them); see `vcpu_count`.
+        // A modelled VM has the entities the model runs for it, whatever its guest says.
+        let mut n = if self.cfg.model_slot.is_some() {
+            backend.vcpus(&self.cfg).unwrap_or(0)
+        } else {
+            vcpu_count(
+                self.tids.len(),
+                self.guest.vcpus.load(Ordering::Relaxed),
+                unmapped_cap,
+            )
+        };
+        // When a guest that alone said how many vCPUs its VM has leaves, they stay for
+        // one period without reports, so the credit core turns them neutral and that
+        // reaches the backend (Xen weighs the whole domain, and a domain left with no
+        // vCPU would keep the weight its guest earned); then they go, series and all.
+        if n == 0 && !self.tracks.is_empty() && !self.neutralised {
+            self.neutralised = true;
+            n = self.tracks.len();
+        } else if n > 0 {
+            self.neutralised = false;
+        }
+        self.tracks.truncate(n);
+        self.tracks.resize_with(n, Track::default);
+    }
+
+    /// Samples every vCPU's thread (a modelled VM's: the backend's entity), in vCPU order.
+    fn sample_tracks(&mut self, backend: &dyn Backend) -> Vec<Sampled> {
+        let modelled = self.cfg.model_slot.is_some();
+        let mut deltas = Vec::with_capacity(self.tracks.len());
+        for (cpu, track) in self.tracks.iter_mut().enumerate() {
+            track.tid = self.tids.get(cpu).copied();
+            let sample = if modelled {
+                backend.sample(&self.cfg, cpu as u32)
+            } else {
+                track.tid.and_then(observe::sample)
+            };
+            let d = match (&track.prev, &sample) {
+                (Some(p), Some(s)) => s.since(p),
+                _ => observe::Delta::default(),
+            };
+            let first = track.prev.is_none();
+            let at = Instant::now();
+            let covered = track.sampled_at.replace(at).map(|p| at - p);
+            track.prev = sample;
+            deltas.push((d, first, covered));
+        }
+        deltas
+    }
+
+    /// Settles, across the VM's vCPUs (`figures`, in vCPU order), who is free of its I/O
+    /// and who carries it (`io_free`, `favour_dominant`).
+    fn mark_carriers(&mut self, figures: &mut [VcpuFigures]) {
+        let mut carries: Vec<bool> = figures.iter().map(|f| f.carries_io).collect();
+        let events: Vec<u64> = figures.iter().map(|f| f.events).collect();
+        for (f, free) in figures.iter_mut().zip(io_free(&events)) {
+            f.io_free &= free;
+        }
+        if favour_dominant(&mut carries, &events) {
+            for (f, c) in figures.iter_mut().zip(carries) {
+                f.carries_io = c;
+                self.tracks[f.key.1 as usize].status.carries_io = c;
+            }
+        }
+    }
+}
+
+/// One vCPU's sample: its delta since the last one, whether this was its first sample,
+/// and the time the delta covers.
+type Sampled = (observe::Delta, bool, Option<Duration>);
+
+/// What one VM's period gives every one of its vCPUs.
+struct VmPeriod<'a> {
+    /// The VM's place in `Agent::vms`.
+    index: usize,
+    modelled: bool,
+    reports: &'a BTreeMap<u32, VcpuReport>,
+    /// Kicks single out vCPUs this period.
+    by_kicks: bool,
+    observe_schedstat: bool,
+    period_ns: u64,
+}
+
+impl VmPeriod<'_> {
+    /// A vCPU's source, I/O events and their interval EMA (ns): the guest's `report`, else
+    /// what the host observed where it sees the thread, else nothing.
+    fn figures_from(
+        &self,
+        report: Option<&VcpuReport>,
+        seen: bool,
+        observed: (u64, f64),
+    ) -> (Source, u64, f64) {
+        match report {
+            Some(r) => (Source::Guest, r.io_completions, r.io_interval_ema_us * 1e3),
+            None if seen => {
+                let source = if self.by_kicks {
+                    Source::Kicks
+                } else {
+                    Source::Schedstat
+                };
+                (source, observed.0, observed.1)
+            }
+            None => (Source::None, 0, 0.0),
+        }
+    }
+
+    /// vCPU `cpu`'s figures for this period, with its track and status brought up to date.
+    fn vcpu_figures(
+        &self,
+        cpu: usize,
+        track: &mut Track,
+        sampled: Sampled,
+        host_events: u64,
+    ) -> VcpuFigures {
+        let (d, first, covered) = sampled;
+        let (run, wait) = (d.run_ns, d.wait_ns);
+        track.note_runnable(covered.filter(|_| !first), run + wait);
+        track.run_total += run;
+        track.wait_total += wait;
+        let observed = track.ema.on_period(host_events, self.period_ns);
+        let seen = self.observe_schedstat && !first && (track.tid.is_some() || self.modelled);
+        // Kicks that single out vCPUs outrank the guest's report: they are this
+        // period's requests as the device saw them, while the guest's figures come
+        // from sampled tracking (on them the agent favoured nobody, or a vCPU the
+        // reader had already left), and a guest cannot claim them.
+        // Where kicks single out no vCPU, the guest's report decides, then wake-ups.
+        let report = self
+            .reports
+            .get(&(cpu as u32))
+            .filter(|_| !(self.by_kicks && seen));
+        let (source, events, ema_ns) = self.figures_from(report, seen, observed);
+        track.io_history = (track.io_history << 1) | u8::from(events > 0);
+        let carries_io = carries_io(report.map(|r| r.io_bound_tasks), track.io_history);
+        let reported = self.reports.get(&(cpu as u32));
+        // A partner of an I/O-bound task (a database's client) is on the I/O's
+        // path: its vCPU paying for the favour slowed the I/O (PostgreSQL in the
+        // loop, benches/RESULTS.md "the applications in the loop").
+        track.task_history = (track.task_history << 1)
+            | u8::from(reported.is_some_and(|r| r.io_bound_tasks > 0 || r.io_partner_tasks > 0));
+        let no_tasks_lately = match reported {
+            Some(_) => track.task_history == 0,
+            None => !carries_io,
+        };
+        // The model runs vCPU n on its CPU n: that is the run queue `fund` exchanges
+        // weight on between the VMs sharing it.
+        let host_cpu = if self.modelled {
+            Some(cpu)
+        } else {
+            track.tid.and_then(pinned_cpu)
+        };
+        track.status = VcpuStatus {
+            vcpu: cpu as u32,
+            tid: track.tid,
+            host_cpu,
+            source,
+            events,
+            ema_us: ema_ns / 1e3,
+            cpu_ms: run as f64 / 1e6,
+            wait_ms: wait as f64 / 1e6,
+            run_ns_total: track.run_total,
+            wait_ns_total: track.wait_total,
+            moves: track.moves,
+            weight: 1.0,
+            carries_io,
+            always_runnable: always_runnable(&track.runnable_window),
+            ..Default::default()
+        };
+        VcpuFigures {
+            key: (self.index, cpu as u32),
+            run_queue: host_cpu.unwrap_or(usize::MAX),
+            events,
+            ema_ns,
+            consumed_ns: run,
+            carries_io,
+            io_free: no_tasks_lately,
+            always_runnable: track.status.always_runnable,
         }
     }
 }
@@ -405,158 +603,32 @@ impl Agent {
     fn observe(&mut self) -> Vec<VcpuFigures> {
         let period = Duration::from_millis(self.cfg.period_ms);
         let period_ns = self.params.period_ns;
+        let backend = &*self.backend;
         let mut figures = Vec::new();
         for (i, vm) in self.vms.iter_mut().enumerate() {
             let reports = vm.guest.fresh(period * 3);
-            let modelled = vm.cfg.model_slot.is_some();
-            // A VM has the vCPUs the host knows of: its vCPU threads (a guest cannot invent
-            // more, nor the series and state that would come with them); see `vcpu_count`.
-            // A modelled VM has the entities the model runs for it, whatever its guest says.
-            let mut n = if modelled {
-                self.backend.vcpus(&vm.cfg).unwrap_or(0)
-            } else {
-                vcpu_count(
-                    vm.tids.len(),
-                    vm.guest.vcpus.load(Ordering::Relaxed),
-                    self.unmapped_cap,
-                )
-            };
-            // When a guest that alone said how many vCPUs its VM has leaves, they stay for
-            // one period without reports, so the credit core turns them neutral and that
-            // reaches the backend (Xen weighs the whole domain, and a domain left with no
-            // vCPU would keep the weight its guest earned); then they go, series and all.
-            if n == 0 && !vm.tracks.is_empty() && !vm.neutralised {
-                vm.neutralised = true;
-                n = vm.tracks.len();
-            } else if n > 0 {
-                vm.neutralised = false;
-            }
-            vm.tracks.truncate(n);
-            vm.tracks.resize_with(n, Track::default);
+            vm.fit_tracks(backend, self.unmapped_cap);
             let first_figure = figures.len();
             // First every thread's deltas: kicks are judged against the VM's other vCPUs.
-            let mut deltas = Vec::with_capacity(vm.tracks.len());
-            for (cpu, track) in vm.tracks.iter_mut().enumerate() {
-                track.tid = vm.tids.get(cpu).copied();
-                let sample = if modelled {
-                    self.backend.sample(&vm.cfg, cpu as u32)
-                } else {
-                    track.tid.and_then(observe::sample)
-                };
-                let d = match (&track.prev, &sample) {
-                    (Some(p), Some(s)) => s.since(p),
-                    _ => observe::Delta::default(),
-                };
-                let first = track.prev.is_none();
-                let at = Instant::now();
-                let covered = track.sampled_at.replace(at).map(|p| at - p);
-                track.prev = sample;
-                deltas.push((d, first, covered));
-            }
+            let deltas = vm.sample_tracks(backend);
             let kicks: Vec<Option<u64>> = deltas
                 .iter()
                 .map(|(d, _, _)| d.kicks.filter(|_| self.cfg.observe_kicks))
                 .collect();
             let wakeups: Vec<u64> = deltas.iter().map(|(d, _, _)| d.wakeups).collect();
             let (host_events, by_kicks) = observe::host_io_events(&kicks, &wakeups, period_ns);
+            let vm_period = VmPeriod {
+                index: i,
+                modelled: vm.cfg.model_slot.is_some(),
+                reports: &reports,
+                by_kicks,
+                observe_schedstat: self.cfg.observe_schedstat,
+                period_ns,
+            };
             for (cpu, track) in vm.tracks.iter_mut().enumerate() {
-                let (d, first, covered) = deltas[cpu];
-                let (run, wait) = (d.run_ns, d.wait_ns);
-                match covered.filter(|_| !first) {
-                    Some(c) => {
-                        if track.runnable_window.len() == RUNNABLE_PERIODS {
-                            track.runnable_window.pop_front();
-                        }
-                        track
-                            .runnable_window
-                            .push_back((run + wait, c.as_nanos() as u64));
-                    }
-                    None => track.runnable_window.clear(),
-                }
-                track.run_total += run;
-                track.wait_total += wait;
-                let observed = track.ema.on_period(host_events[cpu], period_ns);
-                let seen =
-                    self.cfg.observe_schedstat && !first && (track.tid.is_some() || modelled);
-                // Kicks that single out vCPUs outrank the guest's report: they are this
-                // period's requests as the device saw them, while the guest's figures come
-                // from sampled tracking (on them the agent favoured nobody, or a vCPU the
-                // reader had already left), and a guest cannot claim them.
-                // Where kicks single out no vCPU, the guest's report decides, then wake-ups.
-                let report = reports.get(&(cpu as u32)).filter(|_| !(by_kicks && seen));
-                let (source, events, ema_ns) = match report {
-                    Some(r) => (Source::Guest, r.io_completions, r.io_interval_ema_us * 1e3),
-                    None if seen => {
-                        let source = if by_kicks {
-                            Source::Kicks
-                        } else {
-                            Source::Schedstat
-                        };
-                        (source, observed.0, observed.1)
-                    }
-                    None => (Source::None, 0, 0.0),
-                };
-                track.io_history = (track.io_history << 1) | u8::from(events > 0);
-                let carries_io = carries_io(report.map(|r| r.io_bound_tasks), track.io_history);
-                let reported = reports.get(&(cpu as u32));
-                // A partner of an I/O-bound task (a database's client) is on the I/O's
-                // path: its vCPU paying for the favour slowed the I/O (PostgreSQL in the
-                // loop, benches/RESULTS.md "the applications in the loop").
-                track.task_history = (track.task_history << 1)
-                    | u8::from(
-                        reported.is_some_and(|r| r.io_bound_tasks > 0 || r.io_partner_tasks > 0),
-                    );
-                let no_tasks_lately = match reported {
-                    Some(_) => track.task_history == 0,
-                    None => !carries_io,
-                };
-                // The model runs vCPU n on its CPU n: that is the run queue `fund` exchanges
-                // weight on between the VMs sharing it.
-                let host_cpu = if modelled {
-                    Some(cpu)
-                } else {
-                    track.tid.and_then(pinned_cpu)
-                };
-                track.status = VcpuStatus {
-                    vcpu: cpu as u32,
-                    tid: track.tid,
-                    host_cpu,
-                    source,
-                    events,
-                    ema_us: ema_ns / 1e3,
-                    cpu_ms: run as f64 / 1e6,
-                    wait_ms: wait as f64 / 1e6,
-                    run_ns_total: track.run_total,
-                    wait_ns_total: track.wait_total,
-                    moves: track.moves,
-                    weight: 1.0,
-                    carries_io,
-                    always_runnable: always_runnable(&track.runnable_window),
-                    ..Default::default()
-                };
-                figures.push(VcpuFigures {
-                    key: (i, cpu as u32),
-                    run_queue: host_cpu.unwrap_or(usize::MAX),
-                    events,
-                    ema_ns,
-                    consumed_ns: run,
-                    carries_io,
-                    io_free: no_tasks_lately,
-                    always_runnable: track.status.always_runnable,
-                });
+                figures.push(vm_period.vcpu_figures(cpu, track, deltas[cpu], host_events[cpu]));
             }
-            let mine = &mut figures[first_figure..];
-            let mut carries: Vec<bool> = mine.iter().map(|f| f.carries_io).collect();
-            let events: Vec<u64> = mine.iter().map(|f| f.events).collect();
-            for (f, free) in mine.iter_mut().zip(io_free(&events)) {
-                f.io_free &= free;
-            }
-            if favour_dominant(&mut carries, &events) {
-                for (f, c) in mine.iter_mut().zip(carries) {
-                    f.carries_io = c;
-                    vm.tracks[f.key.1 as usize].status.carries_io = c;
-                }
-            }
+            vm.mark_carriers(&mut figures[first_figure..]);
         }
         figures
     }

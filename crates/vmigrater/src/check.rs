@@ -13,6 +13,31 @@ use crate::settings::monitor_config;
 const HINT_PORT: &str = "/dev/virtio-ports/org.vmigrater.hint.0";
 
 pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
+    let root = print_system()?;
+    // What would stop `run` from working: `check` fails with them, so that it can gate a
+    // deployment script or a package's post-install step.
+    let mut problems: Vec<&str> = Vec::new();
+    let cfg = config_or_default(config_path, cfg, &mut problems);
+    check_vcpus(&cfg, root, &mut problems);
+    let best = print_probe();
+    check_attach(&cfg, root, &best, &mut problems);
+    println!(
+        "host channel:  {}",
+        if Path::new(HINT_PORT).exists() {
+            "virtio port present"
+        } else {
+            "no virtio port (runs standalone)"
+        }
+    );
+    if problems.is_empty() {
+        Ok(())
+    } else {
+        Err(anyhow::anyhow!("check failed: {}", problems.join("; ")))
+    }
+}
+
+/// Prints the kernel and whether we are root; returns whether we are.
+fn print_system() -> Result<bool> {
     let uname = nix::sys::utsname::uname()?;
     println!(
         "kernel:        {} {}",
@@ -28,10 +53,17 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
             "no (run and check need root: BPF, SCHED_FIFO, sched_setaffinity)"
         }
     );
-    // What would stop `run` from working: `check` fails with them, so that it can gate a
-    // deployment script or a package's post-install step.
-    let mut problems: Vec<&str> = Vec::new();
-    let cfg = match cfg {
+    Ok(root)
+}
+
+/// The configuration `run` would use; an invalid one is a problem, and the defaults stand
+/// in for it in the checks that follow.
+fn config_or_default(
+    config_path: &Path,
+    cfg: Result<Config>,
+    problems: &mut Vec<&'static str>,
+) -> Config {
+    match cfg {
         Ok(cfg) => {
             let state = if config_path.exists() {
                 "ok"
@@ -46,17 +78,25 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
             problems.push("the configuration is invalid");
             Config::default()
         }
-    };
-    match monitor_config(&cfg) {
+    }
+}
+
+/// The vCPUs to monitor and the source the monitor would use.
+fn check_vcpus(cfg: &Config, root: bool, problems: &mut Vec<&'static str>) {
+    match monitor_config(cfg) {
         Ok(m) => {
             println!("vCPUs:         {:?}", m.cpus);
-            println!("vCPU monitor:  {}", monitor_source(&cfg, m, root));
+            println!("vCPU monitor:  {}", monitor_source(cfg, m, root));
         }
         Err(e) => {
             println!("vCPUs:         ERROR {e:#}");
             problems.push("the vCPUs to monitor are invalid");
         }
     }
+}
+
+/// What the kernel offers the block I/O programs; returns the best attach mode it allows.
+fn print_probe() -> String {
     let probe = task_detector::probe();
     println!(
         "kernel BTF:    {}",
@@ -79,6 +119,11 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
         .best_mode
         .map_or("none".to_string(), |m| m.to_string());
     println!("probed mode:   {best}");
+    best
+}
+
+/// The attach mode, proven by loading and attaching the block I/O programs when root.
+fn check_attach(cfg: &Config, root: bool, best: &str, problems: &mut Vec<&'static str>) {
     if root {
         let t0 = Instant::now();
         let mut storage = TrackerStorage::new();
@@ -99,19 +144,6 @@ pub fn run(config_path: &Path, cfg: Result<Config>) -> Result<()> {
         }
     } else {
         println!("attach mode:   {best} (not verified: loading BPF needs root)");
-    }
-    println!(
-        "host channel:  {}",
-        if Path::new(HINT_PORT).exists() {
-            "virtio port present"
-        } else {
-            "no virtio port (runs standalone)"
-        }
-    );
-    if problems.is_empty() {
-        Ok(())
-    } else {
-        Err(anyhow::anyhow!("check failed: {}", problems.join("; ")))
     }
 }
 

@@ -304,51 +304,69 @@ impl Default for ChannelTimings {
 impl Advanced {
     /// The ranges of `[advanced.*]` (docs/advanced.md).
     fn validate(&self) -> std::result::Result<(), Invalid> {
-        let m = &self.monitor;
-        in_range("advanced.monitor.period_us", m.period_us, 50, 100_000)?;
+        self.monitor.validate()?;
+        self.detector.validate()?;
+        self.migration.validate()?;
+        self.channel.validate()
+    }
+}
+
+impl MonitorTimings {
+    fn validate(&self) -> std::result::Result<(), Invalid> {
+        in_range("advanced.monitor.period_us", self.period_us, 50, 100_000)?;
         in_range(
             "advanced.monitor.probe_period_us",
-            m.probe_period_us,
-            m.period_us,
+            self.probe_period_us,
+            self.period_us,
             1_000_000,
         )?;
         in_range(
             "advanced.monitor.idle_period_us",
-            m.idle_period_us,
-            m.period_us,
+            self.idle_period_us,
+            self.period_us,
             10_000_000,
         )?;
         in_range(
             "advanced.monitor.min_gap_threshold_us",
-            m.min_gap_threshold_us,
+            self.min_gap_threshold_us,
             10,
             100_000,
         )?;
         in_range(
             "advanced.monitor.default_slice_us",
-            m.default_slice_us,
+            self.default_slice_us,
             100,
             1_000_000,
         )?;
-        in_range("advanced.monitor.rt_priority", m.rt_priority, 0, 99)?;
-        let d = &self.detector;
-        in_range("advanced.detector.window_ms", d.window_ms, 1, 1_000)?;
-        in_range("advanced.detector.idle_poll_ms", d.idle_poll_ms, 1, 60_000)?;
-        if d.detach_after_ms != 0 {
+        in_range("advanced.monitor.rt_priority", self.rt_priority, 0, 99)?;
+        Ok(())
+    }
+}
+
+impl DetectorTimings {
+    fn validate(&self) -> std::result::Result<(), Invalid> {
+        in_range("advanced.detector.window_ms", self.window_ms, 1, 1_000)?;
+        in_range(
+            "advanced.detector.idle_poll_ms",
+            self.idle_poll_ms,
+            1,
+            60_000,
+        )?;
+        if self.detach_after_ms != 0 {
             in_range(
                 "advanced.detector.detach_after_ms",
-                d.detach_after_ms,
+                self.detach_after_ms,
                 1_000,
                 3_600_000,
             )
             .map_err(|e| Invalid::new(&e.key, format!("{}, or 0 never to detach", e.message)))?;
         }
         // 0 tracks every request; sample_ms is unused then.
-        if d.sample_every_ms != 0 {
+        if self.sample_every_ms != 0 {
             in_range(
                 "advanced.detector.sample_ms",
-                d.sample_ms,
-                d.window_ms,
+                self.sample_ms,
+                self.window_ms,
                 60_000,
             )
             .map_err(|e| {
@@ -359,8 +377,8 @@ impl Advanced {
             })?;
             in_range(
                 "advanced.detector.sample_every_ms",
-                d.sample_every_ms,
-                d.sample_ms,
+                self.sample_every_ms,
+                self.sample_ms,
                 600_000,
             )
             .map_err(|e| {
@@ -373,31 +391,36 @@ impl Advanced {
                 )
             })?;
         }
-        let mg = &self.migration;
+        Ok(())
+    }
+}
+
+impl MigrationLimits {
+    fn validate(&self) -> std::result::Result<(), Invalid> {
         in_range(
             "advanced.migration.push_threshold_us",
-            mg.push_threshold_us,
+            self.push_threshold_us,
             0,
             100_000,
         )?;
         in_range(
             "advanced.migration.max_load_per_vcpu",
-            mg.max_load_per_vcpu,
+            self.max_load_per_vcpu,
             0.01,
             64.0,
         )?;
         in_range(
             "advanced.migration.guard_epoch_ms",
-            mg.guard_epoch_ms,
+            self.guard_epoch_ms,
             100,
             60_000,
         )?;
-        if mg.kept_slice_us != 0 {
+        if self.kept_slice_us != 0 {
             // The kernel's bounds for a custom slice: outside it clamps, and we would not
             // recognise our own value when giving it back.
             in_range(
                 "advanced.migration.kept_slice_us",
-                mg.kept_slice_us,
+                self.kept_slice_us,
                 100,
                 100_000,
             )
@@ -405,12 +428,13 @@ impl Advanced {
                 Invalid::new(&e.key, format!("{}, or 0 to leave slices alone", e.message))
             })?;
         }
-        in_range(
-            "advanced.channel.period_ms",
-            self.channel.period_ms,
-            10,
-            60_000,
-        )?;
+        Ok(())
+    }
+}
+
+impl ChannelTimings {
+    fn validate(&self) -> std::result::Result<(), Invalid> {
+        in_range("advanced.channel.period_ms", self.period_ms, 10, 60_000)?;
         Ok(())
     }
 }

@@ -68,31 +68,8 @@ pub fn run_with_source(
     let board = Arc::new(VcpuBoard::new(&cpus, &mon_cfg));
     let moves = Arc::new(Moves::default());
     let shared = shared_placement(&cfg, moves.clone())?;
-    let planner = Planner::new(PlannerConfig {
-        push_threshold_ns: cfg.advanced.migration.push_threshold_us * 1_000,
-        max_load_per_vcpu: cfg.advanced.migration.max_load_per_vcpu,
-        ..PlannerConfig::default()
-    });
-    let hook = Arc::new(MigrationHook::new(
-        shared.clone(),
-        planner,
-        cfg.advanced.migration.push_threshold_us * 1_000,
-        &cpus,
-    ));
-    let wanted = external.map_or_else(|| cfg.monitor.wanted(), vcpu_monitor::Wanted::External);
-    let (monitor, fallback) = AnyMonitor::start(
-        wanted,
-        mon_cfg,
-        board.clone(),
-        hook,
-        Duration::from_micros(cfg.advanced.migration.push_threshold_us),
-    )
-    .context("starting the vCPU monitor")?;
-    if let Some(why) = fallback {
-        warn!("kernel-timer vCPU monitor unavailable, using sleepers: {why}");
-    }
+    let monitor = start_monitor(&cfg, external, mon_cfg, &board, &shared)?;
     let monitor_source = monitor.source();
-    info!(cpus = ?cpus, source = monitor_source.as_str(), period_us = cfg.advanced.monitor.period_us, "vCPU monitor started");
 
     // Every sleep of the detector and channel threads is a nap on this: shutdown wakes
     // them at once, whatever the configured periods.
@@ -126,25 +103,17 @@ pub fn run_with_source(
         channel: channel_stats,
     });
     let channel_thread = spawn_channel(&cfg, &running, &stop)?;
-    let served = control_plane(&cfg, running, async {
-        let signal = control::until_stopped(&mut signals, || {
-            if let Some(next) = control::reload(&*live_cfg.load_full(), &*load) {
-                live_cfg.store(Arc::new(next));
-            }
-        })
-        .await;
-        info!("{signal}: shutting down");
-    });
+    let served = control_plane(
+        &cfg,
+        running,
+        wait_for_stop(&mut signals, &live_cfg, &*load),
+    );
 
     // Shutdown: stop deciding first, then hand every task back.
     stop.set();
     monitor.stop();
-    if detect_thread.is_some_and(|t| t.join().is_err()) {
-        warn!("detector thread panicked");
-    }
-    if channel_thread.is_some_and(|t| t.join().is_err()) {
-        warn!("channel thread panicked");
-    }
+    join(detect_thread, "detector");
+    join(channel_thread, "channel");
     engine::release_everything(&mut LivePlacement {
         shared: &shared,
         board: &board,
@@ -153,6 +122,65 @@ pub fn run_with_source(
     });
     let _ = std::fs::remove_file(status::socket_path(&state_dir));
     served
+}
+
+/// Waits for a stop signal, reloading `live_cfg` at each SIGHUP.
+async fn wait_for_stop(
+    signals: &mut control::signals::Signals,
+    live_cfg: &ArcSwap<Config>,
+    load: &dyn Fn() -> Result<Config>,
+) {
+    let signal = control::until_stopped(signals, || {
+        if let Some(next) = control::reload(&*live_cfg.load_full(), load) {
+            live_cfg.store(Arc::new(next));
+        }
+    })
+    .await;
+    info!("{signal}: shutting down");
+}
+
+/// Waits for a thread told to stop; a panic there is said, not passed on.
+fn join(thread: Option<std::thread::JoinHandle<()>>, name: &str) {
+    if thread.is_some_and(|t| t.join().is_err()) {
+        warn!("{name} thread panicked");
+    }
+}
+
+/// The vCPU monitor (`external` ticks when given, else `monitor.source`), with the
+/// migration hook its threads call.
+fn start_monitor(
+    cfg: &Config,
+    external: Option<vcpu_monitor::StartExternal>,
+    mon_cfg: vcpu_monitor::MonitorConfig,
+    board: &Arc<VcpuBoard>,
+    shared: &Arc<Shared>,
+) -> Result<AnyMonitor> {
+    let cpus = mon_cfg.cpus.clone();
+    let planner = Planner::new(PlannerConfig {
+        push_threshold_ns: cfg.advanced.migration.push_threshold_us * 1_000,
+        max_load_per_vcpu: cfg.advanced.migration.max_load_per_vcpu,
+        ..PlannerConfig::default()
+    });
+    let hook = Arc::new(MigrationHook::new(
+        shared.clone(),
+        planner,
+        cfg.advanced.migration.push_threshold_us * 1_000,
+        &cpus,
+    ));
+    let wanted = external.map_or_else(|| cfg.monitor.wanted(), vcpu_monitor::Wanted::External);
+    let (monitor, fallback) = AnyMonitor::start(
+        wanted,
+        mon_cfg,
+        board.clone(),
+        hook,
+        Duration::from_micros(cfg.advanced.migration.push_threshold_us),
+    )
+    .context("starting the vCPU monitor")?;
+    if let Some(why) = fallback {
+        warn!("kernel-timer vCPU monitor unavailable, using sleepers: {why}");
+    }
+    info!(cpus = ?cpus, source = monitor.source().as_str(), period_us = cfg.advanced.monitor.period_us, "vCPU monitor started");
+    Ok(monitor)
 }
 
 /// The placement shared by the monitor threads, the engine and the control plane, with

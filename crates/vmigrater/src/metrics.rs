@@ -108,6 +108,36 @@ fn gauge(v: i64) -> Gauge {
 pub fn encode(r: &StatusReport, moves: &Moves) -> String {
     let mut reg = Registry::with_prefix("vmigrater");
     register_vcpus(&mut reg, r);
+    register_tasks(&mut reg, r, moves);
+    register_counts(&mut reg, r);
+    register_modes(&mut reg, r);
+    let verdicts: Family<VerdictLabel, Counter> = Family::default();
+    for (pays, n) in [("true", r.guard_pays), ("false", r.guard_holds)] {
+        verdicts.get_or_create(&VerdictLabel { pays }).inc_by(n);
+    }
+    reg.register(
+        "guard_verdicts",
+        "Move-guard probes concluded, by whether moves raised the block I/O rate",
+        verdicts,
+    );
+    // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
+    // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
+    let build: Family<BuildLabel, Gauge> = Family::default();
+    build
+        .get_or_create(&BuildLabel {
+            version: r.version.clone(),
+            dry_run: if r.dry_run { "true" } else { "false" },
+        })
+        .set(1);
+    reg.register("build_info", "Build information (value is always 1)", build);
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &reg)
+        .expect("writing to a String cannot fail");
+    out
+}
+
+/// The tasks found, managed and moved, and those handed back.
+fn register_tasks(reg: &mut Registry, r: &StatusReport, moves: &Moves) {
     reg.register(
         "io_bound_tasks",
         "Threads currently classified I/O-bound",
@@ -134,6 +164,10 @@ pub fn encode(r: &StatusReport, moves: &Moves) -> String {
         "Tasks handed back with their original mask (no longer I/O-bound, or exit)",
         counter(r.releases),
     );
+}
+
+/// Failed polls and journal writes, early samples and inherited pins undone.
+fn register_counts(reg: &mut Registry, r: &StatusReport) {
     reg.register(
         "detector_errors",
         "Failed polls of the BPF maps",
@@ -154,6 +188,11 @@ pub fn encode(r: &StatusReport, moves: &Moves) -> String {
         "Failed writes of the affinity journal (state directory full or read-only): no task is taken over while they fail",
         counter(r.journal_errors),
     );
+}
+
+/// How the daemon observes (attach mode, vCPU monitor source), and whether moves and
+/// block tracking are on.
+fn register_modes(reg: &mut Registry, r: &StatusReport) {
     let mode: Family<ModeLabel, Gauge> = Family::default();
     mode.get_or_create(&ModeLabel {
         mode: crate::status::name_of(&r.attach_mode),
@@ -199,29 +238,6 @@ pub fn encode(r: &StatusReport, moves: &Moves) -> String {
     ] {
         reg.register(name, help, gauge(i64::from(on)));
     }
-    let verdicts: Family<VerdictLabel, Counter> = Family::default();
-    for (pays, n) in [("true", r.guard_pays), ("false", r.guard_holds)] {
-        verdicts.get_or_create(&VerdictLabel { pays }).inc_by(n);
-    }
-    reg.register(
-        "guard_verdicts",
-        "Move-guard probes concluded, by whether moves raised the block I/O rate",
-        verdicts,
-    );
-    // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
-    // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
-    let build: Family<BuildLabel, Gauge> = Family::default();
-    build
-        .get_or_create(&BuildLabel {
-            version: r.version.clone(),
-            dry_run: if r.dry_run { "true" } else { "false" },
-        })
-        .set(1);
-    reg.register("build_info", "Build information (value is always 1)", build);
-    let mut out = String::new();
-    prometheus_client::encoding::text::encode(&mut out, &reg)
-        .expect("writing to a String cannot fail");
-    out
 }
 
 /// The per-vCPU figures: the board's and the block programs' counts.

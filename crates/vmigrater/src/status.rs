@@ -238,6 +238,14 @@ fn yes() -> bool {
 /// Human-readable rendering of a report.
 pub fn render(r: &StatusReport) -> String {
     let mut s = String::new();
+    render_summary(&mut s, r);
+    render_vcpus(&mut s, r);
+    render_tasks(&mut s, r);
+    s
+}
+
+/// The daemon's figures, the host channel's included.
+fn render_summary(s: &mut String, r: &StatusReport) {
     let _ = writeln!(
         s,
         "vmigrater {} pid {} up {:.0}s  attach={}  monitor={}  demand={}  block programs {}{}",
@@ -287,6 +295,10 @@ pub fn render(r: &StatusReport) -> String {
         r.channel_reports_dropped,
         r.channel_replies
     );
+}
+
+/// A table row per vCPU.
+fn render_vcpus(s: &mut String, r: &StatusReport) {
     let _ = writeln!(
         s,
         "\n{:>4} {:>6} {:>8} {:>10} {:>9} {:>9} {:>8} {:>9} {:>10} {:>6}",
@@ -317,6 +329,10 @@ pub fn render(r: &StatusReport) -> String {
             v.tasks_placed
         );
     }
+}
+
+/// A table row per I/O-bound task, if any.
+fn render_tasks(s: &mut String, r: &StatusReport) {
     if !r.tasks.is_empty() {
         let _ = writeln!(
             s,
@@ -337,7 +353,6 @@ pub fn render(r: &StatusReport) -> String {
             );
         }
     }
-    s
 }
 
 /// Percentiles of recent migration latencies, in microseconds.

@@ -17,7 +17,9 @@ use crate::status::{
     SourceReport, StatusReport, TaskStatus, VcpuStatus,
 };
 use migrater::engine::{EngineSnapshot, MoveGate};
-use migrater::hook::{lock_placement, try_lock_placement, FoundTask, Shared, TaskId};
+use migrater::hook::{
+    lock_placement, try_lock_placement, FoundTask, Placement, Shared, TaskEntry, TaskId,
+};
 
 /// Context of the daemon that the control plane and the channel read.
 pub struct Running {
@@ -140,28 +142,7 @@ impl Running {
         let tasks = self.shared.tasks.load();
         let placement = lock_placement(&self.shared.placement);
         let placed: Vec<Option<usize>> = tasks.iter().map(|t| placement.placed_on(t.tid)).collect();
-        let vcpus = self
-            .board
-            .snapshot(now)
-            .iter()
-            .map(|s| {
-                let io = engine.cpu_io.iter().find(|c| c.cpu as usize == s.cpu);
-                VcpuStatus {
-                    cpu: s.cpu,
-                    active: s.active,
-                    deschedules: s.deschedules,
-                    inactive_total_ms: s.inactive_total_ns as f64 / 1e6,
-                    covered_total_ms: s.covered_total_ns as f64 / 1e6,
-                    last_inactive_ms: s.last_inactive_ns as f64 / 1e6,
-                    est_slice_ms: s.est_slice_ns as f64 / 1e6,
-                    remaining_ms: s.remaining_ns as f64 / 1e6,
-                    gap_threshold_us: s.gap_threshold_ns as f64 / 1e3,
-                    io_completions: io.map_or(0, |c| c.completions),
-                    io_interval_ema_us: io.map_or(0.0, |c| c.ema_interval_ns as f64 / 1e3),
-                    tasks_placed: placed.iter().filter(|p| **p == Some(s.cpu)).count(),
-                }
-            })
-            .collect();
+        let vcpus = self.vcpu_statuses(now, &engine, &placed);
         let executor = placement.executor.as_ref();
         StatusReport {
             version: env!("CARGO_PKG_VERSION").into(),
@@ -199,19 +180,7 @@ impl Running {
                 placement.latencies.total,
             ),
             vcpus,
-            tasks: tasks
-                .iter()
-                .zip(&placed)
-                .map(|(t, p)| TaskStatus {
-                    tid: t.tid,
-                    tgid: t.tgid,
-                    comm: t.comm.clone(),
-                    load: t.load,
-                    priority: t.priority,
-                    placed_on: *p,
-                    allowed: t.allowed.clone(),
-                })
-                .collect(),
+            tasks: task_statuses(&tasks, &placed),
             kept_with_completions: engine
                 .kept_with_completions
                 .iter()
@@ -226,45 +195,105 @@ impl Running {
                 _ => 0.0,
             },
             out_together: engine.out_together,
-            seen: engine
-                .seen
-                .iter()
-                .map(|t| SeenStatus {
-                    tid: t.info.task.tid,
-                    tgid: t.info.task.tgid,
-                    comm: t.info.comm.clone(),
-                    io_fraction: t.info.task.io_fraction,
-                    cpu_fraction: t.info.task.cpu_fraction,
-                    iops: t.info.task.iops,
-                    load: t.info.task.load,
-                    last_cpu: t.info.task.last_cpu,
-                    completion_cpu: (t.info.task.completion.count > 0)
-                        .then_some(t.info.task.completion.cpu as usize),
-                    excluded: t.excluded,
-                })
-                .collect(),
-            partners: engine
-                .partners
-                .iter()
-                .map(|p| PartnerStatus {
-                    tid: p.tid,
-                    tgid: p.tgid,
-                    comm: p.comm.clone(),
-                    of: p.of,
-                })
-                .collect(),
-            hands_off: {
-                let mut h: Vec<u32> = placement.hands_off.iter().map(|t| t.tid).collect();
-                h.sort_unstable();
-                h
-            },
+            seen: seen_statuses(&engine),
+            partners: partner_statuses(&engine),
+            hands_off: hands_off_tids(&placement),
         }
+    }
+
+    /// Per vCPU: the board's figures, the block programs' and the tasks placed on it.
+    fn vcpu_statuses(
+        &self,
+        now: u64,
+        engine: &EngineSnapshot,
+        placed: &[Option<usize>],
+    ) -> Vec<VcpuStatus> {
+        self.board
+            .snapshot(now)
+            .iter()
+            .map(|s| {
+                let io = engine.cpu_io.iter().find(|c| c.cpu as usize == s.cpu);
+                VcpuStatus {
+                    cpu: s.cpu,
+                    active: s.active,
+                    deschedules: s.deschedules,
+                    inactive_total_ms: s.inactive_total_ns as f64 / 1e6,
+                    covered_total_ms: s.covered_total_ns as f64 / 1e6,
+                    last_inactive_ms: s.last_inactive_ns as f64 / 1e6,
+                    est_slice_ms: s.est_slice_ns as f64 / 1e6,
+                    remaining_ms: s.remaining_ns as f64 / 1e6,
+                    gap_threshold_us: s.gap_threshold_ns as f64 / 1e3,
+                    io_completions: io.map_or(0, |c| c.completions),
+                    io_interval_ema_us: io.map_or(0.0, |c| c.ema_interval_ns as f64 / 1e3),
+                    tasks_placed: placed.iter().filter(|p| **p == Some(s.cpu)).count(),
+                }
+            })
+            .collect()
     }
 
     /// The metrics as of now, in OpenMetrics text: the status report's figures.
     pub fn encode_metrics(&self) -> String {
         metrics::encode(&self.report(), &self.moves)
     }
+}
+
+/// The I/O-bound tasks, each with the vCPU it is placed on (`placed`, in the same order).
+fn task_statuses(tasks: &[TaskEntry], placed: &[Option<usize>]) -> Vec<TaskStatus> {
+    tasks
+        .iter()
+        .zip(placed)
+        .map(|(t, p)| TaskStatus {
+            tid: t.tid,
+            tgid: t.tgid,
+            comm: t.comm.clone(),
+            load: t.load,
+            priority: t.priority,
+            placed_on: *p,
+            allowed: t.allowed.clone(),
+        })
+        .collect()
+}
+
+/// What the detector's last window found I/O-bound, excluded tasks included.
+fn seen_statuses(engine: &EngineSnapshot) -> Vec<SeenStatus> {
+    engine
+        .seen
+        .iter()
+        .map(|t| SeenStatus {
+            tid: t.info.task.tid,
+            tgid: t.info.task.tgid,
+            comm: t.info.comm.clone(),
+            io_fraction: t.info.task.io_fraction,
+            cpu_fraction: t.info.task.cpu_fraction,
+            iops: t.info.task.iops,
+            load: t.info.task.load,
+            last_cpu: t.info.task.last_cpu,
+            completion_cpu: (t.info.task.completion.count > 0)
+                .then_some(t.info.task.completion.cpu as usize),
+            excluded: t.excluded,
+        })
+        .collect()
+}
+
+/// The threads the I/O-bound tasks wake and are woken by.
+fn partner_statuses(engine: &EngineSnapshot) -> Vec<PartnerStatus> {
+    engine
+        .partners
+        .iter()
+        .map(|p| PartnerStatus {
+            tid: p.tid,
+            tgid: p.tgid,
+            comm: p.comm.clone(),
+            of: p.of,
+        })
+        .collect()
+}
+
+/// The tids of the tasks whose mask someone else changed, sorted.
+fn hands_off_tids(placement: &Placement) -> Vec<u32> {
+    let mut h: Vec<u32> = placement.hands_off.iter().map(|t| t.tid).collect();
+    h.sort_unstable();
+    h
 }
 
 #[cfg(test)]

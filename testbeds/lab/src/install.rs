@@ -1,8 +1,11 @@
 //! The package install test (`make lab-install-test`): the `.deb` built by
 //! `make package` installed with apt in a Debian 12 guest that boots systemd
 //! (scripts/lab-debian.sh), started with `systemctl`, its metrics checked by `promtool` on
-//! the host, reloaded with `systemctl reload` (a live key, then a broken file), and every
-//! CPU mask checked back to normal after `systemctl stop`.
+//! the host, upgraded to a next release with a task in I/O (the restart hands the masks
+//! over; an unchanged conffile follows the new default), reloaded with `systemctl reload`
+//! (a live key, then a broken file), upgraded again over the conffile the operator changed
+//! (kept, the new default beside it as `.dpkg-dist`), removed (every CPU mask back to
+//! normal) and purged (nothing of ours left under /etc, /usr or /var/lib).
 
 use crate::image::{self, Contents, Kernel};
 use crate::vm::{Vm, VmSpec};
@@ -37,6 +40,176 @@ fn run(cmd: &mut Command) -> Result<String> {
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+}
+
+/// The next release of `deb` for the upgrade steps: the same files as release `n` of its
+/// version, the default conffile with one more line. Built on the host with dpkg-deb, as a
+/// distribution's next upload would differ.
+fn next_release(deb: &Path, dir: &Path, n: u32) -> Result<PathBuf> {
+    let tree = dir.join(format!("release-{n}"));
+    let _ = std::fs::remove_dir_all(&tree);
+    run(Command::new("dpkg-deb").arg("-R").arg(deb).arg(&tree))?;
+    let control = tree.join("DEBIAN/control");
+    let text = std::fs::read_to_string(&control)?;
+    let version = text
+        .lines()
+        .find_map(|l| l.strip_prefix("Version: "))
+        .with_context(|| format!("no Version in {}", control.display()))?;
+    let base = version.rsplit_once('-').map_or(version, |(b, _)| b);
+    std::fs::write(
+        &control,
+        text.replace(
+            &format!("Version: {version}"),
+            &format!("Version: {base}-{n}"),
+        ),
+    )?;
+    let conf = tree.join("etc/vmigrater/vmigrater.toml");
+    let mut default = std::fs::read_to_string(&conf)?;
+    default.push_str(&format!("\n{}\n", release_line(n)));
+    std::fs::write(&conf, default)?;
+    let out = dir.join(format!("vmigrater-{n}.deb"));
+    run(Command::new("dpkg-deb")
+        .args(["--root-owner-group", "-Zxz", "-b"])
+        .arg(&tree)
+        .arg(&out))?;
+    Ok(out)
+}
+
+/// The line release `n`'s default conffile gains.
+fn release_line(n: u32) -> String {
+    format!("# A default that release {n} brings (lab-install-test).")
+}
+
+/// The daemon's main PID and the tids it manages, from `vmigrater status --json`.
+fn daemon(vm: &mut Vm) -> Result<(u32, Vec<u32>)> {
+    let json = vm.sh("vmigrater status --json", MIN)?;
+    let v: serde_json::Value =
+        serde_json::from_str(&json).with_context(|| format!("vmigrater status --json: {json}"))?;
+    let pid = v["pid"].as_u64().context("status without pid")? as u32;
+    let tids = v["tasks"]
+        .as_array()
+        .map(|t| {
+            t.iter()
+                .filter_map(|t| t["tid"].as_u64())
+                .map(|t| t as u32)
+                .collect()
+        })
+        .unwrap_or_default();
+    Ok((pid, tids))
+}
+
+/// User threads whose CPU mask is not every online CPU: `(tid, comm, mask)` lines (kernel
+/// threads, with no command line, are per-CPU by design).
+fn changed_masks(vm: &mut Vm) -> Result<Vec<(u32, String)>> {
+    let out = vm.sh(
+        "all=$(cat /sys/devices/system/cpu/online); for t in /proc/[0-9]*/task/[0-9]*; do \
+         [ -s ${t%/task/*}/cmdline ] || continue; m=$(awk '/Cpus_allowed_list/ {print $2}' $t/status 2>/dev/null); \
+         [ -z \"$m\" ] || [ \"$m\" = \"$all\" ] || echo \"${t##*/} $(cat $t/comm) $m\"; done; true",
+        MIN,
+    )?;
+    Ok(out
+        .lines()
+        .filter_map(|l| {
+            let (tid, rest) = l.trim().split_once(' ')?;
+            Some((tid.parse().ok()?, rest.to_owned()))
+        })
+        .collect())
+}
+
+/// Waits for the daemon to serve its status socket after a start or an upgrade's restart.
+fn wait_active(vm: &mut Vm, after: &str) -> Result<()> {
+    let t1 = Instant::now();
+    loop {
+        let (_, state) = vm.sh_rc("systemctl is-active vmigrater", MIN)?;
+        // The daemon serves its status socket once BPF is attached.
+        if state.trim() == "active" && vm.sh_rc("vmigrater status >/dev/null", MIN)?.0 == 0 {
+            return Ok(());
+        }
+        if state.trim() == "failed" || t1.elapsed() > 3 * MIN {
+            let why = vm.sh(
+                "systemctl status vmigrater --no-pager; journalctl -u vmigrater --no-pager | tail -40",
+                MIN,
+            )?;
+            bail!("vmigrater is {} after {after}:\n{why}", state.trim());
+        }
+        std::thread::sleep(Duration::from_secs(1));
+    }
+}
+
+/// `apt-get install` of release `n` over the running daemon: the package's restart runs the
+/// new daemon, and every thread whose mask is changed afterwards is one the new daemon
+/// manages (the old one handed its tasks back before it stopped). A conffile the operator
+/// changed is kept (`--force-confold`, what a non-interactive upgrade should do) with
+/// dpkg's message, and the new default lands beside it as `.dpkg-dist`.
+fn upgrade(vm: &mut Vm, n: u32, conffile_changed: bool) -> Result<String> {
+    const CONF: &str = "/etc/vmigrater/vmigrater.toml";
+    let (old_pid, managed) = daemon(vm)?;
+    let out = vm
+        .sh(
+            &format!(
+                "DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
+             -o Dpkg::Options::=--force-confdef -o Dpkg::Options::=--force-confold \
+             /root/vmigrater-{n}.deb 2>&1"
+            ),
+            10 * MIN,
+        )
+        .with_context(|| format!("apt upgrade to release {n}"))?;
+    let version = vm.sh("dpkg-query -W -f='${Version}' vmigrater", MIN)?;
+    ensure!(
+        version.trim().ends_with(&format!("-{n}")),
+        "after the upgrade to release {n}, dpkg has {}",
+        version.trim()
+    );
+    wait_active(vm, &format!("the upgrade to release {n}"))?;
+    let (new_pid, now_managed) = daemon(vm)?;
+    ensure!(
+        new_pid != old_pid,
+        "the upgrade to release {n} did not restart the daemon (pid {old_pid})"
+    );
+    let stray: Vec<String> = changed_masks(vm)?
+        .into_iter()
+        .filter(|(tid, _)| !now_managed.contains(tid))
+        .map(|(tid, what)| format!("{tid} {what}"))
+        .collect();
+    ensure!(
+        stray.is_empty(),
+        "after the upgrade to release {n}, threads with a changed mask the new daemon does not manage:\n{}",
+        stray.join("\n")
+    );
+    let conf = vm.sh(&format!("cat {CONF}"), MIN)?;
+    let (_, dist) = vm.sh_rc(&format!("cat {CONF}.dpkg-dist 2>/dev/null"), MIN)?;
+    if conffile_changed {
+        ensure!(
+            !conf.contains(&release_line(n)) && conf.contains("exclude_comm = [\"dd\"]"),
+            "the conffile the operator changed was not kept:\n{conf}"
+        );
+        ensure!(
+            dist.contains(&release_line(n)),
+            "no new default beside the kept conffile as {CONF}.dpkg-dist:\n{out}"
+        );
+        ensure!(
+            out.contains("Keeping old config file"),
+            "dpkg said nothing of the kept conffile:\n{out}"
+        );
+    } else {
+        ensure!(
+            conf.contains(&release_line(n)),
+            "the unchanged conffile did not follow release {n}'s default:\n{conf}"
+        );
+        ensure!(
+            dist.trim().is_empty(),
+            "a .dpkg-dist beside an unchanged conffile"
+        );
+    }
+    Ok(format!(
+        "upgraded to {}: daemon restarted (pid {old_pid} -> {new_pid}), managed tids {managed:?} -> {now_managed:?}, every changed mask the new daemon's, conffile {}",
+        version.trim(),
+        if conffile_changed {
+            "kept as changed, the new default as .dpkg-dist"
+        } else {
+            "follows the new default"
+        }
+    ))
 }
 
 fn step(t0: Instant, what: &str) {
@@ -74,7 +247,7 @@ fn reload(vm: &mut Vm) -> Result<()> {
     );
     vm.sh(
         &format!(
-            "printf '[migration]\\nno_such_key = 1\\n' >> {CONF} && systemctl reload vmigrater"
+            "cp {CONF} /root/operator.toml && printf '[migration]\\nno_such_key = 1\\n' >> {CONF} && systemctl reload vmigrater"
         ),
         MIN,
     )?;
@@ -84,6 +257,8 @@ fn reload(vm: &mut Vm) -> Result<()> {
             .any(|l| l.contains("SIGHUP: the new configuration is invalid") && l.contains(CONF)),
         "no refused reload naming {CONF} in the journal:\n{log}"
     );
+    // The operator fixes the file: the changed, valid one stays for the next upgrade.
+    vm.sh(&format!("cp /root/operator.toml {CONF}"), MIN)?;
     Ok(())
 }
 
@@ -108,10 +283,19 @@ pub fn install_test(packages: &Path) -> Result<()> {
         .arg("--sparse=always")
         .arg(&base)
         .arg(&disk))?;
-    run(Command::new("debugfs")
-        .args(["-w", "-R"])
-        .arg(format!("write {} /root/vmigrater.deb", deb.display()))
-        .arg(&disk))?;
+    let mut debs = vec![(deb.clone(), "/root/vmigrater.deb".to_owned())];
+    for n in [2, 3] {
+        debs.push((
+            next_release(&deb, &dir, n)?,
+            format!("/root/vmigrater-{n}.deb"),
+        ));
+    }
+    for (from, to) in &debs {
+        run(Command::new("debugfs")
+            .args(["-w", "-R"])
+            .arg(format!("write {} {to}", from.display()))
+            .arg(&disk))?;
+    }
     let img = image::build(&kernel, &Contents::default(), &dir.join("initrd.cpio"))?;
     let spec = VmSpec {
         name: "install".into(),
@@ -148,30 +332,12 @@ pub fn install_test(packages: &Path) -> Result<()> {
     }
 
     vm.sh("systemctl start vmigrater", 2 * MIN)?;
-    let t1 = Instant::now();
-    loop {
-        let (_, state) = vm.sh_rc("systemctl is-active vmigrater", MIN)?;
-        // The daemon serves its status socket once BPF is attached.
-        if state.trim() == "active" && vm.sh_rc("vmigrater status >/dev/null", MIN)?.0 == 0 {
-            break;
-        }
-        if state.trim() == "failed" || t1.elapsed() > 3 * MIN {
-            let why = vm.sh(
-                "systemctl status vmigrater --no-pager; journalctl -u vmigrater --no-pager | tail -40",
-                MIN,
-            )?;
-            bail!(
-                "vmigrater is {} after systemctl start:\n{why}",
-                state.trim()
-            );
-        }
-        std::thread::sleep(Duration::from_secs(1));
-    }
+    wait_active(&mut vm, "systemctl start")?;
     step(t0, "systemctl is-active vmigrater: active");
 
-    // An I/O-bound task for the daemon to manage while it runs.
+    // An I/O-bound task for the daemon to manage while it runs, through the upgrades.
     vm.sh(
-        "setsid dd if=/dev/vda of=/dev/null iflag=direct bs=4k count=200000 </dev/null >/dev/null 2>&1 &",
+        "setsid sh -c 'while :; do dd if=/dev/vda of=/dev/null iflag=direct bs=4k count=100000; done' </dev/null >/dev/null 2>&1 &",
         MIN,
     )?;
     std::thread::sleep(Duration::from_secs(5));
@@ -209,30 +375,61 @@ pub fn install_test(packages: &Path) -> Result<()> {
         ),
     );
 
+    let done = upgrade(&mut vm, 2, false)?;
+    step(t0, &done);
+
     reload(&mut vm)?;
     step(
         t0,
         "systemctl reload: a live key applied, a bad file refused naming its line, still active",
     );
+    let done = upgrade(&mut vm, 3, true)?;
+    step(t0, &done);
 
-    vm.sh("systemctl stop vmigrater", 3 * MIN)?;
+    vm.sh("pkill -f 'while :; do dd'; pkill -x dd; true", MIN)?;
+    vm.sh(
+        "DEBIAN_FRONTEND=noninteractive apt-get remove -y vmigrater",
+        5 * MIN,
+    )
+    .context("apt remove")?;
     let (_, state) = vm.sh_rc("systemctl is-active vmigrater", MIN)?;
-    ensure!(state.trim() == "inactive", "after stop: {}", state.trim());
-    // Every user task's mask is back to all CPUs (kernel threads, with no command line,
-    // are per-CPU by design).
-    let masks = vm.sh(
-        "all=$(cat /sys/devices/system/cpu/online); for t in /proc/[0-9]*/task/[0-9]*; do \
-         [ -s ${t%/task/*}/cmdline ] || continue; m=$(awk '/Cpus_allowed_list/ {print $2}' $t/status 2>/dev/null); \
-         [ -z \"$m\" ] || [ \"$m\" = \"$all\" ] || echo \"${t#/proc/} $(cat $t/comm) $m\"; done; true",
-        MIN,
-    )?;
     ensure!(
-        masks.trim().is_empty(),
-        "tasks left with a changed CPU mask after systemctl stop:\n{masks}"
+        state.trim() == "inactive",
+        "after apt remove: {}",
+        state.trim()
+    );
+    let masks = changed_masks(&mut vm)?;
+    ensure!(
+        masks.is_empty(),
+        "tasks left with a changed CPU mask after apt remove:\n{masks:?}"
+    );
+    let kept = vm.sh("dpkg-query -W -f='${Status}' vmigrater", MIN)?;
+    ensure!(
+        kept.contains("config-files")
+            && vm.sh_rc("test -f /etc/vmigrater/vmigrater.toml", MIN)?.0 == 0,
+        "after apt remove the conffile should stay until a purge: {kept}"
     );
     step(
         t0,
-        "systemctl stop: inactive, no task left with a changed mask",
+        "apt remove: stopped, no task left with a changed mask, the conffile kept",
+    );
+    vm.sh(
+        "DEBIAN_FRONTEND=noninteractive apt-get purge -y vmigrater",
+        5 * MIN,
+    )
+    .context("apt purge")?;
+    let left = vm.sh(
+        "ls -d /etc/vmigrater* /usr/bin/vmigrater* /lib/systemd/system/vmigrater* /usr/lib/systemd/system/vmigrater* /var/lib/vmigrater* 2>/dev/null; true",
+        MIN,
+    )?;
+    ensure!(left.trim().is_empty(), "left after apt purge:\n{left}");
+    let (_, run_dir) = vm.sh_rc("ls -A /run/vmigrater 2>/dev/null", MIN)?;
+    step(
+        t0,
+        &format!(
+            "apt purge: nothing of ours under /etc, /usr or /var/lib; /run/vmigrater (tmpfs, gone at reboot) holds [{}]",
+            run_dir.split_whitespace().collect::<Vec<_>>().join(" ")
+        ),
     );
     vm.stop();
     Ok(())

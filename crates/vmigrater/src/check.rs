@@ -128,7 +128,7 @@ fn check_attach(cfg: &Config, root: bool, best: &str, problems: &mut Vec<&'stati
         let t0 = Instant::now();
         let mut storage = TrackerStorage::new();
         let opts = TrackerOptions {
-            force_mode: cfg.detector.attach_mode.forced(),
+            force_mode: cfg.detector.attach_mode.into(),
         };
         // Only the mode outlives the match: the tracker borrows `storage`.
         let opened = IoTracker::open(&opts, &mut storage).map(|t| t.mode());

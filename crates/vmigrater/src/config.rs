@@ -98,11 +98,11 @@ pub enum AttachSetting {
     Tracepoint,
 }
 
-impl AttachSetting {
-    /// The mode to insist on, if any.
-    pub fn forced(self) -> Option<task_detector::AttachMode> {
+/// The mode to insist on: none for `auto`.
+impl From<AttachSetting> for Option<task_detector::AttachMode> {
+    fn from(s: AttachSetting) -> Self {
         use task_detector::AttachMode;
-        match self {
+        match s {
             AttachSetting::Auto => None,
             AttachSetting::TpBtf => Some(AttachMode::TpBtf),
             AttachSetting::RawTp => Some(AttachMode::RawTp),
@@ -115,11 +115,10 @@ fn us(d: std::time::Duration) -> u64 {
     d.as_micros() as u64
 }
 
-impl MonitorSection {
-    /// What the daemon should start.
-    pub fn wanted(&self) -> vcpu_monitor::Wanted {
+impl From<MonitorSource> for vcpu_monitor::Wanted {
+    fn from(s: MonitorSource) -> Self {
         use vcpu_monitor::Wanted;
-        match self.source {
+        match s {
             MonitorSource::Auto => Wanted::Auto,
             MonitorSource::Kernel => Wanted::Kernel,
             MonitorSource::Sleepers => Wanted::Sleepers,
@@ -1107,17 +1106,33 @@ mod tests {
         );
         assert!(err.starts_with("c:2:"), "{err}");
         assert!(err.contains("kernel"), "the valid values are listed: {err}");
+        // The command line's names are the file's, and each asks the monitor for its source.
+        use clap::ValueEnum;
+        let names: Vec<(String, String)> = MonitorSource::value_variants()
+            .iter()
+            .map(|&v| {
+                let name = v.to_possible_value().unwrap().get_name().to_string();
+                (name, format!("{:?}", vcpu_monitor::Wanted::from(v)))
+            })
+            .collect();
+        assert_eq!(
+            names,
+            [
+                ("auto".into(), "Auto".into()),
+                ("kernel".into(), "Kernel".into()),
+                ("sleepers".into(), "Sleepers".into())
+            ]
+        );
     }
 
     #[test]
     fn attach_mode_is_typed() {
         let cfg = Config::parse("[detector]\nattach_mode = \"raw_tp\"\n", "c").unwrap();
         assert_eq!(cfg.detector.attach_mode, AttachSetting::RawTp);
-        assert_eq!(
-            cfg.detector.attach_mode.forced(),
-            Some(task_detector::AttachMode::RawTp)
-        );
-        assert_eq!(Config::default().detector.attach_mode.forced(), None);
+        use task_detector::AttachMode;
+        let forced = |s: AttachSetting| Option::<AttachMode>::from(s);
+        assert_eq!(forced(cfg.detector.attach_mode), Some(AttachMode::RawTp));
+        assert_eq!(forced(Config::default().detector.attach_mode), None);
         let err = format!(
             "{:#}",
             Config::parse("[detector]\nattach_mode = \"kprobe\"\n", "c").unwrap_err()

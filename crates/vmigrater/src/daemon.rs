@@ -57,7 +57,7 @@ pub fn run_with_source(
 
     let detector = DetectorThread::spawn(
         TrackerOptions {
-            force_mode: cfg.detector.attach_mode.forced(),
+            force_mode: cfg.detector.attach_mode.into(),
         },
         classifier_config(&cfg),
     )?;
@@ -167,7 +167,7 @@ fn start_monitor(
         cfg.advanced.migration.push_threshold_us * 1_000,
         &cpus,
     ));
-    let wanted = external.map_or_else(|| cfg.monitor.wanted(), vcpu_monitor::Wanted::External);
+    let wanted = external.map_or_else(|| cfg.monitor.source.into(), vcpu_monitor::Wanted::External);
     let (monitor, fallback) = AnyMonitor::start(
         wanted,
         mon_cfg,

@@ -36,20 +36,24 @@ pub struct Running {
     pub channel: Arc<ChannelStats>,
 }
 
-fn attach_report(m: Option<AttachMode>) -> AttachReport {
-    match m {
-        Some(AttachMode::TpBtf) => AttachReport::TpBtf,
-        Some(AttachMode::RawTp) => AttachReport::RawTp,
-        Some(AttachMode::Tracepoint) => AttachReport::Tracepoint,
-        None => AttachReport::None,
+impl From<Option<AttachMode>> for AttachReport {
+    fn from(m: Option<AttachMode>) -> Self {
+        match m {
+            Some(AttachMode::TpBtf) => AttachReport::TpBtf,
+            Some(AttachMode::RawTp) => AttachReport::RawTp,
+            Some(AttachMode::Tracepoint) => AttachReport::Tracepoint,
+            None => AttachReport::None,
+        }
     }
 }
 
-fn source_report(s: vcpu_monitor::Source) -> SourceReport {
-    match s {
-        vcpu_monitor::Source::Kernel => SourceReport::Kernel,
-        vcpu_monitor::Source::Sleepers => SourceReport::Sleepers,
-        vcpu_monitor::Source::External => SourceReport::External,
+impl From<vcpu_monitor::Source> for SourceReport {
+    fn from(s: vcpu_monitor::Source) -> Self {
+        match s {
+            vcpu_monitor::Source::Kernel => SourceReport::Kernel,
+            vcpu_monitor::Source::Sleepers => SourceReport::Sleepers,
+            vcpu_monitor::Source::External => SourceReport::External,
+        }
     }
 }
 
@@ -149,8 +153,8 @@ impl Running {
             pid: std::process::id(),
             uptime_s: self.started.elapsed().as_secs_f64(),
             dry_run: self.dry_run,
-            attach_mode: attach_report(self.attach_mode),
-            monitor_source: source_report(self.monitor_source),
+            attach_mode: self.attach_mode.into(),
+            monitor_source: self.monitor_source.into(),
             moves_allowed: engine.moves_allowed,
             host_holds: engine.host_holds,
             block_tracking: engine.block_tracking,
@@ -352,6 +356,18 @@ mod tests {
             .iter()
             .map(|s| s.io_bound_tasks)
             .collect()
+    }
+
+    #[test]
+    fn the_report_names_the_mode_and_source_as_their_crates_do() {
+        for m in AttachMode::ALL {
+            assert_eq!(status::name_of(&AttachReport::from(Some(m))), m.to_string());
+        }
+        assert_eq!(status::name_of(&AttachReport::from(None)), "none");
+        use vcpu_monitor::Source;
+        for s in [Source::Kernel, Source::Sleepers, Source::External] {
+            assert_eq!(status::name_of(&SourceReport::from(s)), s.as_str());
+        }
     }
 
     #[test]

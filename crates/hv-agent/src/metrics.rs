@@ -31,15 +31,6 @@ struct SourceLabel {
 
 type FloatGauge = Gauge<f64, AtomicU64>;
 
-fn source(s: crate::status::Source) -> &'static str {
-    match s {
-        crate::status::Source::Guest => "guest",
-        crate::status::Source::Schedstat => "schedstat",
-        crate::status::Source::Kicks => "kicks",
-        crate::status::Source::None => "none",
-    }
-}
-
 pub fn encode(s: &AgentStatus) -> String {
     let mut reg = Registry::with_prefix("vmigrater_hv");
     reg.register(
@@ -121,7 +112,7 @@ fn register_vcpus(reg: &mut Registry, vms: &[VmStatus]) {
                 .get_or_create(&SourceLabel {
                     vm: vm.name.clone(),
                     vcpu: v.vcpu,
-                    source: source(v.source),
+                    source: v.source.as_str(),
                 })
                 .set(1);
             iv.get_or_create(&l).set(v.iv_credit / 1e9);

@@ -27,6 +27,18 @@ pub enum Source {
     None,
 }
 
+impl Source {
+    /// The metric label: the name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Source::Guest => "guest",
+            Source::Schedstat => "schedstat",
+            Source::Kicks => "kicks",
+            Source::None => "none",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
 pub struct VcpuStatus {
     pub vcpu: u32,
@@ -165,7 +177,7 @@ pub fn render(s: &AgentStatus) -> String {
                 v.vcpu,
                 v.tid.map_or("-".into(), |t| t.to_string()),
                 v.host_cpu.map_or("-".into(), |c| c.to_string()),
-                format!("{:?}", v.source).to_lowercase(),
+                v.source.as_str(),
                 v.events,
                 v.ema_us,
                 v.cpu_ms,
@@ -226,5 +238,23 @@ mod tests {
         assert!(table.contains("4242"), "{table}");
         assert!(table.contains("guest"), "{table}");
         assert!(table.contains(" held"), "{table}");
+    }
+
+    #[test]
+    fn sources_and_origins_keep_their_names_on_the_wire() {
+        use Source as S;
+        for (s, name) in [
+            (S::Guest, "guest"),
+            (S::Schedstat, "schedstat"),
+            (S::Kicks, "kicks"),
+            (S::None, "none"),
+        ] {
+            assert_eq!(serde_json::to_value(s).unwrap(), name);
+            assert_eq!(s.as_str(), name);
+        }
+        for (o, name) in [(Origin::Config, "config"), (Origin::Libvirt, "libvirt")] {
+            assert_eq!(serde_json::to_value(o).unwrap(), name);
+            assert_eq!(o.to_string(), name);
+        }
     }
 }

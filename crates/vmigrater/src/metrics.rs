@@ -31,12 +31,12 @@ struct MigrationLabel {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ModeLabel {
-    mode: String,
+    mode: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct SourceLabel {
-    source: String,
+    source: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -195,7 +195,7 @@ fn register_counts(reg: &mut Registry, r: &StatusReport) {
 fn register_modes(reg: &mut Registry, r: &StatusReport) {
     let mode: Family<ModeLabel, Gauge> = Family::default();
     mode.get_or_create(&ModeLabel {
-        mode: crate::status::name_of(&r.attach_mode),
+        mode: r.attach_mode.as_str(),
     })
     .set(1);
     reg.register(
@@ -206,7 +206,7 @@ fn register_modes(reg: &mut Registry, r: &StatusReport) {
     let source: Family<SourceLabel, Gauge> = Family::default();
     source
         .get_or_create(&SourceLabel {
-            source: crate::status::name_of(&r.monitor_source),
+            source: r.monitor_source.as_str(),
         })
         .set(1);
     reg.register(

@@ -61,6 +61,18 @@ pub enum AttachReport {
     None,
 }
 
+impl AttachReport {
+    /// The metric label: the name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            AttachReport::TpBtf => "tp_btf",
+            AttachReport::RawTp => "raw_tp",
+            AttachReport::Tracepoint => "tracepoint",
+            AttachReport::None => "none",
+        }
+    }
+}
+
 /// Where vCPU deschedules are learnt from (`external`: a source another build links in,
 /// the nested-VM lab's oracle); `unknown` from a daemon too old to say.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -71,6 +83,18 @@ pub enum SourceReport {
     External,
     #[default]
     Unknown,
+}
+
+impl SourceReport {
+    /// The metric label: the name on the wire.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SourceReport::Kernel => "kernel",
+            SourceReport::Sleepers => "sleepers",
+            SourceReport::External => "external",
+            SourceReport::Unknown => "unknown",
+        }
+    }
 }
 
 /// Whether the monitor tracks slices precisely (`active`: tasks to move) or idles.
@@ -405,6 +429,18 @@ mod tests {
         let back: StatusReport = serde_json::from_value(old).unwrap();
         assert_eq!(back.monitor_source, SourceReport::Unknown);
         assert!(render(&back).contains("attach=tp_btf  monitor=unknown  demand=active"));
+    }
+
+    #[test]
+    fn metric_labels_are_the_names_on_the_wire() {
+        use AttachReport as A;
+        for m in [A::TpBtf, A::RawTp, A::Tracepoint, A::None] {
+            assert_eq!(m.as_str(), name_of(&m));
+        }
+        use SourceReport as S;
+        for s in [S::Kernel, S::Sleepers, S::External, S::Unknown] {
+            assert_eq!(s.as_str(), name_of(&s));
+        }
     }
 
     #[test]

@@ -13,9 +13,9 @@ pub struct Placed {
     pub pinned: Option<usize>,
 }
 
-/// Pin `tid` to `cpu`.
+/// Anchor `tid` on the held vCPU `cpu`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Pin {
+pub struct Anchor {
     pub tid: u32,
     pub cpu: usize,
 }
@@ -24,7 +24,7 @@ pub struct Pin {
 /// nothing); every other task goes to the held vCPU with the fewest tasks so far (lowest
 /// number on ties), so several held vCPUs share them, and the vCPU the host favours
 /// carries the VM's I/O. Nothing moves when nothing is held.
-pub fn moves(tasks: &[Placed], held: &[usize]) -> Vec<Pin> {
+pub fn moves(tasks: &[Placed], held: &[usize]) -> Vec<Anchor> {
     if held.is_empty() {
         return Vec::new();
     }
@@ -42,7 +42,7 @@ pub fn moves(tasks: &[Placed], held: &[usize]) -> Vec<Pin> {
             .min_by_key(|&i| (load[i], held[i]))
             .expect("held is not empty");
         load[i] += 1;
-        out.push(Pin {
+        out.push(Anchor {
             tid: t.tid,
             cpu: held[i],
         });
@@ -58,8 +58,8 @@ mod tests {
         Placed { tid, pinned }
     }
 
-    fn pins(p: &[(u32, usize)]) -> Vec<Pin> {
-        p.iter().map(|&(tid, cpu)| Pin { tid, cpu }).collect()
+    fn anchors(p: &[(u32, usize)]) -> Vec<Anchor> {
+        p.iter().map(|&(tid, cpu)| Anchor { tid, cpu }).collect()
     }
 
     #[test]
@@ -76,7 +76,7 @@ mod tests {
     fn the_others_go_to_a_held_vcpu() {
         assert_eq!(
             moves(&[t(1, Some(0)), t(2, None)], &[1]),
-            pins(&[(1, 1), (2, 1)])
+            anchors(&[(1, 1), (2, 1)])
         );
     }
 
@@ -87,6 +87,6 @@ mod tests {
             &[t(1, Some(2)), t(2, None), t(3, Some(0)), t(4, None)],
             &[2, 3],
         );
-        assert_eq!(m, pins(&[(2, 3), (3, 2), (4, 3)]));
+        assert_eq!(m, anchors(&[(2, 3), (3, 2), (4, 3)]));
     }
 }

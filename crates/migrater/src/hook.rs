@@ -274,8 +274,8 @@ pub fn anchor_on_held(
             pinned: placement.placed_on(t.tid),
         })
         .collect();
-    for pin in anchor::moves(&now, held) {
-        let Some(t) = own.iter().find(|t| t.tid == pin.tid) else {
+    for a in anchor::moves(&now, held) {
+        let Some(t) = own.iter().find(|t| t.tid == a.tid) else {
             continue;
         };
         if let Some(ex) = placement.executor.as_mut() {
@@ -290,7 +290,7 @@ pub fn anchor_on_held(
         let mv = Move {
             tid: t.tid,
             from,
-            to: pin.cpu,
+            to: a.cpu,
             reason,
         };
         apply(shared, placement, Some(t.start_time), mv);

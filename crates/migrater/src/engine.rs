@@ -11,8 +11,8 @@
 //! The window of the block programs is read through the actuator, not passed in: the step
 //! first decides whether they track (pause, resume, detach) and reads what they saw after.
 
+mod beside;
 mod decision;
-mod partners;
 mod tasks;
 mod tracking;
 
@@ -74,7 +74,7 @@ pub struct EngineConfig {
     /// managed task is the planner's).
     pub follow_completions: bool,
     /// Whether the threads a kept task wakes and is woken by are kept beside it
-    /// (`engine::partners`).
+    /// (`engine::beside`).
     pub keep_partners: bool,
 }
 

@@ -15,6 +15,7 @@ use crate::affinity::Outcome;
 use crate::hook::{FoundTask, TaskEntry};
 use crate::planner::Reason;
 use crate::sampling::Schedule;
+use task_detector::ForkSample;
 
 /// A switch of the block programs, with what noting its outcome needs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -156,6 +157,22 @@ pub(super) struct Applied {
     /// Tasks a failed keep sent back out of the managed set (`Otherwise::Release`).
     pub dropped: Vec<u32>,
     pub demand: Demand,
+}
+
+/// The threads a poll saw started, to set back where they inherited a pin of ours.
+/// Apart from `Decision`: it is carried out before any task is taken over or asked again
+/// what it may use, so that the executor answers with the thread's own mask, not our pin.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct UndoInherited {
+    /// `None` where nothing was polled.
+    pub forks: Option<Vec<ForkSample>>,
+}
+
+/// Sets back the threads that inherited a pin of ours; returns how many.
+pub(super) fn undo_inherited(u: &UndoInherited, act: &mut impl TaskPlacement) -> usize {
+    u.forks
+        .as_ref()
+        .map_or(0, |forks| act.undo_inherited(forks))
 }
 
 /// Carries a decision out: pins, short slices, host-hold pins, releases, the planner's

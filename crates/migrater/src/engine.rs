@@ -111,8 +111,9 @@ pub use task_detector::BlockTracking;
 pub trait TaskPlacement {
     /// Tasks whose mask someone else changed after us.
     fn hands_off(&self) -> HashSet<TaskId>;
-    /// Takes a task over (journals its mask); returns the CPUs it may run on.
-    fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>>;
+    /// Takes a task over (journals its mask); returns the CPUs it may run on. `tgid` finds
+    /// it under `/proc`; the id tells it from a task that reuses its tid.
+    fn manage(&mut self, task: TaskId, tgid: u32) -> anyhow::Result<Vec<usize>>;
     /// The user's priority for a task.
     fn priority_of(&self, task: &IoTaskInfo) -> i32;
     /// Gathers `tasks` on the `on` vCPUs (for `reason`: a host hold, or where their

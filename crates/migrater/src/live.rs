@@ -40,10 +40,9 @@ impl<S: PlacementSettings> TaskPlacement for LivePlacement<'_, S> {
     fn hands_off(&self) -> HashSet<TaskId> {
         lock_placement(&self.shared.placement).hands_off.clone()
     }
-    fn manage(&mut self, info: &IoTaskInfo) -> Result<Vec<usize>> {
-        let t = &info.task;
+    fn manage(&mut self, task: TaskId, tgid: u32) -> Result<Vec<usize>> {
         match lock_placement(&self.shared.placement).executor.as_mut() {
-            Some(ex) => ex.manage(t.tid, t.tgid, info.start_time),
+            Some(ex) => ex.manage(task.tid, tgid, task.start_time),
             None => Ok(self.all_cpus.clone()),
         }
     }

@@ -37,6 +37,13 @@ fn found_task(i: &IoTaskInfo) -> FoundTask {
     }
 }
 
+fn task_id(i: &IoTaskInfo) -> TaskId {
+    TaskId {
+        tid: i.task.tid,
+        start_time: i.start_time,
+    }
+}
+
 /// What the decision is made from, besides the engine's own state.
 pub(super) struct Facts<'a> {
     pub now: Mono,
@@ -600,12 +607,14 @@ impl Engine {
                 Admission::Keep { managed, now } => {
                     // Asked again: the executor may have corrected what it may use (a pin
                     // it inherited from a task of ours, `undo_inherited`).
-                    let allowed = act.manage(now).unwrap_or_else(|_| managed.allowed.clone());
+                    let allowed = act
+                        .manage(task_id(now), now.task.tgid)
+                        .unwrap_or_else(|_| managed.allowed.clone());
                     (now, allowed, managed.priority)
                 }
                 Admission::New(info) => {
                     let t = &info.task;
-                    let allowed = match act.manage(info) {
+                    let allowed = match act.manage(task_id(info), t.tgid) {
                         Ok(a) => a,
                         Err(e) => {
                             debug!(tid = t.tid, "not managing: {e:#}");

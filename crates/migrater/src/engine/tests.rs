@@ -131,8 +131,8 @@ impl TaskPlacement for Fake {
     fn hands_off(&self) -> HashSet<TaskId> {
         self.hands_off.clone()
     }
-    fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>> {
-        self.managed.entry(task.task.tid).or_insert(None);
+    fn manage(&mut self, task: TaskId, _: u32) -> anyhow::Result<Vec<usize>> {
+        self.managed.entry(task.tid).or_insert(None);
         Ok(vec![0, 1])
     }
     fn priority_of(&self, _: &IoTaskInfo) -> i32 {

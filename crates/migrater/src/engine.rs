@@ -315,9 +315,9 @@ struct Tasks {
     /// Where each I/O-bound task's completions land.
     homes: CompletionHomes,
     /// Tasks kept with their completions: when the classifier last found each.
-    kept_found: HashMap<u32, Mono>,
+    kept_found: HashMap<TaskId, Mono>,
     /// Managed tasks said once not to be keepable with their completions.
-    unkept: HashSet<u32>,
+    unkept: HashSet<TaskId>,
     /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
     partners: HashMap<u32, (Partner, Mono)>,
 }

@@ -103,7 +103,7 @@ impl Engine {
                 .filter(|i| {
                     !together
                         || (matches!(self.tasks.homes.home(i.task.tid), Home::Fixed(_))
-                            && !self.tasks.unkept.contains(&i.task.tid))
+                            && !self.tasks.unkept.contains(&task_id(i)))
                 })
                 .cloned()
                 .collect();
@@ -260,7 +260,7 @@ impl Engine {
                 continue;
             };
             if !e.allowed.contains(&cpu) {
-                if self.tasks.unkept.insert(e.tid) {
+                if self.tasks.unkept.insert(e.id()) {
                     info!(
                         tid = e.tid,
                         comm = %e.comm,
@@ -342,8 +342,8 @@ impl Engine {
         managed.retain(|e| !done.dropped.contains(&e.tid));
         // Remembered while it is found, so that one not keepable is not taken again each
         // window that only keeps.
-        self.tasks.unkept.retain(|tid| {
-            managed.iter().any(|e| e.tid == *tid) || f.found.iter().any(|i| i.task.tid == *tid)
+        self.tasks.unkept.retain(|id| {
+            managed.iter().any(|e| e.id() == *id) || f.found.iter().any(|i| task_id(i) == *id)
         });
         self.note_releases(&done);
         self.note_snapshot(f, &managed, &anchored_now, tracking);
@@ -367,7 +367,7 @@ impl Engine {
             let (tid, cpu) = (k.pin.task.tid, k.cpu);
             let comm = &k.pin.comm;
             if !done.kept.contains(&tid) {
-                if self.tasks.unkept.insert(tid) {
+                if self.tasks.unkept.insert(k.pin.task.id()) {
                     info!(
                         tid,
                         comm = %comm,
@@ -386,7 +386,7 @@ impl Engine {
                 );
             }
             if f.found.iter().any(|i| i.task.tid == tid) {
-                self.tasks.kept_found.insert(tid, f.now);
+                self.tasks.kept_found.insert(k.pin.task.id(), f.now);
             }
             kept_tasks.push(KeptTask {
                 tid,
@@ -400,7 +400,7 @@ impl Engine {
         }
         self.tasks
             .kept_found
-            .retain(|tid, _| done.kept.contains(tid));
+            .retain(|id, _| done.kept.contains(&id.tid));
         (kept_tasks, anchored_now)
     }
 
@@ -496,7 +496,7 @@ impl Engine {
             .filter(|e| {
                 self.tasks
                     .kept_found
-                    .get(&e.tid)
+                    .get(&e.id())
                     .is_some_and(|&at| now.since(at) < KEEP_GRACE)
             })
             .cloned()

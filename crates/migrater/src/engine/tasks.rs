@@ -78,7 +78,7 @@ impl Engine {
                 && !eligible.is_empty()
                 && eligible
                     .iter()
-                    .all(|i| matches!(self.tasks.homes.home(i.task.tid), Home::Fixed(_))));
+                    .all(|i| matches!(self.tasks.homes.home(task_id(i)), Home::Fixed(_))));
         if let Some(g) = self.guard.as_mut() {
             g.set_burden(if all_homed {
                 Burden::NotLose
@@ -102,7 +102,7 @@ impl Engine {
                 .iter()
                 .filter(|i| {
                     !together
-                        || (matches!(self.tasks.homes.home(i.task.tid), Home::Fixed(_))
+                        || (matches!(self.tasks.homes.home(task_id(i)), Home::Fixed(_))
                             && !self.tasks.unkept.contains(&task_id(i)))
                 })
                 .cloned()
@@ -221,8 +221,8 @@ impl Engine {
             return;
         }
         for i in found {
-            let was = self.tasks.homes.home(i.task.tid);
-            let home = self.tasks.homes.observe(i.task.tid, &i.task.completion);
+            let was = self.tasks.homes.home(task_id(i));
+            let home = self.tasks.homes.observe(task_id(i), &i.task.completion);
             if home != was && next.iter().any(|e| e.tid == i.task.tid) {
                 let c = &i.task.completion;
                 info!(
@@ -237,8 +237,8 @@ impl Engine {
                 );
             }
         }
-        self.tasks.homes.retain(|tid| {
-            found.iter().any(|i| i.task.tid == tid) || next.iter().any(|e| e.tid == tid)
+        self.tasks.homes.retain(|id| {
+            found.iter().any(|i| task_id(i) == id) || next.iter().any(|e| e.id() == id)
         });
     }
 
@@ -256,7 +256,7 @@ impl Engine {
         }
         let mut keep = Vec::new();
         for e in next {
-            let Home::Fixed(cpu) = self.tasks.homes.home(e.tid) else {
+            let Home::Fixed(cpu) = self.tasks.homes.home(e.id()) else {
                 continue;
             };
             if !e.allowed.contains(&cpu) {

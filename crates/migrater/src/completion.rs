@@ -18,6 +18,8 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use task_detector::CompletionSite;
 
+use crate::hook::TaskId;
+
 /// What a task's completions say about where it should run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum Home {
@@ -82,13 +84,14 @@ struct Learning {
     local_on: Option<usize>,
 }
 
-/// Each I/O-bound task's learned home, by tid.
+/// Each I/O-bound task's learned home, by task (a tid reused by another task starts
+/// over).
 #[derive(Debug, Default)]
 pub struct CompletionHomes {
     cfg: HomeConfig,
     /// Every task's home before its own completions say otherwise.
     prior: Home,
-    homes: HashMap<u32, Learning>,
+    homes: HashMap<TaskId, Learning>,
 }
 
 impl CompletionHomes {
@@ -100,12 +103,12 @@ impl CompletionHomes {
         }
     }
 
-    /// Feeds one window of `tid`'s completions (each window once); returns its home
+    /// Feeds one window of `task`'s completions (each window once); returns its home
     /// after it. Windows add up until they hold `min_completions`, then are judged.
-    pub fn observe(&mut self, tid: u32, site: &CompletionSite) -> Home {
+    pub fn observe(&mut self, task: TaskId, site: &CompletionSite) -> Home {
         let cfg = &self.cfg;
         let prior = self.prior;
-        let l = self.homes.entry(tid).or_insert_with(|| Learning {
+        let l = self.homes.entry(task).or_insert_with(|| Learning {
             home: prior,
             ..Learning::default()
         });
@@ -144,19 +147,19 @@ impl CompletionHomes {
         l.home
     }
 
-    pub fn home(&self, tid: u32) -> Home {
-        self.homes.get(&tid).map_or(self.prior, |l| l.home)
+    pub fn home(&self, task: TaskId) -> Home {
+        self.homes.get(&task).map_or(self.prior, |l| l.home)
     }
 
     /// Forgets the tasks `keep` says are gone.
-    pub fn retain(&mut self, mut keep: impl FnMut(u32) -> bool) {
-        self.homes.retain(|&tid, _| keep(tid));
+    pub fn retain(&mut self, mut keep: impl FnMut(TaskId) -> bool) {
+        self.homes.retain(|&task, _| keep(task));
     }
 
     /// Tasks whose completions land on a fixed vCPU, with it.
-    pub fn fixed(&self) -> impl Iterator<Item = (u32, usize)> + '_ {
-        self.homes.iter().filter_map(|(&tid, l)| match l.home {
-            Home::Fixed(c) => Some((tid, c)),
+    pub fn fixed(&self) -> impl Iterator<Item = (TaskId, usize)> + '_ {
+        self.homes.iter().filter_map(|(&task, l)| match l.home {
+            Home::Fixed(c) => Some((task, c)),
             _ => None,
         })
     }
@@ -165,6 +168,10 @@ impl CompletionHomes {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn task(tid: u32) -> TaskId {
+        TaskId { tid, start_time: 1 }
+    }
 
     fn site(cpu: u32, remote_fraction: f64, count: u64) -> CompletionSite {
         CompletionSite {
@@ -178,38 +185,44 @@ mod tests {
     #[test]
     fn a_reader_whose_completions_land_elsewhere_is_homed_there_and_stays_once_anchored() {
         let mut h = CompletionHomes::new(HomeConfig::default(), Home::Unknown);
-        assert_eq!(h.observe(7, &site(1, 1.0, 400)), Home::Fixed(1));
+        assert_eq!(h.observe(task(7), &site(1, 1.0, 400)), Home::Fixed(1));
         // Anchored on vCPU 1 it submits and completes there: still homed there.
-        assert_eq!(h.observe(7, &site(1, 0.0, 400)), Home::Fixed(1));
-        assert_eq!(h.fixed().collect::<Vec<_>>(), vec![(7, 1)]);
+        assert_eq!(h.observe(task(7), &site(1, 0.0, 400)), Home::Fixed(1));
+        assert_eq!(h.fixed().collect::<Vec<_>>(), vec![(task(7), 1)]);
     }
 
     #[test]
     fn completions_where_submitted_on_two_vcpus_mean_a_queue_per_vcpu() {
         let mut h = CompletionHomes::new(HomeConfig::default(), Home::Unknown);
         // Local on one vCPU: the vector's own, or a queue of its own? Not known yet.
-        assert_eq!(h.observe(7, &site(0, 0.0, 400)), Home::Unknown);
-        assert_eq!(h.observe(7, &site(0, 0.0, 400)), Home::Unknown);
-        assert_eq!(h.observe(7, &site(1, 0.05, 400)), Home::FollowsSubmitter);
-        assert_eq!(h.observe(7, &site(0, 0.0, 400)), Home::FollowsSubmitter);
+        assert_eq!(h.observe(task(7), &site(0, 0.0, 400)), Home::Unknown);
+        assert_eq!(h.observe(task(7), &site(0, 0.0, 400)), Home::Unknown);
+        assert_eq!(
+            h.observe(task(7), &site(1, 0.05, 400)),
+            Home::FollowsSubmitter
+        );
+        assert_eq!(
+            h.observe(task(7), &site(0, 0.0, 400)),
+            Home::FollowsSubmitter
+        );
         assert_eq!(h.fixed().count(), 0);
     }
 
     #[test]
     fn a_reader_on_the_vectors_vcpu_is_homed_at_its_first_move_away() {
         let mut h = CompletionHomes::new(HomeConfig::default(), Home::Unknown);
-        assert_eq!(h.observe(7, &site(1, 0.0, 400)), Home::Unknown);
-        assert_eq!(h.observe(7, &site(1, 1.0, 400)), Home::Fixed(1));
+        assert_eq!(h.observe(task(7), &site(1, 0.0, 400)), Home::Unknown);
+        assert_eq!(h.observe(task(7), &site(1, 1.0, 400)), Home::Fixed(1));
     }
 
     #[test]
     fn a_vector_that_moves_takes_the_home_with_it() {
         let mut h = CompletionHomes::new(HomeConfig::default(), Home::Unknown);
-        h.observe(7, &site(1, 1.0, 400));
+        h.observe(task(7), &site(1, 1.0, 400));
         // The interrupt now lands on vCPU 0; the task, still on 1, completes remotely.
-        assert_eq!(h.observe(7, &site(0, 1.0, 400)), Home::Fixed(0));
+        assert_eq!(h.observe(task(7), &site(0, 1.0, 400)), Home::Fixed(0));
         // Or the task now completes locally on another vCPU: not known any more.
-        assert_eq!(h.observe(7, &site(1, 0.0, 400)), Home::Unknown);
+        assert_eq!(h.observe(task(7), &site(1, 0.0, 400)), Home::Unknown);
     }
 
     #[test]
@@ -231,20 +244,20 @@ mod tests {
     #[test]
     fn a_fixed_prior_holds_for_local_completions_on_its_vcpu_until_they_say_otherwise() {
         let mut h = CompletionHomes::new(HomeConfig::default(), Home::Fixed(1));
-        assert_eq!(h.home(7), Home::Fixed(1), "before any completion");
-        assert_eq!(h.observe(7, &site(1, 0.0, 400)), Home::Fixed(1));
+        assert_eq!(h.home(task(7)), Home::Fixed(1), "before any completion");
+        assert_eq!(h.observe(task(7), &site(1, 0.0, 400)), Home::Fixed(1));
         // Local completions on another vCPU (another disk): not known any more.
-        assert_eq!(h.observe(8, &site(0, 0.0, 400)), Home::Unknown);
+        assert_eq!(h.observe(task(8), &site(0, 0.0, 400)), Home::Unknown);
     }
 
     #[test]
     fn thin_windows_add_up_until_they_say_something() {
         let mut h = CompletionHomes::new(HomeConfig::default(), Home::Unknown);
         for _ in 0..6 {
-            assert_eq!(h.observe(7, &site(1, 1.0, 3)), Home::Unknown);
+            assert_eq!(h.observe(task(7), &site(1, 1.0, 3)), Home::Unknown);
         }
         assert_eq!(
-            h.observe(7, &site(1, 1.0, 3)),
+            h.observe(task(7), &site(1, 1.0, 3)),
             Home::Fixed(1),
             "21 completions"
         );
@@ -253,9 +266,9 @@ mod tests {
     #[test]
     fn mixed_windows_change_nothing() {
         let mut h = CompletionHomes::new(HomeConfig::default(), Home::Unknown);
-        h.observe(7, &site(1, 1.0, 400));
-        assert_eq!(h.observe(7, &site(0, 0.5, 400)), Home::Fixed(1));
-        h.retain(|tid| tid != 7);
-        assert_eq!(h.home(7), Home::Unknown);
+        h.observe(task(7), &site(1, 1.0, 400));
+        assert_eq!(h.observe(task(7), &site(0, 0.5, 400)), Home::Fixed(1));
+        h.retain(|t| t != task(7));
+        assert_eq!(h.home(task(7)), Home::Unknown);
     }
 }

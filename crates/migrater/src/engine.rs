@@ -29,6 +29,7 @@ use crate::guard::{Contention, GuardConfig, MoveGuard};
 use crate::hook::{FoundTask, TaskEntry, TaskId};
 use crate::planner::Reason;
 use crate::sampling::{CompletionEstimate, Schedule};
+use decision::UndoInherited;
 
 /// How often the contention gate judges the vCPUs' out time.
 pub const CONTENTION_WINDOW: Duration = Duration::from_secs(2);
@@ -110,8 +111,9 @@ pub use task_detector::BlockTracking;
 pub trait TaskPlacement {
     /// Tasks whose mask someone else changed after us.
     fn hands_off(&self) -> HashSet<TaskId>;
-    /// Takes a task over (journals its mask); returns the CPUs it may run on.
-    fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>>;
+    /// Takes a task over (journals its mask); returns the CPUs it may run on. `tgid` finds
+    /// it under `/proc`; the id tells it from a task that reuses its tid.
+    fn manage(&mut self, task: TaskId, tgid: u32) -> anyhow::Result<Vec<usize>>;
     /// The user's priority for a task.
     fn priority_of(&self, task: &IoTaskInfo) -> i32;
     /// Gathers `tasks` on the `on` vCPUs (for `reason`: a host hold, or where their
@@ -293,6 +295,9 @@ struct Window {
     found: Vec<IoTaskInfo>,
     /// Whether `found` came from this step's poll (not one that stands from before).
     fresh: bool,
+    /// The threads this step's poll saw started, to set back where they inherited a pin
+    /// of ours.
+    undo: UndoInherited,
     last_completions: u64,
     estimate: CompletionEstimate,
     sampled_cpus: Vec<CpuIoSample>,
@@ -310,9 +315,9 @@ struct Tasks {
     /// Where each I/O-bound task's completions land.
     homes: CompletionHomes,
     /// Tasks kept with their completions: when the classifier last found each.
-    kept_found: HashMap<u32, Mono>,
+    kept_found: HashMap<TaskId, Mono>,
     /// Managed tasks said once not to be keepable with their completions.
-    unkept: HashSet<u32>,
+    unkept: HashSet<TaskId>,
     /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
     partners: HashMap<u32, (Partner, Mono)>,
 }
@@ -338,6 +343,7 @@ impl Engine {
             window: Window {
                 found: Vec::new(),
                 fresh: false,
+                undo: UndoInherited::default(),
                 last_completions: 0,
                 estimate: CompletionEstimate::default(),
                 sampled_cpus: Vec::new(),
@@ -389,6 +395,7 @@ impl Engine {
         let Some(io_seen) = self.read_window(now, &obs.vcpus, disk, act) else {
             return self.cfg.idle;
         };
+        self.undo_inherited(act.placement());
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let progress = disk.unwrap_or(self.window.last_completions);
@@ -402,6 +409,21 @@ impl Engine {
             probing: self.guard.as_ref().is_some_and(|g| g.probing()),
         };
         nap(&facts, self.cfg.window, self.cfg.idle, nap_limit)
+    }
+
+    /// Sets back the threads that inherited a pin of ours, as the last poll said: before
+    /// the tasks are decided on (`decision::UndoInherited`).
+    fn undo_inherited(&mut self, act: &mut impl TaskPlacement) {
+        let undo = std::mem::take(&mut self.window.undo);
+        let undone = decision::undo_inherited(&undo, act);
+        if undone > 0 {
+            tracing::info!(
+                undone,
+                "threads started by pinned tasks had inherited the pin: set back to their parents' own masks"
+            );
+            self.snap.inherited_pins_undone += undone as u64;
+            self.tracking.placed_in_sample = true;
+        }
     }
 
     /// Polls the block programs while they track, else carries the per-vCPU estimate
@@ -432,15 +454,9 @@ impl Engine {
                 _ => out.cpus.clone(),
             };
             self.window.sampled_cpus = out.cpus;
-            let undone = act.placement().undo_inherited(&out.forks);
-            if undone > 0 {
-                tracing::info!(
-                    undone,
-                    "threads started by pinned tasks had inherited the pin: set back to their parents' own masks"
-                );
-                self.snap.inherited_pins_undone += undone as u64;
-                self.tracking.placed_in_sample = true;
-            }
+            self.window.undo = UndoInherited {
+                forks: Some(out.forks),
+            };
             self.window.found = out.tasks;
             for p in out.partners {
                 self.tasks.partners.insert(p.tid, (p, now));

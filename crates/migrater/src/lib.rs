@@ -4,7 +4,7 @@
 //! original masks. The detector loop's policy is one unit-tested step (`engine`: observe →
 //! decide → act → publish); moves themselves are decided on the monitor thread of the vCPU
 //! whose state changed (`hook`); while the host agent favours vCPUs, tasks are anchored on
-//! those instead (`anchor`). The `vmigrater` crate wires it to the monitor, the detector,
+//! those instead (`anchor`). `live` is the placement the engine acts on in the daemon. The `vmigrater` crate wires it to the monitor, the detector,
 //! the host channel and the control plane.
 pub mod admission;
 pub mod affinity;
@@ -14,5 +14,6 @@ pub mod engine;
 pub mod guard;
 pub mod hook;
 pub mod journal;
+pub mod live;
 pub mod planner;
 pub mod sampling;

@@ -20,7 +20,7 @@ use vcpu_monitor::{AnyMonitor, VcpuBoard};
 
 use crate::channel::{self, ChannelStats};
 use crate::config::Config;
-use crate::detect::{DetectStart, DetectorThread, LivePlacement};
+use crate::detect::{DetectStart, DetectorThread};
 use crate::metrics::Moves;
 use crate::settings::{classifier_config, engine_config, monitor_config};
 use crate::status;
@@ -29,6 +29,7 @@ use crate::{instance, recovery};
 use migrater::affinity::AffinityExecutor;
 use migrater::engine::{self, EngineSnapshot};
 use migrater::hook::{LatencyRing, MigrationHook, Placement, Shared};
+use migrater::live::LivePlacement;
 use migrater::planner::{Planner, PlannerConfig};
 
 /// Runs the daemon until a stop signal; `load` reads the configuration again at SIGHUP.
@@ -117,7 +118,7 @@ pub fn run_with_source(
     engine::release_everything(&mut LivePlacement {
         shared: &shared,
         board: &board,
-        cfg: live_cfg.load_full(),
+        settings: live_cfg.load_full(),
         all_cpus: cpus,
     });
     let _ = std::fs::remove_file(status::socket_path(&state_dir));

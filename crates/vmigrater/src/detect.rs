@@ -1,7 +1,8 @@
 //! The detector's thread: observes (board, disk count, host hints, clock), runs the
 //! engine's step and naps as it says, and publishes the engine's snapshot. Owns the real
 //! actuator: the block programs (`Detector`) and the placement shared with the monitor
-//! threads (`LivePlacement`). Decides nothing itself: every rule is the engine's.
+//! threads (`migrater::live::LivePlacement`, which reads the configuration in effect).
+//! Decides nothing itself: every rule is the engine's.
 //!
 //! It opens the block programs itself: libbpf's objects stay on the thread that opened
 //! them (the skeleton is not `Send`) and borrow storage on its stack, the way sched-ext/scx
@@ -11,106 +12,42 @@
 
 use anyhow::{anyhow, Context, Result};
 use arc_swap::ArcSwap;
-use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 use task_detector::{
-    AttachMode, ClassifierConfig, Detector, ForkSample, IoTaskInfo, IoTracker, TrackerOptions,
-    TrackerStorage,
+    AttachMode, ClassifierConfig, Detector, IoTracker, TrackerOptions, TrackerStorage,
 };
 use tracing::{info, warn};
-use vcpu_monitor::{monotonic_ns, Demand, VcpuBoard};
+use vcpu_monitor::{monotonic_ns, VcpuBoard};
 
 use crate::channel::ChannelStats;
 use crate::config::Config;
-use migrater::affinity::Outcome;
-use migrater::engine::{
-    Actuator, Engine, EngineConfig, EngineSnapshot, HostHints, Observation, TaskPlacement,
-};
-use migrater::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry, TaskId};
-use migrater::planner::Reason;
+use migrater::engine::{Actuator, Engine, EngineConfig, EngineSnapshot, HostHints, Observation};
+use migrater::hook::Shared;
+use migrater::live::{LivePlacement, PlacementSettings};
 
-/// The placement as the engine acts on it: the executor (journaled; `None` in dry run,
-/// where `simulated` stands in), the tasks published for the monitor threads, the board's
-/// demand.
-pub struct LivePlacement<'a> {
-    pub shared: &'a Shared,
-    pub board: &'a VcpuBoard,
-    /// The configuration in effect: a reload swaps it between steps.
-    pub cfg: Arc<Config>,
-    /// Every monitored CPU: what a task may run on in dry run.
-    pub all_cpus: Vec<usize>,
-}
-
-impl TaskPlacement for LivePlacement<'_> {
-    fn hands_off(&self) -> HashSet<TaskId> {
-        lock_placement(&self.shared.placement).hands_off.clone()
+impl PlacementSettings for Config {
+    fn priority_of(&self, comm: &str, tgid: u32, cgroup: &str) -> i32 {
+        Config::priority_of(self, comm, tgid, cgroup)
     }
-    fn manage(&mut self, info: &IoTaskInfo) -> Result<Vec<usize>> {
-        let t = &info.task;
-        match lock_placement(&self.shared.placement).executor.as_mut() {
-            Some(ex) => ex.manage(t.tid, t.tgid, info.start_time),
-            None => Ok(self.all_cpus.clone()),
-        }
-    }
-    fn priority_of(&self, info: &IoTaskInfo) -> i32 {
-        let tgid = info.task.tgid;
-        let cgroup = std::fs::read_to_string(format!("/proc/{tgid}/cgroup")).unwrap_or_default();
-        self.cfg.priority_of(&info.comm, tgid, &cgroup)
-    }
-    fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
-        let mut placement = lock_placement(&self.shared.placement);
-        anchor_on_held(self.shared, &mut placement, tasks, on, reason)
-    }
-    fn keep_short_slices(&mut self, kept: &[u32]) {
-        let ns = self.cfg.advanced.migration.kept_slice_us * 1_000;
-        // Set to 0 by a reload: every slice given goes back.
-        let kept = if ns == 0 { &[][..] } else { kept };
-        let mut placement = lock_placement(&self.shared.placement);
-        if let Some(ex) = placement.executor.as_mut() {
-            ex.set_short_slices(kept, ns);
-        }
-    }
-    fn release(&mut self, tid: u32) -> Option<Outcome> {
-        let mut placement = lock_placement(&self.shared.placement);
-        placement.simulated.remove(&tid);
-        placement.executor.as_mut().map(|ex| ex.release(tid))
-    }
-    fn release_all(&mut self) -> Option<usize> {
-        let mut placement = lock_placement(&self.shared.placement);
-        placement.executor.as_mut().map(|ex| ex.release_all())
-    }
-    fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
-        if forks.is_empty() {
-            return 0;
-        }
-        let mut placement = lock_placement(&self.shared.placement);
-        placement
-            .executor
-            .as_mut()
-            .map_or(0, |ex| ex.undo_inherited(forks))
-    }
-    fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
-        self.shared.tasks.store(tasks);
-    }
-    fn set_demand(&mut self, demand: Demand) {
-        self.board.set_demand(demand);
+    fn kept_slice_us(&self) -> u64 {
+        self.advanced.migration.kept_slice_us
     }
 }
 
 /// The engine's actuator: the block programs and the placement.
 struct Live<'a, 'obj> {
     detector: Detector<'obj>,
-    placement: LivePlacement<'a>,
+    placement: LivePlacement<'a, Config>,
 }
 
 impl<'a, 'obj> Actuator for Live<'a, 'obj> {
     type Blocks = Detector<'obj>;
-    type Placement = LivePlacement<'a>;
+    type Placement = LivePlacement<'a, Config>;
     fn blocks(&mut self) -> &mut Detector<'obj> {
         &mut self.detector
     }
-    fn placement(&mut self) -> &mut LivePlacement<'a> {
+    fn placement(&mut self) -> &mut LivePlacement<'a, Config> {
         &mut self.placement
     }
 }
@@ -201,7 +138,7 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
         placement: LivePlacement {
             shared: &s.shared,
             board,
-            cfg: s.cfg.load_full(),
+            settings: s.cfg.load_full(),
             all_cpus,
         },
     };
@@ -210,9 +147,9 @@ fn detect_loop(detector: Detector<'_>, s: &DetectStart) {
     let mut steal = StealReader::default();
     while !s.stop.is_set() {
         let cfg = s.cfg.load_full();
-        if !Arc::ptr_eq(&cfg, &live.placement.cfg) {
+        if !Arc::ptr_eq(&cfg, &live.placement.settings) {
             engine.set_exclude_comm(cfg.migration.exclude_comm.clone());
-            live.placement.cfg = cfg;
+            live.placement.settings = cfg;
         }
         let now = monotonic_ns();
         let obs = Observation {

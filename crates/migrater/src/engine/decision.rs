@@ -1,16 +1,67 @@
-//! What a step decided about tasks, as a value, and the one place that carries it out
-//! through the placement. The decision is whole before anything is pinned, released or
-//! published; a pin the placement cannot make (the task is gone, or someone else changed
-//! its mask since) carries in the decision what happens to its task then, so `apply`
-//! itself decides nothing. What was done comes back as `Applied` for the engine to note.
+//! What a step decided, as values, and the one place that carries them out: the switch
+//! of the block programs through `BlockTracking` (`switch_tracking`), the tasks through
+//! the placement (`apply`). The decision about tasks is whole before anything is pinned,
+//! released or published; a pin the placement cannot make (the task is gone, or someone
+//! else changed its mask since) carries in the decision what happens to its task then, so
+//! `apply` itself decides nothing. What was done comes back (the switch's result,
+//! `Applied`) for the engine to note.
 
 use std::sync::Arc;
+use std::time::Duration;
 use vcpu_monitor::Demand;
 
-use super::TaskPlacement;
+use super::{BlockTracking, TaskPlacement};
 use crate::affinity::Outcome;
 use crate::hook::{FoundTask, TaskEntry};
 use crate::planner::Reason;
+use crate::sampling::Schedule;
+use task_detector::ForkSample;
+
+/// A switch of the block programs, with what noting its outcome needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(super) enum TrackingSwitch {
+    None,
+    /// Nothing to gain for long enough: off their tracepoints (how long it was quiet,
+    /// and whether the guard holds, for the log).
+    Detach {
+        quiet: Duration,
+        guard_holds: bool,
+    },
+    /// Unsampled tracking: the programs track exactly while something can gain.
+    Follow {
+        track: bool,
+    },
+    /// The sample is over: pause (`into` it, and whether tracking is wanted, say the nap).
+    EndSample {
+        schedule: Schedule,
+        into: Duration,
+        wants: bool,
+    },
+    /// The next sample starts: resume, after clearing a ring from before it.
+    StartSample {
+        schedule: Schedule,
+        clear_doorbell: bool,
+    },
+}
+
+/// Carries a switch out; its result is for the engine to note.
+pub(super) fn switch_tracking(
+    switch: TrackingSwitch,
+    act: &mut impl BlockTracking,
+) -> anyhow::Result<()> {
+    match switch {
+        TrackingSwitch::None => Ok(()),
+        TrackingSwitch::Detach { .. } => act.detach(),
+        TrackingSwitch::Follow { track: true } => act.resume(),
+        TrackingSwitch::Follow { track: false } | TrackingSwitch::EndSample { .. } => act.pause(),
+        TrackingSwitch::StartSample { clear_doorbell, .. } => {
+            if clear_doorbell {
+                act.take_doorbell();
+            }
+            act.resume()
+        }
+    }
+}
 
 /// Why a task is handed back its own mask.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -106,6 +157,22 @@ pub(super) struct Applied {
     /// Tasks a failed keep sent back out of the managed set (`Otherwise::Release`).
     pub dropped: Vec<u32>,
     pub demand: Demand,
+}
+
+/// The threads a poll saw started, to set back where they inherited a pin of ours.
+/// Apart from `Decision`: it is carried out before any task is taken over or asked again
+/// what it may use, so that the executor answers with the thread's own mask, not our pin.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub(super) struct UndoInherited {
+    /// `None` where nothing was polled.
+    pub forks: Option<Vec<ForkSample>>,
+}
+
+/// Sets back the threads that inherited a pin of ours; returns how many.
+pub(super) fn undo_inherited(u: &UndoInherited, act: &mut impl TaskPlacement) -> usize {
+    u.forks
+        .as_ref()
+        .map_or(0, |forks| act.undo_inherited(forks))
 }
 
 /// Carries a decision out: pins, short slices, host-hold pins, releases, the planner's

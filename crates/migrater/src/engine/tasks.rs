@@ -37,6 +37,13 @@ fn found_task(i: &IoTaskInfo) -> FoundTask {
     }
 }
 
+fn task_id(i: &IoTaskInfo) -> TaskId {
+    TaskId {
+        tid: i.task.tid,
+        start_time: i.start_time,
+    }
+}
+
 /// What the decision is made from, besides the engine's own state.
 pub(super) struct Facts<'a> {
     pub now: Mono,
@@ -71,7 +78,7 @@ impl Engine {
                 && !eligible.is_empty()
                 && eligible
                     .iter()
-                    .all(|i| matches!(self.tasks.homes.home(i.task.tid), Home::Fixed(_))));
+                    .all(|i| matches!(self.tasks.homes.home(task_id(i)), Home::Fixed(_))));
         if let Some(g) = self.guard.as_mut() {
             g.set_burden(if all_homed {
                 Burden::NotLose
@@ -95,8 +102,8 @@ impl Engine {
                 .iter()
                 .filter(|i| {
                     !together
-                        || (matches!(self.tasks.homes.home(i.task.tid), Home::Fixed(_))
-                            && !self.tasks.unkept.contains(&i.task.tid))
+                        || (matches!(self.tasks.homes.home(task_id(i)), Home::Fixed(_))
+                            && !self.tasks.unkept.contains(&task_id(i)))
                 })
                 .cloned()
                 .collect();
@@ -214,8 +221,8 @@ impl Engine {
             return;
         }
         for i in found {
-            let was = self.tasks.homes.home(i.task.tid);
-            let home = self.tasks.homes.observe(i.task.tid, &i.task.completion);
+            let was = self.tasks.homes.home(task_id(i));
+            let home = self.tasks.homes.observe(task_id(i), &i.task.completion);
             if home != was && next.iter().any(|e| e.tid == i.task.tid) {
                 let c = &i.task.completion;
                 info!(
@@ -230,8 +237,8 @@ impl Engine {
                 );
             }
         }
-        self.tasks.homes.retain(|tid| {
-            found.iter().any(|i| i.task.tid == tid) || next.iter().any(|e| e.tid == tid)
+        self.tasks.homes.retain(|id| {
+            found.iter().any(|i| task_id(i) == id) || next.iter().any(|e| e.id() == id)
         });
     }
 
@@ -249,11 +256,11 @@ impl Engine {
         }
         let mut keep = Vec::new();
         for e in next {
-            let Home::Fixed(cpu) = self.tasks.homes.home(e.tid) else {
+            let Home::Fixed(cpu) = self.tasks.homes.home(e.id()) else {
                 continue;
             };
             if !e.allowed.contains(&cpu) {
-                if self.tasks.unkept.insert(e.tid) {
+                if self.tasks.unkept.insert(e.id()) {
                     info!(
                         tid = e.tid,
                         comm = %e.comm,
@@ -335,8 +342,8 @@ impl Engine {
         managed.retain(|e| !done.dropped.contains(&e.tid));
         // Remembered while it is found, so that one not keepable is not taken again each
         // window that only keeps.
-        self.tasks.unkept.retain(|tid| {
-            managed.iter().any(|e| e.tid == *tid) || f.found.iter().any(|i| i.task.tid == *tid)
+        self.tasks.unkept.retain(|id| {
+            managed.iter().any(|e| e.id() == *id) || f.found.iter().any(|i| task_id(i) == *id)
         });
         self.note_releases(&done);
         self.note_snapshot(f, &managed, &anchored_now, tracking);
@@ -360,7 +367,7 @@ impl Engine {
             let (tid, cpu) = (k.pin.task.tid, k.cpu);
             let comm = &k.pin.comm;
             if !done.kept.contains(&tid) {
-                if self.tasks.unkept.insert(tid) {
+                if self.tasks.unkept.insert(k.pin.task.id()) {
                     info!(
                         tid,
                         comm = %comm,
@@ -379,7 +386,7 @@ impl Engine {
                 );
             }
             if f.found.iter().any(|i| i.task.tid == tid) {
-                self.tasks.kept_found.insert(tid, f.now);
+                self.tasks.kept_found.insert(k.pin.task.id(), f.now);
             }
             kept_tasks.push(KeptTask {
                 tid,
@@ -393,7 +400,7 @@ impl Engine {
         }
         self.tasks
             .kept_found
-            .retain(|tid, _| done.kept.contains(tid));
+            .retain(|id, _| done.kept.contains(&id.tid));
         (kept_tasks, anchored_now)
     }
 
@@ -489,7 +496,7 @@ impl Engine {
             .filter(|e| {
                 self.tasks
                     .kept_found
-                    .get(&e.tid)
+                    .get(&e.id())
                     .is_some_and(|&at| now.since(at) < KEEP_GRACE)
             })
             .cloned()
@@ -600,12 +607,14 @@ impl Engine {
                 Admission::Keep { managed, now } => {
                     // Asked again: the executor may have corrected what it may use (a pin
                     // it inherited from a task of ours, `undo_inherited`).
-                    let allowed = act.manage(now).unwrap_or_else(|_| managed.allowed.clone());
+                    let allowed = act
+                        .manage(task_id(now), now.task.tgid)
+                        .unwrap_or_else(|_| managed.allowed.clone());
                     (now, allowed, managed.priority)
                 }
                 Admission::New(info) => {
                     let t = &info.task;
-                    let allowed = match act.manage(info) {
+                    let allowed = match act.manage(task_id(info), t.tgid) {
                         Ok(a) => a,
                         Err(e) => {
                             debug!(tid = t.tid, "not managing: {e:#}");

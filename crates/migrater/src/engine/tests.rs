@@ -49,6 +49,8 @@ struct Fake {
     hands_off: HashSet<TaskId>,
     /// Tasks the placement cannot pin (gone, or their mask changed since the decision).
     unpinnable: BTreeSet<u32>,
+    /// Every switch, poll and placement act asked for, in order (reads left out).
+    calls: Vec<String>,
 }
 
 impl Fake {
@@ -78,12 +80,14 @@ impl BlockTracking for Fake {
         self.attached
     }
     fn pause(&mut self) -> anyhow::Result<()> {
+        self.calls.push("pause".into());
         self.fails("pause")?;
         self.pauses += 1;
         self.tracking = false;
         Ok(())
     }
     fn resume(&mut self) -> anyhow::Result<()> {
+        self.calls.push("resume".into());
         self.fails("resume")?;
         self.resumes += 1;
         self.tracking = true;
@@ -91,6 +95,7 @@ impl BlockTracking for Fake {
         Ok(())
     }
     fn detach(&mut self) -> anyhow::Result<()> {
+        self.calls.push("detach".into());
         self.fails("detach")?;
         self.detaches += 1;
         self.tracking = false;
@@ -101,9 +106,11 @@ impl BlockTracking for Fake {
         self.entering
     }
     fn take_doorbell(&mut self) -> bool {
+        self.calls.push("doorbell".into());
         std::mem::take(&mut self.doorbell)
     }
     fn poll(&mut self, cpu_out_ns: &[(usize, u64)]) -> anyhow::Result<DetectorOutput> {
+        self.calls.push("poll".into());
         self.fails("poll")?;
         self.polls += 1;
         self.polled_out_ns = cpu_out_ns.to_vec();
@@ -131,14 +138,16 @@ impl TaskPlacement for Fake {
     fn hands_off(&self) -> HashSet<TaskId> {
         self.hands_off.clone()
     }
-    fn manage(&mut self, task: &IoTaskInfo) -> anyhow::Result<Vec<usize>> {
-        self.managed.entry(task.task.tid).or_insert(None);
+    fn manage(&mut self, task: TaskId, _: u32) -> anyhow::Result<Vec<usize>> {
+        self.calls.push(format!("manage {}", task.tid));
+        self.managed.entry(task.tid).or_insert(None);
         Ok(vec![0, 1])
     }
     fn priority_of(&self, _: &IoTaskInfo) -> i32 {
         0
     }
     fn anchor(&mut self, tasks: &[FoundTask], on: &[usize], reason: Reason) -> Vec<u32> {
+        self.calls.push(format!("anchor {reason:?}"));
         let pinnable = tasks.iter().filter(|t| !self.unpinnable.contains(&t.tid));
         for t in pinnable.clone() {
             self.managed.insert(t.tid, Some(on[0]));
@@ -147,9 +156,11 @@ impl TaskPlacement for Fake {
         pinnable.map(|t| t.tid).collect()
     }
     fn keep_short_slices(&mut self, kept: &[u32]) {
+        self.calls.push("short slices".into());
         self.short_slices = kept.to_vec();
     }
     fn release(&mut self, tid: u32) -> Option<Outcome> {
+        self.calls.push(format!("release {tid}"));
         self.released.push(tid);
         let was = self.managed.remove(&tid);
         (!self.dry_run).then_some(if was.is_some() {
@@ -165,6 +176,7 @@ impl TaskPlacement for Fake {
         (!self.dry_run).then_some(n)
     }
     fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize {
+        self.calls.push("undo inherited".into());
         self.forks_seen.extend_from_slice(forks);
         // Set back: the children of the tasks pinned now.
         forks
@@ -173,9 +185,11 @@ impl TaskPlacement for Fake {
             .count()
     }
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
+        self.calls.push("publish".into());
         self.published = tasks;
     }
     fn set_demand(&mut self, demand: Demand) {
+        self.calls.push("demand".into());
         self.demand = Some(demand);
     }
 }
@@ -1263,6 +1277,65 @@ fn the_children_a_pinned_task_started_are_handed_to_the_placement_at_the_next_po
     vm.run(&mut e, &mut f, 1, |_| 0);
     assert_eq!(f.forks_seen.len(), 2);
     assert_eq!(e.snapshot().inherited_pins_undone, 1);
+}
+
+#[test]
+fn a_step_switches_the_programs_then_polls_sets_back_inherited_pins_then_decides_on_tasks() {
+    let mut e = Engine::new(config(), Mono::default());
+    let mut f = Fake::new();
+    f.tracking = false;
+    f.window = vec![io_task(10)];
+    f.forks = vec![ForkSample {
+        child: 20,
+        child_tgid: 20,
+        parent: 10,
+        mask: 0b10,
+    }];
+    Vm::new().step(&mut e, &mut f, 100 * MS, 0);
+    // Set back before any task is taken over: the executor then answers with a child's
+    // own mask.
+    assert_eq!(
+        f.calls,
+        [
+            "resume",
+            "poll",
+            "undo inherited",
+            "manage 10",
+            "short slices",
+            "publish",
+            "demand"
+        ]
+    );
+}
+
+#[test]
+fn a_detach_that_fails_is_followed_by_a_pause_in_the_same_step() {
+    let mut e = gated_detaching_after_10s();
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    f.failing.extend(["pause", "detach"]);
+    vm.run(&mut e, &mut f, 3, |_| 0);
+    assert!(f.tracking && f.attached, "neither switch took");
+    f.failing.remove("pause");
+    f.calls.clear();
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    assert_eq!(f.calls[..2], ["detach", "pause"]);
+    assert!(!f.tracking && f.attached);
+}
+
+#[test]
+fn a_sample_that_starts_on_its_period_clears_the_doorbell_before_it_resumes() {
+    let mut e = Engine::new(sampled(), Mono::from_ns(1_000 * S));
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    vm.step(&mut e, &mut f, 300 * MS, 0);
+    assert!(!f.tracking, "the first sample is over");
+    vm.step(&mut e, &mut f, 2_100 * MS, 0);
+    f.calls.clear();
+    vm.step(&mut e, &mut f, 100 * MS, 0);
+    // Read (no ring), then cleared: a ring from before the sample is not an early one.
+    assert_eq!(f.calls[..4], ["doorbell", "doorbell", "resume", "poll"]);
+    assert_eq!(e.snapshot().early_samples, 0);
 }
 
 #[test]

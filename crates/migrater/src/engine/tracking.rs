@@ -7,9 +7,17 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 use vcpu_monitor::VcpuSnapshot;
 
+use super::decision::{self, TrackingSwitch};
 use super::{BlockTracking, Engine, HOLD_LEAD};
 use crate::guard::{Contention, VcpuOut};
 use crate::sampling;
+
+/// What a sampled step does: nap at most this long, or switch the programs (the
+/// switch's outcome says the nap).
+enum SampleStep {
+    Nap(Duration),
+    Switch(TrackingSwitch),
+}
 
 impl Engine {
     /// Feeds the vCPUs' out times to the gate; says so when its judgement changes.
@@ -30,7 +38,7 @@ impl Engine {
             })
             .collect();
         // Judged without the gate too: whether vCPUs are descheduled at all decides
-        // whether the programs may come off (`detach_when_quiet`).
+        // whether the programs may come off (`decide_detach`).
         let verdict = self.tracking.contention.observe(now, &out);
         self.tracking.contended = !gate || verdict;
         if (self.tracking.contended, self.out_together()) != was && gate {
@@ -72,7 +80,7 @@ impl Engine {
     ///
     /// While the guard holds (moves measured not to pay), nothing is moved or measured
     /// until the next probe, so the programs pause (and come off where no vCPU is
-    /// descheduled, `detach_when_quiet`): a daemon that cannot help must cost nothing where
+    /// descheduled, `decide_detach`): a daemon that cannot help must cost nothing where
     /// it stays for days. They track again `HOLD_LEAD` before the probe, so that it finds
     /// the I/O-bound tasks.
     fn wants_tracking(&self, now: Mono, agent_answers: bool) -> (bool, bool) {
@@ -88,9 +96,11 @@ impl Engine {
         (wants, guard_holds)
     }
 
-    /// Pauses, resumes or detaches the block programs as the gate, the guard and the
-    /// sampling schedule say. Returns whether tracking is wanted and the longest nap
-    /// before the sample's end or the next sample.
+    /// Decides whether the block programs pause, resume or detach, as the gate, the guard
+    /// and the sampling schedule say, and has `decision::switch_tracking` carry each switch
+    /// out. A detach is carried out before the rest is decided: whether the programs still
+    /// track after it decides what comes next. Returns whether tracking is wanted and the
+    /// longest nap before the sample's end or the next sample.
     pub(super) fn steer_tracking(
         &mut self,
         now: Mono,
@@ -114,20 +124,34 @@ impl Engine {
                 info!("something to gain: the block programs go (back) on their tracepoints");
             }
         } else {
-            self.detach_when_quiet(now, guard_holds, act);
+            let detach = self.decide_detach(now, guard_holds, act.attached());
+            self.switch(now, detach, act);
         }
         if self.cfg.schedule.is_none() && wants != act.tracking() {
-            let switched = if wants { act.resume() } else { act.pause() };
-            if let Err(e) = switched {
-                self.snap.detector_errors += 1;
-                warn!("switching block tracking failed: {e:#}");
-            }
+            self.switch(now, TrackingSwitch::Follow { track: wants }, act);
         }
         let nap_limit = match self.cfg.schedule {
-            Some(s) => self.follow_schedule(now, s, wants, act),
+            Some(s) => match self.decide_sample(now, s, wants, act) {
+                SampleStep::Nap(nap) => nap,
+                SampleStep::Switch(switch) => {
+                    self.switch(now, switch, act).unwrap_or(Duration::MAX)
+                }
+            },
             None => Duration::MAX,
         };
         (wants, nap_limit)
+    }
+
+    /// Carries a switch out and notes its outcome; returns the nap a sample's switch
+    /// leads to.
+    fn switch(
+        &mut self,
+        now: Mono,
+        switch: TrackingSwitch,
+        act: &mut impl BlockTracking,
+    ) -> Option<Duration> {
+        let done = decision::switch_tracking(switch, act);
+        self.note_switch(now, switch, done)
     }
 
     /// With nothing to gain for `detach_after`, the programs come off their tracepoints;
@@ -137,13 +161,13 @@ impl Engine {
     /// make every request pay for programs that return at once (on a fast disk, 5% of
     /// its reads), so it detaches as soon as a window is judged. Never while vCPUs are
     /// descheduled (see below).
-    fn detach_when_quiet(&mut self, now: Mono, guard_holds: bool, act: &mut impl BlockTracking) {
+    fn decide_detach(&mut self, now: Mono, guard_holds: bool, attached: bool) -> TrackingSwitch {
         let Some(after) = self.cfg.detach_after else {
-            return;
+            return TrackingSwitch::None;
         };
         let quiet = now.since(*self.tracking.quiet_since.get_or_insert(now));
-        if !act.attached() || (self.tracking.ever_wanted && quiet < after) {
-            return;
+        if !attached || (self.tracking.ever_wanted && quiet < after) {
+            return TrackingSwitch::None;
         }
         // Attaching again patches kernel text, and every CPU must answer the patch's IPI:
         // a vCPU the host has taken away answers only once it runs again, and the
@@ -153,78 +177,48 @@ impl Engine {
         // paused, and nothing patches kernel text while they are.
         let c = &self.tracking.contention;
         if !c.judged() || c.descheduled() {
-            return;
+            return TrackingSwitch::None;
         }
-        match act.detach() {
-            Ok(()) => {
-                // What the last sample found goes stale with no sample to come; the
-                // per-vCPU counts stand still too, so the host is told nothing and the
-                // channel goes quiet until something could gain.
-                self.window.found.clear();
-                info!(
-                    quiet_ms = quiet.as_millis() as u64,
-                    "{}: the block programs come off their tracepoints",
-                    if guard_holds {
-                        "moves do not pay here"
-                    } else if self.tracking.ever_wanted {
-                        "nothing to gain"
-                    } else {
-                        "nothing to gain yet"
-                    }
-                )
-            }
-            Err(e) => {
-                self.snap.detector_errors += 1;
-                warn!("detaching the block programs failed: {e:#}");
-            }
-        }
+        TrackingSwitch::Detach { quiet, guard_holds }
     }
 
     /// Sampled tracking: a sample of `s.length` at the start of every `s.every`, skipped
-    /// while nothing can gain. Returns the longest nap.
-    fn follow_schedule(
+    /// while nothing can gain. Reads the programs (and their doorbell, which reading
+    /// clears) but switches nothing.
+    fn decide_sample(
         &mut self,
         now: Mono,
         s: sampling::Schedule,
         wants: bool,
         act: &mut impl BlockTracking,
-    ) -> Duration {
+    ) -> SampleStep {
         let into = now.since(self.tracking.sample_start);
         let follow_up = self.tracking.follow_up_at.is_some_and(|at| now >= at);
         // Only a loop that would sample reads the doorbell; otherwise it stays rung for
         // when something can gain again.
         let rung = wants && !act.tracking() && (act.take_doorbell() || follow_up);
         match s.step(act.tracking(), into, rung) {
-            sampling::Step::Track(left) => left,
+            sampling::Step::Track(left) => SampleStep::Nap(left),
             // A task half-way through the classifier's enter windows (one issuing a
             // request every few ms needs most of a sample): the sample runs on, up to
             // twice its length, rather than leave it undecided for a whole period.
-            sampling::Step::Pause if act.entering() && into < s.length * 2 => s.length * 2 - into,
-            sampling::Step::Pause => match act.pause() {
-                Ok(()) => {
-                    debug!("sample over: block tracking paused");
-                    self.plan_follow_up(now, s);
-                    let left = s.every.saturating_sub(into);
-                    // From the pause on, the doorbell is looked at every poll.
-                    if wants {
-                        left.min(sampling::DOORBELL_POLL)
-                    } else {
-                        left
-                    }
-                }
-                Err(e) => {
-                    self.snap.detector_errors += 1;
-                    warn!("pausing block tracking failed: {e:#}");
-                    Duration::MAX
-                }
-            },
+            sampling::Step::Pause if act.entering() && into < s.length * 2 => {
+                SampleStep::Nap(s.length * 2 - into)
+            }
+            sampling::Step::Pause => SampleStep::Switch(TrackingSwitch::EndSample {
+                schedule: s,
+                into,
+                wants,
+            }),
             // Paused where a sample could help: look at the doorbell every poll.
-            sampling::Step::Wait(left) if wants => left.min(sampling::DOORBELL_POLL),
-            sampling::Step::Wait(left) => left,
+            sampling::Step::Wait(left) if wants => {
+                SampleStep::Nap(left.min(sampling::DOORBELL_POLL))
+            }
+            sampling::Step::Wait(left) => SampleStep::Nap(left),
             sampling::Step::Resume if !wants => {
                 // Nothing to gain: skip this sample.
                 self.tracking.sample_start = now;
-                s.every
+                SampleStep::Nap(s.every)
             }
             sampling::Step::Resume => {
                 if rung {
@@ -234,23 +228,94 @@ impl Engine {
                     } else {
                         debug!("a quiet thread issued block I/O: sampling now");
                     }
-                } else {
-                    // A ring from before this sample: the sample sees that thread now.
-                    act.take_doorbell();
                 }
                 self.tracking.sample_start = now;
                 self.tracking.follow_up_at = None;
                 self.tracking.placed_in_sample = false;
-                match act.resume() {
-                    Ok(()) => s.length,
-                    Err(e) => {
-                        self.snap.detector_errors += 1;
-                        warn!("resuming block tracking failed: {e:#}");
-                        s.every
-                    }
-                }
+                SampleStep::Switch(TrackingSwitch::StartSample {
+                    schedule: s,
+                    // A ring from before this sample: the sample sees that thread now.
+                    clear_doorbell: !rung,
+                })
             }
         }
+    }
+
+    /// Notes how a switch went: the state and the log lines it leads to; a failed one is
+    /// counted and tried again at the next step. Returns the nap a sample's switch leads
+    /// to.
+    fn note_switch(
+        &mut self,
+        now: Mono,
+        switch: TrackingSwitch,
+        done: anyhow::Result<()>,
+    ) -> Option<Duration> {
+        let failed = match (switch, done) {
+            (TrackingSwitch::None, _) => return None,
+            (TrackingSwitch::Detach { quiet, guard_holds }, Ok(())) => {
+                self.note_detached(quiet, guard_holds);
+                return None;
+            }
+            (TrackingSwitch::Follow { .. }, Ok(())) => return None,
+            (
+                TrackingSwitch::EndSample {
+                    schedule,
+                    into,
+                    wants,
+                },
+                Ok(()),
+            ) => {
+                debug!("sample over: block tracking paused");
+                self.plan_follow_up(now, schedule);
+                let left = schedule.every.saturating_sub(into);
+                // From the pause on, the doorbell is looked at every poll.
+                return Some(if wants {
+                    left.min(sampling::DOORBELL_POLL)
+                } else {
+                    left
+                });
+            }
+            (TrackingSwitch::StartSample { schedule, .. }, Ok(())) => return Some(schedule.length),
+            (_, Err(e)) => e,
+        };
+        self.snap.detector_errors += 1;
+        match switch {
+            TrackingSwitch::Detach { .. } => {
+                warn!("detaching the block programs failed: {failed:#}");
+                None
+            }
+            TrackingSwitch::EndSample { .. } => {
+                warn!("pausing block tracking failed: {failed:#}");
+                Some(Duration::MAX)
+            }
+            TrackingSwitch::StartSample { schedule, .. } => {
+                warn!("resuming block tracking failed: {failed:#}");
+                Some(schedule.every)
+            }
+            _ => {
+                warn!("switching block tracking failed: {failed:#}");
+                None
+            }
+        }
+    }
+
+    /// The programs came off their tracepoints.
+    fn note_detached(&mut self, quiet: Duration, guard_holds: bool) {
+        // What the last sample found goes stale with no sample to come; the per-vCPU
+        // counts stand still too, so the host is told nothing and the channel goes quiet
+        // until something could gain.
+        self.window.found.clear();
+        info!(
+            quiet_ms = quiet.as_millis() as u64,
+            "{}: the block programs come off their tracepoints",
+            if guard_holds {
+                "moves do not pay here"
+            } else if self.tracking.ever_wanted {
+                "nothing to gain"
+            } else {
+                "nothing to gain yet"
+            }
+        )
     }
 
     /// At a sample's end: one that placed tasks is followed by another a sample's length

@@ -237,6 +237,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("journal.json");
         let tid = nix::unistd::gettid().as_raw() as u32;
+        let nice = os_layer::sched::get_attr(tid).unwrap().sched_nice;
         // The layout of agents before the shared ledger: a bare map from tid to entry.
         let old_layout = serde_json::json!({
             tid.to_string(): {
@@ -251,7 +252,11 @@ mod tests {
         std::fs::write(&path, old_layout.to_string()).unwrap();
         assert_eq!(on_disk(&path)[0].tid, tid, "the old layout is read");
         assert_eq!(recover(&path).unwrap(), 0);
-        assert_eq!(os_layer::sched::get_attr(tid).unwrap().sched_nice, 0);
+        assert_eq!(
+            os_layer::sched::get_attr(tid).unwrap().sched_nice,
+            nice,
+            "the recycled thread's nice is left as it was"
+        );
         assert!(!path.exists());
         std::fs::write(&path, "{ nope").unwrap();
         let e = recover(&path).unwrap_err();

@@ -171,8 +171,10 @@ package-check: setup
 	@scripts/package-check.sh
 
 # The .deb of `make package` installed in a Debian 12 guest booting systemd (debootstrap image
-# cached in target/lab/debian): systemctl start, /metrics through promtool, vmigrater
-# status, systemctl stop and no task left with a changed mask. CI runs it after package-check.
+# cached in target/lab/debian): systemctl start, /metrics through promtool, two upgrades to
+# repacked next releases while the daemon manages a task (anti-phase steal on the host; an
+# unchanged conffile follows, a changed one is kept beside .dpkg-dist), systemctl reload,
+# apt remove (no task left with a changed mask) and purge. CI runs it after package-check.
 lab-install-test: lab-setup
 	@scripts/lab-debian.sh
 	$(CARGO) run -q -p lab --bin vmigrater-lab -- install-test --packages target/package

@@ -7,6 +7,7 @@
 //! (kept, the new default beside it as `.dpkg-dist`), removed (every CPU mask back to
 //! normal) and purged (nothing of ours left under /etc, /usr or /var/lib).
 
+use crate::host;
 use crate::image::{self, Contents, Kernel};
 use crate::vm::{Vm, VmSpec};
 use anyhow::{bail, ensure, Context, Result};
@@ -116,6 +117,37 @@ fn changed_masks(vm: &mut Vm) -> Result<Vec<(u32, String)>> {
         .collect())
 }
 
+/// Host CPUs taken from under the guest's vCPU threads in anti-phase (each vCPU out 20 ms
+/// of every 40, one running while the other is out), so that the daemon has a task to
+/// manage across the upgrades. Returns the steal emulator (dropped: the steal stops).
+fn contend(vm: &mut Vm) -> Result<steal_emulator::Emulator> {
+    for (i, t) in vm.vcpu_threads()?.into_iter().enumerate() {
+        host::pin(t, i % 2)?;
+    }
+    let patterns = ["0:20000:20000:0", "1:20000:20000:20000"]
+        .iter()
+        .map(|p| p.parse())
+        .collect::<Result<Vec<steal_emulator::Pattern>>>()?;
+    steal_emulator::Emulator::start(&patterns, 50)
+}
+
+/// The tids the daemon manages, once it manages one (the reader's `dd` restarts now and
+/// then, and a new one is found anew).
+fn managed(vm: &mut Vm, what: &str) -> Result<Vec<u32>> {
+    let t1 = Instant::now();
+    loop {
+        let (_, managed) = daemon(vm)?;
+        if !managed.is_empty() {
+            return Ok(managed);
+        }
+        if t1.elapsed() > 3 * MIN {
+            let why = vm.sh("vmigrater status; vmigrater explain dd; true", MIN)?;
+            bail!("{what}: under anti-phase steal the daemon managed no task in 3 min:\n{why}");
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+}
+
 /// Waits for the daemon to serve its status socket after a start or an upgrade's restart.
 fn wait_active(vm: &mut Vm, after: &str) -> Result<()> {
     let t1 = Instant::now();
@@ -143,7 +175,8 @@ fn wait_active(vm: &mut Vm, after: &str) -> Result<()> {
 /// dpkg's message, and the new default lands beside it as `.dpkg-dist`.
 fn upgrade(vm: &mut Vm, n: u32, conffile_changed: bool) -> Result<String> {
     const CONF: &str = "/etc/vmigrater/vmigrater.toml";
-    let (old_pid, managed) = daemon(vm)?;
+    let before = managed(vm, &format!("before the upgrade to release {n}"))?;
+    let (old_pid, _) = daemon(vm)?;
     let out = vm
         .sh(
             &format!(
@@ -161,12 +194,18 @@ fn upgrade(vm: &mut Vm, n: u32, conffile_changed: bool) -> Result<String> {
         version.trim()
     );
     wait_active(vm, &format!("the upgrade to release {n}"))?;
-    let (new_pid, now_managed) = daemon(vm)?;
+    let (new_pid, mut now_managed) = daemon(vm)?;
     ensure!(
         new_pid != old_pid,
         "the upgrade to release {n} did not restart the daemon (pid {old_pid})"
     );
-    let stray: Vec<String> = changed_masks(vm)?
+    let masks = changed_masks(vm)?;
+    // The daemon may take a task up between the two reads: managed before or after counts.
+    now_managed.extend(daemon(vm)?.1);
+    now_managed.sort_unstable();
+    now_managed.dedup();
+    let after = managed(vm, &format!("after the upgrade to release {n}"))?;
+    let stray: Vec<String> = masks
         .into_iter()
         .filter(|(tid, _)| !now_managed.contains(tid))
         .map(|(tid, what)| format!("{tid} {what}"))
@@ -180,7 +219,7 @@ fn upgrade(vm: &mut Vm, n: u32, conffile_changed: bool) -> Result<String> {
     let (_, dist) = vm.sh_rc(&format!("cat {CONF}.dpkg-dist 2>/dev/null"), MIN)?;
     if conffile_changed {
         ensure!(
-            !conf.contains(&release_line(n)) && conf.contains("exclude_comm = [\"dd\"]"),
+            !conf.contains(&release_line(n)) && conf.contains("exclude_comm = [\"backup\"]"),
             "the conffile the operator changed was not kept:\n{conf}"
         );
         ensure!(
@@ -202,7 +241,7 @@ fn upgrade(vm: &mut Vm, n: u32, conffile_changed: bool) -> Result<String> {
         );
     }
     Ok(format!(
-        "upgraded to {}: daemon restarted (pid {old_pid} -> {new_pid}), managed tids {managed:?} -> {now_managed:?}, every changed mask the new daemon's, conffile {}",
+        "upgraded to {}: daemon restarted (pid {old_pid} -> {new_pid}), managing {before:?} before and {after:?} after, every changed mask the new daemon's, conffile {}",
         version.trim(),
         if conffile_changed {
             "kept as changed, the new default as .dpkg-dist"
@@ -232,7 +271,7 @@ fn reload(vm: &mut Vm) -> Result<()> {
     vm.sh(
         &format!(
             "grep -q '^#exclude_comm = \\[\\]$' {CONF} && \
-             sed -i 's/^#exclude_comm = .*/exclude_comm = [\"dd\"]/' {CONF} && \
+             sed -i 's/^#exclude_comm = .*/exclude_comm = [\"backup\"]/' {CONF} && \
              systemctl reload vmigrater"
         ),
         MIN,
@@ -375,6 +414,7 @@ pub fn install_test(packages: &Path) -> Result<()> {
         ),
     );
 
+    let steal = contend(&mut vm)?;
     let done = upgrade(&mut vm, 2, false)?;
     step(t0, &done);
 
@@ -385,8 +425,10 @@ pub fn install_test(packages: &Path) -> Result<()> {
     );
     let done = upgrade(&mut vm, 3, true)?;
     step(t0, &done);
+    drop(steal);
 
-    vm.sh("pkill -f 'while :; do dd'; pkill -x dd; true", MIN)?;
+    // `[:]` keeps the pattern from matching this command's own shell.
+    vm.sh("pkill -f 'while [:]; do dd'; pkill -x dd; true", MIN)?;
     vm.sh(
         "DEBIAN_FRONTEND=noninteractive apt-get remove -y vmigrater",
         5 * MIN,

@@ -591,10 +591,14 @@ fn app_once(app: App, mode: &str, data: &Data, s: &Settings, governed: &Governed
         *governed.lock().unwrap() = Some(GovernedBy::Procs(cg.procs_file()));
     };
     let t0 = Instant::now();
+    let apart = Apart::start(governed.clone());
     let run = apps.run(app, s.secs, &place, &mut on_start);
+    let samples = apart.stop();
     let hog_units: u64 = hogs.into_iter().map(|h| h.stop().unwrap_or(0)).sum();
     let run = run?;
+    let apart_per_s = per_second(&samples, run.first_request_unix_s, run.per_s.len());
     Ok(json!({
+        "apart_per_s": apart_per_s,
         "value": run.value,
         "metric": app.metric(),
         "elapsed_s": run.elapsed_s,
@@ -604,6 +608,97 @@ fn app_once(app: App, mode: &str, data: &Data, s: &Settings, governed: &Governed
         "hog_units_per_s": hog_units as f64 / t0.elapsed().as_secs_f64(),
         "app": run.extra,
     }))
+}
+
+/// Where a client and its server run, sampled every 20 ms while the application runs: the
+/// client (`pgbench`, `wrk`: the busiest thread not named like the server) and the server
+/// thread that has used the most CPU. Apart, each request waits for two vCPUs' turns on
+/// the host; the per-second share of samples apart shows whether a slow second is one.
+struct Apart {
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<Vec<(f64, bool)>>,
+}
+
+impl Apart {
+    fn start(governed: Governed) -> Apart {
+        let stop = Arc::new(AtomicBool::new(false));
+        let flag = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut samples = Vec::new();
+            while !flag.load(Ordering::Relaxed) {
+                if let Some(apart) = client_and_server_apart(&governed_pids(&governed)) {
+                    let now = std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0.0, |d| d.as_secs_f64());
+                    samples.push((now, apart));
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            samples
+        });
+        Apart { stop, thread }
+    }
+
+    fn stop(self) -> Vec<(f64, bool)> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.thread.join().unwrap_or_default()
+    }
+}
+
+/// `Some(true)` when the busiest client thread and the busiest server thread last ran on
+/// different CPUs; `None` until both exist.
+fn client_and_server_apart(pids: &[u32]) -> Option<bool> {
+    let mut busiest: [Option<(u64, u32)>; 2] = [None, None]; // (CPU ticks, last CPU)
+    for pid in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+                continue;
+            };
+            let Some((head, rest)) = stat.rsplit_once(") ") else {
+                continue;
+            };
+            let comm = head.split_once(" (").map_or("", |(_, c)| c);
+            // Fields from the state on (field 3): utime 14, stime 15, processor 39.
+            let fields: Vec<&str> = rest.split_whitespace().collect();
+            let num = |i: usize| fields.get(i - 3).and_then(|v| v.parse::<u64>().ok());
+            let (Some(ut), Some(st), Some(cpu)) = (num(14), num(15), num(39)) else {
+                continue;
+            };
+            let side = usize::from(!matches!(comm, "postgres" | "nginx" | "tar"));
+            if busiest[side].is_none_or(|(ticks, _)| ut + st > ticks) {
+                busiest[side] = Some((ut + st, cpu as u32));
+            }
+        }
+    }
+    match busiest {
+        [Some((_, a)), Some((_, b))] => Some(a != b),
+        _ => None,
+    }
+}
+
+/// The share of samples apart in each whole second from the first request.
+fn per_second(samples: &[(f64, bool)], first_request_unix_s: f64, secs: usize) -> Vec<f64> {
+    let mut counts = vec![(0u32, 0u32); secs];
+    for &(t, apart) in samples {
+        let i = t - first_request_unix_s;
+        if i >= 0.0 && (i as usize) < secs {
+            counts[i as usize].0 += u32::from(apart);
+            counts[i as usize].1 += 1;
+        }
+    }
+    counts
+        .iter()
+        .map(|&(a, n)| {
+            if n == 0 {
+                f64::NAN
+            } else {
+                f64::from(a) / f64::from(n)
+            }
+        })
+        .collect()
 }
 
 fn summarise(runs: &[Value], modes: &[&str]) -> Value {

@@ -8,7 +8,10 @@ vanilla's median IOPS and each shipped mode's and baseline's ratio of medians to
 its 95% bootstrap interval, then the other VMs' CPU time under the agent's modes against
 vanilla (the modes that do not weight vCPUs leave it at 1.00x by construction; --detail shows
 them). With --detail: one row per cell and mode, with the worst run, the paired ratio, the
-other VMs' CPU time and the guest's share of its CPUs.
+other VMs' CPU time and the guest's share of its CPUs; for applications also the stalled
+seconds (whole seconds from the first request below 5% of vanilla's median rate in that
+cell, over all runs) and, where the runs sampled it, the share of samples with client and
+server on different vCPUs, in all seconds and in the stalled ones.
 """
 import json
 import sys
@@ -29,6 +32,28 @@ def med(e, what):
     return e.get(f"value_{what}", e.get(f"iops_{what}"))
 
 
+def stalls(runs, floor):
+    """Stalled seconds over all runs, and in how many runs."""
+    per_run = [sum(1 for x in r.get("per_s", []) if x < floor) for r in runs]
+    seconds = sum(len(r.get("per_s", [])) for r in runs)
+    return f"{sum(per_run)} of {seconds} s, {sum(1 for n in per_run if n)} of {len(runs)} runs"
+
+
+def apart(runs, floor):
+    """The share of samples with client and server apart, in all seconds and in the stalled
+    ones (`–` where the runs did not sample it)."""
+    every, stalled = [], []
+    for r in runs:
+        for x, a in zip(r.get("per_s", []), r.get("apart_per_s") or []):
+            if a is None:
+                continue
+            every.append(a)
+            if x < floor:
+                stalled.append(a)
+    mean = lambda v: f"{sum(v) / len(v):.2f}" if v else "–"
+    return f"{mean(every)}, {mean(stalled)}"
+
+
 def cell_name(name):
     policy, k = name.split(":")
     return f"{POLICY.get(policy, policy)}, {k}:1"
@@ -45,18 +70,25 @@ def main():
         f"{d['setup']['reps']} reps x {d['setup']['seconds_per_run']} s -->"
     )
     if detail:
+        apps = any(r.get("per_s") for r in d["runs"])
+        extra = " stalled seconds | client and server apart: all, stalled |" if apps else ""
         print(f"| cell | mode | {metric} (median) | worst run | vs vanilla | paired vs vanilla "
-              "| others' CPU vs vanilla | guest share |")
-        print("|---|---|---|---|---|---|---|---|")
+              f"| others' CPU vs vanilla | guest share |{extra}")
+        print("|---" * (8 + 2 * apps) + "|")
         for name, c in d["cells"].items():
             for m in ["vanilla"] + modes:
                 e = c["modes"][m]
-                print(
+                row = (
                     f"| {cell_name(name)} | {m} | {med(e, 'median'):,.0f} | "
                     f"{med(e, 'worst'):,.0f} | {est(e.get('vs_vanilla'))} | "
                     f"{est(e.get('paired_vs_vanilla'))} | {est(e.get('others_vs_vanilla'))} | "
                     f"{e['guest_share_median']:.3f} |"
                 )
+                if apps:
+                    floor = 0.05 * med(c["modes"]["vanilla"], "median")
+                    runs = [r for r in d["runs"] if r["cell"] == name and r["mode"] == m]
+                    row += f" {stalls(runs, floor)} | {apart(runs, floor)} |"
+                print(row)
         return
     shown = [m for m in modes if m != "liar"]
     weighted = [m for m in ("agent", "both") if m in modes]

@@ -40,6 +40,7 @@ use crate::board::VcpuBoard;
 use crate::config::MonitorConfig;
 use crate::monitor::TickHook;
 use event_loop::{event_thread, Outputs};
+use tracing::warn;
 
 /// bpf/vcputick.h VT_MAX_CPUS.
 const MAX_CPUS: usize = 1024;
@@ -155,5 +156,24 @@ impl KernelMonitor {
 impl Drop for KernelMonitor {
     fn drop(&mut self) {
         self.shutdown();
+    }
+}
+
+/// The kernel source's threads (the event thread and the rescuers) wake on time: the
+/// least timer slack and, where allowed, SCHED_FIFO above the tasks they move.
+fn prepare_thread(rt_priority: Option<i32>) {
+    // SAFETY: prctl with integer arguments on the calling thread.
+    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1, 0, 0, 0) };
+    if let Some(prio) = rt_priority {
+        let param = libc::sched_param {
+            sched_priority: prio,
+        };
+        // SAFETY: valid param for the calling thread.
+        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
+            warn!(
+                "the vCPU event thread runs as a normal task ({}): decisions may wait behind CPU hogs",
+                std::io::Error::last_os_error()
+            );
+        }
     }
 }

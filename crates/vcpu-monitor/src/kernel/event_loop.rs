@@ -10,6 +10,7 @@ use std::time::Duration;
 use tracing::{debug, info, warn};
 
 use super::load::{open, Bpf};
+use super::prepare_thread;
 use super::push::PushPoints;
 use super::rescue::{Rescue, UNPINNED};
 use super::ring::{wait_for_events, GapEvent};
@@ -70,23 +71,6 @@ pub(super) fn event_thread(
     serve(&bpf, &view, cfg, board, hook, out);
     close(&bpf, &view);
     debug!("vCPU event thread stopped");
-}
-
-pub(super) fn prepare_thread(rt_priority: Option<i32>) {
-    // SAFETY: prctl with integer arguments on the calling thread.
-    unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1, 0, 0, 0) };
-    if let Some(prio) = rt_priority {
-        let param = libc::sched_param {
-            sched_priority: prio,
-        };
-        // SAFETY: valid param for the calling thread.
-        if unsafe { libc::sched_setscheduler(0, libc::SCHED_FIFO, &param) } != 0 {
-            warn!(
-                "the vCPU event thread runs as a normal task ({}): decisions may wait behind CPU hogs",
-                std::io::Error::last_os_error()
-            );
-        }
-    }
 }
 
 /// Serves gap events and push points until `out.stop`, a rescuer per vCPU beside it.

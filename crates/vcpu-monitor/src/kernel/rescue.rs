@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering::Relaxed};
 use std::thread::Scope;
 use tracing::warn;
 
-use super::event_loop::prepare_thread;
+use super::prepare_thread;
 use super::ring::wait_for_events;
 use super::QUIET_NS;
 

@@ -1,8 +1,9 @@
 //! The tree's shape, checked on the source: within a crate, no module reaches back to a
-//! module that reaches it (directly or through others), so that each module can be read,
-//! tested and replaced on its own. Only `crate::` paths count (that is how modules name
-//! each other in this tree); a name that is not a module of the crate (a re-export at
-//! the root) is not an edge.
+//! module that reaches it (directly or through others; and within a folder module, no file
+//! reaches back through `super::` either), so that each module can be read,
+//! tested and replaced on its own. Only `crate::` paths count between a crate's modules
+//! and `super::` paths between a folder's files (that is how they name each other in this
+//! tree); a name that is not a module (a re-export at the root) is not an edge.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -31,13 +32,19 @@ fn top_module(src: &Path, file: &Path) -> Option<String> {
 /// The first segment of every `crate::` path in `code`, groups included
 /// (`crate::{a::B, c}` names `a` and `c`).
 fn crate_paths(code: &str) -> Vec<String> {
+    paths_after(code, "crate::")
+}
+
+/// The first segment of every path in `code` that starts with `prefix` (`crate::`,
+/// `super::`), groups included.
+fn paths_after(code: &str, prefix: &str) -> Vec<String> {
     let mut names = Vec::new();
     let mut rest = code;
-    while let Some(i) = rest.find("crate::") {
+    while let Some(i) = rest.find(prefix) {
         let before = rest[..i].chars().next_back();
-        rest = &rest[i + "crate::".len()..];
-        if before.is_some_and(|c| c.is_alphanumeric() || c == '_') {
-            continue; // e.g. `some_crate::`
+        rest = &rest[i + prefix.len()..];
+        if before.is_some_and(|c| c.is_alphanumeric() || c == '_' || c == ':') {
+            continue; // e.g. `some_crate::`, `super::super::`
         }
         if let Some(group) = rest.strip_prefix('{') {
             // Items at the group's own level, up to its matching brace.
@@ -107,6 +114,34 @@ fn module_graph(src: &Path) -> Graph {
     graph
 }
 
+/// The files of a folder module (`src/engine/`) and the siblings each names through
+/// `super::`: the same rule one floor down.
+fn sibling_graph(dir: &Path) -> Graph {
+    let stems: BTreeSet<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "rs"))
+        .filter_map(|p| Some(p.file_stem()?.to_str()?.to_owned()))
+        .collect();
+    let mut graph = Graph::new();
+    for m in &stems {
+        let code = without_comments(&std::fs::read_to_string(dir.join(format!("{m}.rs"))).unwrap());
+        let names = paths_after(&code, "super::");
+        let uses = names.into_iter().filter(|n| n != m && stems.contains(n));
+        graph.insert(m.clone(), uses.collect());
+    }
+    graph
+}
+
+fn folders(dir: &Path, out: &mut Vec<PathBuf>) {
+    for e in std::fs::read_dir(dir).unwrap().map(Result::unwrap) {
+        if e.path().is_dir() {
+            out.push(e.path());
+            folders(&e.path(), out);
+        }
+    }
+}
+
 /// Every cycle's modules, as the path that closes it (`a -> b -> a`).
 fn cycles(graph: &Graph) -> Vec<String> {
     fn visit(
@@ -155,6 +190,13 @@ fn no_module_cycles_in_any_crate() {
         for c in cycles(&module_graph(&src)) {
             report.push(format!("{}: {c}", e.file_name().to_string_lossy()));
         }
+        let mut dirs = Vec::new();
+        folders(&src, &mut dirs);
+        for d in dirs {
+            for c in cycles(&sibling_graph(&d)) {
+                report.push(format!("{}: {c}", d.display()));
+            }
+        }
     }
     assert!(
         crates >= 10,
@@ -173,6 +215,8 @@ fn paths_and_groups_are_read_as_modules() {
     let code =
         "use crate::a::X;\nuse crate::{b::{Y, Z}, c};\nlet v = crate::d::f(); other_crate::e;";
     assert_eq!(crate_paths(code), ["a", "b", "c", "d"]);
+    let code = "use super::{rescue::Rescue, push};\nsuper::ring::x(); a_super::no();";
+    assert_eq!(paths_after(code, "super::"), ["rescue", "push", "ring"]);
 }
 
 #[test]

@@ -648,28 +648,23 @@ impl Apart {
 /// `Some(true)` when the busiest client thread and the busiest server thread last ran on
 /// different CPUs; `None` until both exist.
 fn client_and_server_apart(pids: &[u32]) -> Option<bool> {
-    let mut busiest: [Option<(u64, u32)>; 2] = [None, None]; // (CPU ticks, last CPU)
+    let mut busiest: [Option<(u64, u32)>; 2] = [None, None]; // (ns on a CPU, last CPU)
     for pid in pids {
         let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
             continue;
         };
         for t in tasks.flatten() {
-            let Ok(stat) = std::fs::read_to_string(t.path().join("stat")) else {
+            let stat = os_layer::TaskStat::read(&t.path().join("stat"));
+            let run = os_layer::SchedStat::read(&t.path().join("schedstat"));
+            let (Some(stat), Some(run)) = (stat, run) else {
                 continue;
             };
-            let Some((head, rest)) = stat.rsplit_once(") ") else {
+            let Some(cpu) = stat.last_cpu else {
                 continue;
             };
-            let comm = head.split_once(" (").map_or("", |(_, c)| c);
-            // Fields from the state on (field 3): utime 14, stime 15, processor 39.
-            let fields: Vec<&str> = rest.split_whitespace().collect();
-            let num = |i: usize| fields.get(i - 3).and_then(|v| v.parse::<u64>().ok());
-            let (Some(ut), Some(st), Some(cpu)) = (num(14), num(15), num(39)) else {
-                continue;
-            };
-            let side = usize::from(!matches!(comm, "postgres" | "nginx" | "tar"));
-            if busiest[side].is_none_or(|(ticks, _)| ut + st > ticks) {
-                busiest[side] = Some((ut + st, cpu as u32));
+            let side = usize::from(!matches!(stat.comm.as_str(), "postgres" | "nginx" | "tar"));
+            if busiest[side].is_none_or(|(ns, _)| run.run_ns > ns) {
+                busiest[side] = Some((run.run_ns, cpu));
             }
         }
     }

@@ -1,8 +1,10 @@
 //! `vmigrater explain` against a real daemon on the real kernel: each reason with a thread
-//! placed in that situation (O_DIRECT readers, a CPU hog, a reader pinned by its owner, an
-//! excluded command, a kernel thread, the daemon's own, a mask changed behind the daemon,
-//! no contention, the block programs detached). Root (CI is); otherwise reported ignored,
-//! and run by another user they fail (`assert_root`).
+//! placed in that situation (O_DIRECT readers, a CPU hog, a real-time reader pinned by its
+//! owner, an excluded command, a kernel thread, the daemon's own, a mask changed behind the
+//! daemon, no contention, the block programs detached, the move guard holding, vCPUs out
+//! all at once with a reader kept where its completions land and one that cannot be).
+//! Root (CI is); otherwise reported ignored, and run by another user they fail
+//! (`assert_root`).
 
 use serde_json::Value;
 use std::path::PathBuf;
@@ -64,9 +66,42 @@ fn in_list(s: &Value, key: &str, tid: u32) -> bool {
         .is_some_and(|v| v.iter().any(|t| t["tid"] == tid || *t == tid))
 }
 
+/// The steal emulator taking the CPUs away on these patterns (`cpu:period:out:offset`, µs).
+fn steal(patterns: &[&str]) -> Emulator {
+    let patterns: Vec<Pattern> = patterns
+        .iter()
+        .map(|p| p.parse().expect("pattern"))
+        .collect();
+    Emulator::start(&patterns, 50).expect("steal emulator")
+}
+
+/// The daemon's overall lines (`explain` without a target).
+fn overall(d: &BenchDaemon) -> Vec<String> {
+    let whole = d.explain(None).expect("explain");
+    whole["daemon"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|l| l.as_str().map(String::from))
+        .collect()
+}
+
+/// Puts thread `tid` in the round-robin real-time class at priority 1.
+fn make_real_time(tid: u32) {
+    let param = libc::sched_param { sched_priority: 1 };
+    // SAFETY: a plain syscall on a thread id with a valid parameter block.
+    let rc = unsafe { libc::sched_setscheduler(tid as libc::pid_t, libc::SCHED_RR, &param) };
+    assert_eq!(
+        rc,
+        0,
+        "SCHED_RR for {tid}: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
 /// Under deschedules in anti-phase (the steal emulator), with the planner alone (no guard,
-/// no completion keeping): a reader is managed; a reader its owner pinned to one CPU is
-/// managed with nowhere to go; an excluded reader is found and left; a hog is not
+/// no completion keeping): a reader is managed; a real-time reader its owner pinned to one
+/// CPU is managed with nowhere to go (the class is shown, it is no reason to leave a task); an excluded reader is found and left; a hog is not
 /// I/O-bound; a kernel thread and the daemon's own threads are never managed; a reader
 /// whose mask someone else changes is left alone.
 #[test]
@@ -85,13 +120,10 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
         },
     )
     .expect("pinned reader");
+    make_real_time(pinned.tid);
     let excluded = workload::spawn_reader(&file, ReadPattern::Seq128k).expect("seq reader");
     let hog = workload::spawn_hog(None).expect("hog");
-    let patterns: Vec<Pattern> = ["0:10000:10000:0", "1:10000:10000:10000"]
-        .iter()
-        .map(|p| p.parse().expect("pattern"))
-        .collect();
-    let emu = Emulator::start(&patterns, 50).expect("steal emulator");
+    let emu = steal(&["0:10000:10000:0", "1:10000:10000:10000"]);
     let d = BenchDaemon::start(
         "[monitor]\nsource = \"sleepers\"\n\n[migration]\nguard = false\nfollow_completions = false\nexclude_comm = [\"reader-Seq128k\"]\n",
         &[],
@@ -107,13 +139,27 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
                 && in_list(s, "seen", excluded.tid)
         },
     );
-    let e = explained(&d, reader.tid);
+    assert_eq!(reason(&d, reader.tid), "managed");
+    // What the detector saw: between block-tracking samples a window can find nothing, so
+    // the next window that finds the reader.
+    let t0 = Instant::now();
+    let e = loop {
+        let e = explained(&d, reader.tid);
+        if !e["detector"].is_null() || t0.elapsed() > Duration::from_secs(10) {
+            break e;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     assert_eq!(e["reason"], "managed", "{e:#}");
     assert!(
-        e["detector"]["io_fraction"].as_f64().unwrap() > 0.0,
+        e["detector"]["io_fraction"]
+            .as_f64()
+            .is_some_and(|f| f > 0.0),
         "{e:#}"
     );
-    assert_eq!(reason(&d, pinned.tid), "one_vcpu");
+    let e = explained(&d, pinned.tid);
+    assert_eq!(e["reason"], "one_vcpu", "{e:#}");
+    assert_eq!(e["thread"]["class"], "rr", "{e:#}");
     let e = explained(&d, excluded.tid);
     assert_eq!(e["reason"], "excluded", "{e:#}");
     assert!(
@@ -134,13 +180,10 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
     assert_eq!(tids, vec![&Value::from(excluded.tid)], "{by_comm:#}");
     // Without a target: the daemon as a whole.
     let whole = d.explain(None).expect("explain");
-    let lines: Vec<&str> = whole["daemon"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(Value::as_str)
-        .collect();
-    assert!(lines.contains(&"moves: allowed"), "{whole:#}");
+    assert!(
+        overall(&d).iter().any(|l| l == "moves: allowed"),
+        "{whole:#}"
+    );
     assert!(whole["threads"].as_array().unwrap().is_empty(), "{whole:#}");
 
     // Someone else sets the reader's mask while the daemon has it pinned to one CPU (a
@@ -200,4 +243,117 @@ fn explain_says_when_nothing_can_gain_and_when_the_programs_are_off() {
     assert_eq!(reason(&d, reader.tid), "block_detached");
     d.stop().expect("daemon stop");
     drop(reader);
+}
+
+/// vCPU 0 out half the time, vCPU 1 always running, and a reader at a fixed offered load
+/// that the disk keeps up with from either vCPU (it catches up after each deschedule): the
+/// reader is I/O-bound by its rate and moves cannot raise the guest's block I/O. The guard
+/// (planner moves, which must win every pair of epochs) measures that and holds moves, and
+/// `explain` says so, for the reader and for the daemon; the reader has its own mask.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn explain_says_when_the_move_guard_holds() {
+    assert_root();
+    assert_cpus(2);
+    let file = data_file();
+    let reader = workload::spawn_io(
+        &file,
+        IoSpec {
+            rate: Some(1500),
+            ..IoSpec::new(ReadPattern::Random4k)
+        },
+    )
+    .expect("paced reader");
+    let emu = steal(&["0:10000:10000:0"]);
+    let d = BenchDaemon::start(
+        "[monitor]\nsource = \"sleepers\"\n\n[migration]\nfollow_completions = false\n\n[advanced.migration]\nguard_epoch_ms = 500\n[channel]\nenabled = false\n",
+        &[],
+    )
+    .expect("daemon");
+    wait_status(&d, Duration::from_secs(60), "the guard to hold", |s| {
+        s["move_gate"] == "guard_holding"
+    });
+    let e = explained(&d, reader.tid);
+    assert_eq!(e["reason"], "guard_holding", "{e:#}");
+    assert!(
+        overall(&d)
+            .iter()
+            .any(|l| l.starts_with("moves: held by the move guard")),
+        "{:#?}",
+        overall(&d)
+    );
+    let s = d.status().expect("status");
+    assert!(s["guard_holds"].as_u64().unwrap_or(0) >= 1, "{s:#}");
+    assert_eq!(os_layer::get_cpus(reader.tid).unwrap(), vec![0, 1]);
+    d.stop().expect("daemon stop");
+    let _ = emu.stop();
+    drop(reader);
+}
+
+/// Both vCPUs out at once (in phase, hard-IRQ deschedules): no move to a running vCPU can pay, only keeping a
+/// reader on the vCPU its completions land on (the disk's interrupt vCPU). A reader free to
+/// run anywhere is kept there; a reader its owner pinned to the other vCPU cannot be, and
+/// `explain` says that vCPUs go out all at once.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn explain_says_when_vcpus_go_out_together() {
+    assert_root();
+    assert_cpus(2);
+    let file = data_file();
+    let free = workload::spawn_reader(&file, ReadPattern::Random4k).expect("reader");
+    // Hard-IRQ deschedules, which the kernel does not see (the steal emulator's RT
+    // spinners lose the CPU to the monitor's sleepers, so it would find no vCPU out).
+    let plan = "in:20000:10000"
+        .parse::<irq_steal::Schedule>()
+        .expect("schedule")
+        .plan(&[0, 1], Duration::from_secs(60))
+        .expect("plan");
+    let steal = irq_steal::IrqSteal::start(&plan).expect("irq-steal");
+    let d = BenchDaemon::start("[channel]\nenabled = false\n", &[]).expect("daemon");
+    wait_status(
+        &d,
+        Duration::from_secs(30),
+        "the free reader kept with its completions",
+        |s| s["out_together"] == true && in_list(s, "kept_with_completions", free.tid),
+    );
+    let e = explained(&d, free.tid);
+    assert_eq!(e["reason"], "kept_with_completions", "{e:#}");
+    let home = e["placed_on"].as_u64().expect("placed_on") as usize;
+    assert_eq!(os_layer::get_cpus(free.tid).unwrap(), vec![home]);
+
+    let other = 1 - home;
+    let pinned = workload::spawn_io(
+        &file,
+        IoSpec {
+            pin: Some(other),
+            seed: 11,
+            ..IoSpec::new(ReadPattern::Random4k)
+        },
+    )
+    .expect("pinned reader");
+    wait_status(
+        &d,
+        Duration::from_secs(30),
+        "the pinned reader found and left",
+        |s| {
+            s["out_together"] == true
+                && in_list(s, "seen", pinned.tid)
+                && !in_list(s, "tasks", pinned.tid)
+                && !in_list(s, "kept_with_completions", pinned.tid)
+        },
+    );
+    let e = explained(&d, pinned.tid);
+    assert_eq!(e["reason"], "out_together", "{e:#}");
+    assert!(
+        overall(&d)
+            .iter()
+            .any(|l| l.starts_with("moves: vCPUs go out all at once")),
+        "{:#?}",
+        overall(&d)
+    );
+    d.stop().expect("daemon stop");
+    drop(steal);
+    assert_eq!(os_layer::get_cpus(free.tid).unwrap(), vec![0, 1]);
+    assert_eq!(os_layer::get_cpus(pinned.tid).unwrap(), vec![other]);
+    drop((free, pinned));
 }

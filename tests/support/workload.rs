@@ -73,6 +73,10 @@ pub struct IoSpec {
     pub request_work: u64,
     /// Seed of the random offsets, so parallel threads do not read the same blocks.
     pub seed: u64,
+    /// Requests a second on a fixed schedule: a thread behind it (its vCPU out) catches up
+    /// at once, so its rate over a second is this whatever happens to its vCPU, as long as
+    /// the disk keeps up (a client with a fixed offered load). `None`: back to back.
+    pub rate: Option<u32>,
 }
 
 impl IoSpec {
@@ -82,6 +86,7 @@ impl IoSpec {
             pin: None,
             request_work: 0,
             seed: 0x9e37_79b9_7f4a_7c15,
+            rate: None,
         }
     }
 }
@@ -319,7 +324,16 @@ pub fn spawn_io(path: &Path, spec: IoSpec) -> Result<Worker> {
         };
         let mut next = 0u64;
         let mut acc = 1u64;
+        let start = Instant::now();
+        let mut issued = 0u64;
         while !c.stop.load(Ordering::Relaxed) {
+            if let Some(rate) = spec.rate {
+                let due = start + Duration::from_secs_f64(issued as f64 / rate.max(1) as f64);
+                if let Some(ahead) = due.checked_duration_since(Instant::now()) {
+                    std::thread::sleep(ahead);
+                }
+                issued += 1;
+            }
             let (block, write) = match pattern {
                 ReadPattern::Random4k | ReadPattern::Request => (rnd() % blocks, false),
                 ReadPattern::RandRw70 => {

@@ -86,6 +86,41 @@ fn overall(d: &BenchDaemon) -> Vec<String> {
         .collect()
 }
 
+/// A cgroup v1 cpuset holding one thread, which leaves it on drop. `None` where no v1
+/// cpuset hierarchy is mounted (cgroup v2 moves whole processes, not one thread of ours).
+struct Cpuset {
+    dir: PathBuf,
+    tid: u32,
+}
+
+impl Cpuset {
+    const ROOT: &'static str = "/sys/fs/cgroup/cpuset";
+
+    fn put(tid: u32, cpus: &str) -> Option<Cpuset> {
+        let root = PathBuf::from(Self::ROOT);
+        let mems = std::fs::read_to_string(root.join("cpuset.mems")).ok()?;
+        let dir = root.join(format!("vmigrater-explain-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("cpuset cgroup");
+        let write = |file: &str, v: &str| {
+            std::fs::write(dir.join(file), v).unwrap_or_else(|e| panic!("{file} = {v}: {e}"))
+        };
+        write("cpuset.mems", mems.trim());
+        write("cpuset.cpus", cpus);
+        write("tasks", &tid.to_string());
+        Some(Cpuset { dir, tid })
+    }
+}
+
+impl Drop for Cpuset {
+    fn drop(&mut self) {
+        let _ = std::fs::write(
+            PathBuf::from(Self::ROOT).join("tasks"),
+            self.tid.to_string(),
+        );
+        let _ = std::fs::remove_dir(&self.dir);
+    }
+}
+
 /// Puts thread `tid` in the round-robin real-time class at priority 1.
 fn make_real_time(tid: u32) {
     let param = libc::sched_param { sched_priority: 1 };
@@ -101,7 +136,8 @@ fn make_real_time(tid: u32) {
 
 /// Under deschedules in anti-phase (the steal emulator), with the planner alone (no guard,
 /// no completion keeping): a reader is managed; a real-time reader its owner pinned to one
-/// CPU is managed with nowhere to go (the class is shown, it is no reason to leave a task); an excluded reader is found and left; a hog is not
+/// CPU, and a reader whose cpuset allows one, are managed with nowhere to go (the class is
+/// shown, it is no reason to leave a task); an excluded reader is found and left; a hog is not
 /// I/O-bound; a kernel thread and the daemon's own threads are never managed; a reader
 /// whose mask someone else changes is left alone.
 #[test]
@@ -121,6 +157,21 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
     )
     .expect("pinned reader");
     make_real_time(pinned.tid);
+    let fenced = workload::spawn_io(
+        &file,
+        IoSpec {
+            seed: 13,
+            ..IoSpec::new(ReadPattern::Random4k)
+        },
+    )
+    .expect("reader in a cpuset");
+    let cpuset = Cpuset::put(fenced.tid, "1");
+    if cpuset.is_none() {
+        eprintln!(
+            "NOT CHECKED: a reader whose cpuset allows one vCPU (no cgroup v1 cpuset at {})",
+            Cpuset::ROOT
+        );
+    }
     let excluded = workload::spawn_reader(&file, ReadPattern::Seq128k).expect("seq reader");
     let hog = workload::spawn_hog(None).expect("hog");
     let emu = steal(&["0:10000:10000:0", "1:10000:10000:10000"]);
@@ -136,6 +187,7 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
         |s| {
             in_list(s, "tasks", reader.tid)
                 && in_list(s, "tasks", pinned.tid)
+                && (cpuset.is_none() || in_list(s, "tasks", fenced.tid))
                 && in_list(s, "seen", excluded.tid)
         },
     );
@@ -160,6 +212,11 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
     let e = explained(&d, pinned.tid);
     assert_eq!(e["reason"], "one_vcpu", "{e:#}");
     assert_eq!(e["thread"]["class"], "rr", "{e:#}");
+    if cpuset.is_some() {
+        let e = explained(&d, fenced.tid);
+        assert_eq!(e["reason"], "one_vcpu", "{e:#}");
+        assert_eq!(e["thread"]["allowed"], serde_json::json!([1]), "{e:#}");
+    }
     let e = explained(&d, excluded.tid);
     assert_eq!(e["reason"], "excluded", "{e:#}");
     assert!(
@@ -210,7 +267,8 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
         vec![0, 1],
         "the owner's mask was kept"
     );
-    drop((reader, pinned, excluded, hog));
+    drop(cpuset);
+    drop((reader, pinned, fenced, excluded, hog));
 }
 
 /// With no vCPU descheduled on this machine (nothing to gain), a reader is explained by the

@@ -359,8 +359,8 @@ fn explain_says_when_vcpus_go_out_together() {
     assert_cpus(2);
     let file = data_file();
     let free = workload::spawn_reader(&file, ReadPattern::Random4k).expect("reader");
-    // Hard-IRQ deschedules, which the kernel does not see (the steal emulator's RT
-    // spinners lose the CPU to the monitor's sleepers, so it would find no vCPU out).
+    // Hard-IRQ deschedules, invisible to the guest's scheduler as a hypervisor's are (with
+    // the steal emulator's RT spinners in phase, the monitor found no vCPU out).
     let plan = "in:20000:10000"
         .parse::<irq_steal::Schedule>()
         .expect("schedule")

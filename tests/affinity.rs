@@ -4,6 +4,7 @@
 //! the tests are reported ignored, and run by another user they fail (`assert_root`).
 
 use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
+use migrater::hook::TaskId;
 use migrater::journal::{AffinityJournal, JournalEntry, JournalError, SliceChange};
 use os_layer::TaskStat;
 use std::path::{Path, PathBuf};
@@ -119,7 +120,15 @@ fn manage_move_and_release() {
     let (mut ex, path) = executor(dir.path());
     let w = Worker::parked();
 
-    let allowed = ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    let allowed = ex
+        .manage(
+            TaskId {
+                tid: w.tid,
+                start_time: w.start_time(),
+            },
+            tgid(),
+        )
+        .unwrap();
     assert_eq!(allowed, cpus);
     assert!(ex.is_managed(w.tid));
     // The original mask is on disk before any change.
@@ -165,7 +174,15 @@ fn refuses_kernel_threads_and_wrong_identities() {
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, _) = executor(dir.path());
     let w = Worker::parked();
-    let err = ex.manage(w.tid, tgid(), w.start_time() + 1).unwrap_err();
+    let err = ex
+        .manage(
+            TaskId {
+                tid: w.tid,
+                start_time: w.start_time() + 1,
+            },
+            tgid(),
+        )
+        .unwrap_err();
     assert!(format!("{err:#}").contains("another task"), "{err:#}");
 
     let kthread = std::fs::read_dir("/proc")
@@ -177,7 +194,15 @@ fn refuses_kernel_threads_and_wrong_identities() {
         })
         .expect("a kernel thread in /proc");
     let before = get_cpus(kthread.0).unwrap();
-    let err = ex.manage(kthread.0, kthread.0, kthread.1).unwrap_err();
+    let err = ex
+        .manage(
+            TaskId {
+                tid: kthread.0,
+                start_time: kthread.1,
+            },
+            kthread.0,
+        )
+        .unwrap_err();
     assert!(format!("{err:#}").contains("kernel thread"), "{err:#}");
     assert_eq!(get_cpus(kthread.0).unwrap(), before);
     assert!(ex.journal().is_empty());
@@ -194,7 +219,14 @@ fn external_change_stops_management_and_is_never_restored() {
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, path) = executor(dir.path());
     let w = Worker::parked();
-    ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    ex.manage(
+        TaskId {
+            tid: w.tid,
+            start_time: w.start_time(),
+        },
+        tgid(),
+    )
+    .unwrap();
     assert!(matches!(ex.move_to(w.tid, a), Outcome::Moved { .. }));
 
     // An administrator (taskset) pins it elsewhere.
@@ -217,7 +249,14 @@ fn external_change_stops_management_and_is_never_restored() {
 
     // Also before our first move: a changed original mask is theirs.
     let w2 = Worker::parked();
-    ex.manage(w2.tid, tgid(), w2.start_time()).unwrap();
+    ex.manage(
+        TaskId {
+            tid: w2.tid,
+            start_time: w2.start_time(),
+        },
+        tgid(),
+    )
+    .unwrap();
     set_cpus(w2.tid, &[b]).unwrap();
     assert_eq!(ex.release(w2.tid), Outcome::External);
     assert_eq!(get_cpus(w2.tid).unwrap(), vec![b]);
@@ -236,13 +275,27 @@ fn exited_task_is_gone_not_an_error() {
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, path) = executor(dir.path());
     let w = Worker::parked();
-    ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    ex.manage(
+        TaskId {
+            tid: w.tid,
+            start_time: w.start_time(),
+        },
+        tgid(),
+    )
+    .unwrap();
     let tid = w.exit();
     assert_eq!(ex.move_to(tid, a), Outcome::Gone);
     assert_eq!(ex.release(tid), Outcome::Gone);
     assert!(AffinityJournal::open(&path).unwrap().is_empty());
     assert!(
-        ex.manage(tid, tgid(), 1).is_err(),
+        ex.manage(
+            TaskId {
+                tid,
+                start_time: 1
+            },
+            tgid()
+        )
+        .is_err(),
         "an exited task cannot be managed"
     );
 }
@@ -261,7 +314,15 @@ fn release_all_restores_every_original_mask() {
     // One starts with a narrower mask of its own: that, not "all CPUs", is its original.
     set_cpus(workers[2].tid, &[a]).unwrap();
     for (i, w) in workers.iter().enumerate() {
-        let allowed = ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+        let allowed = ex
+            .manage(
+                TaskId {
+                    tid: w.tid,
+                    start_time: w.start_time(),
+                },
+                tgid(),
+            )
+            .unwrap();
         let target = if i % 2 == 0 { a } else { b };
         if allowed.contains(&target) && i != 2 {
             assert!(matches!(ex.move_to(w.tid, target), Outcome::Moved { .. }));
@@ -299,7 +360,14 @@ fn journal_of_a_crashed_run_is_recovered() {
     let never_moved = Worker::parked();
     let exited = Worker::parked();
     for w in [&moved_once, &moved_twice, &never_moved, &exited] {
-        ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+        ex.manage(
+            TaskId {
+                tid: w.tid,
+                start_time: w.start_time(),
+            },
+            tgid(),
+        )
+        .unwrap();
     }
     assert!(matches!(
         ex.move_to(moved_once.tid, b),
@@ -427,7 +495,14 @@ fn a_kept_task_gets_a_short_slice_journaled_first_and_its_own_back() {
     assert_eq!(ex.set_short_slices(&[w.tid], 100_000), (0, 0));
     assert_eq!(slice_of(w.tid), base);
 
-    ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    ex.manage(
+        TaskId {
+            tid: w.tid,
+            start_time: w.start_time(),
+        },
+        tgid(),
+    )
+    .unwrap();
     assert_eq!(ex.set_short_slices(&[w.tid], 100_000), (1, 0));
     assert_eq!(slice_of(w.tid), 100_000);
     assert!(ex.has_short_slice(w.tid));
@@ -478,7 +553,14 @@ fn slices_of_their_own_and_slices_someone_else_changed_are_respected() {
     os_layer::sched::set_fair_slice(shorter.tid, 100_000).unwrap();
     os_layer::sched::set_fair_slice(changed.tid, 0).unwrap();
     for w in [&own, &shorter, &changed] {
-        ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+        ex.manage(
+            TaskId {
+                tid: w.tid,
+                start_time: w.start_time(),
+            },
+            tgid(),
+        )
+        .unwrap();
     }
     let all = [own.tid, shorter.tid, changed.tid];
     assert_eq!(ex.set_short_slices(&all, 200_000), (2, 0));
@@ -517,7 +599,14 @@ fn a_crashed_run_s_short_slices_are_given_back_by_recovery() {
     let theirs = Worker::parked();
     for w in [&ours, &theirs] {
         os_layer::sched::set_fair_slice(w.tid, 0).unwrap();
-        ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+        ex.manage(
+            TaskId {
+                tid: w.tid,
+                start_time: w.start_time(),
+            },
+            tgid(),
+        )
+        .unwrap();
     }
     assert_eq!(
         ex.set_short_slices(&[ours.tid, theirs.tid], 100_000),
@@ -585,7 +674,15 @@ fn cpuset_limits_the_allowed_cpus() {
     std::fs::write(cg.join("tasks"), w.tid.to_string()).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (mut ex, _) = executor(dir.path());
-    let allowed = ex.manage(w.tid, tgid(), w.start_time()).unwrap();
+    let allowed = ex
+        .manage(
+            TaskId {
+                tid: w.tid,
+                start_time: w.start_time(),
+            },
+            tgid(),
+        )
+        .unwrap();
     assert_eq!(allowed, vec![a]);
     assert_eq!(
         ex.move_to(w.tid, b),
@@ -633,8 +730,14 @@ fn move_latency() {
     let (mut ex, _) = executor(dir.path());
     // An I/O-bound task mostly sleeps: that is the common case.
     let sleeper = Worker::parked();
-    ex.manage(sleeper.tid, tgid(), sleeper.start_time())
-        .unwrap();
+    ex.manage(
+        TaskId {
+            tid: sleeper.tid,
+            start_time: sleeper.start_time(),
+        },
+        tgid(),
+    )
+    .unwrap();
     let (p50, p99, max) = measure(&mut ex, sleeper.tid, a, b, 2000);
     eprintln!(
         "move_to latency, sleeping thread, 2000 moves: p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
@@ -644,8 +747,14 @@ fn move_latency() {
     );
     // A running task has to be migrated by the stopper thread before the call returns.
     let spinner = Worker::spinning();
-    ex.manage(spinner.tid, tgid(), spinner.start_time())
-        .unwrap();
+    ex.manage(
+        TaskId {
+            tid: spinner.tid,
+            start_time: spinner.start_time(),
+        },
+        tgid(),
+    )
+    .unwrap();
     let (s50, s99, smax) = measure(&mut ex, spinner.tid, a, b, 2000);
     eprintln!(
         "move_to latency, running thread, 2000 moves: p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",

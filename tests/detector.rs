@@ -1187,6 +1187,7 @@ impl Drop for Starter {
 )]
 fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
     use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
+    use migrater::hook::TaskId;
     use migrater::journal::AffinityJournal;
     assert_root();
     let _serial = serial();
@@ -1207,7 +1208,14 @@ fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
     let theirs = Starter::spawn();
     std::thread::sleep(Duration::from_millis(50));
     let start = os_layer::TaskStat::of_tid(ours.pid()).unwrap().start_time;
-    ex.manage(ours.pid(), ours.pid(), start).expect("manage");
+    ex.manage(
+        TaskId {
+            tid: ours.pid(),
+            start_time: start,
+        },
+        ours.pid(),
+    )
+    .expect("manage");
     assert!(matches!(ex.move_to(ours.pid(), pin), Outcome::Moved { .. }));
     // Someone else's pin: never ours to undo.
     set_cpus(theirs.pid(), &[pin]).expect("pin");
@@ -1242,8 +1250,14 @@ fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
 
     // A child that changed its own mask since its birth keeps it.
     let start = os_layer::TaskStat::of_tid(ours.pid()).unwrap().start_time;
-    ex.manage(ours.pid(), ours.pid(), start)
-        .expect("manage again");
+    ex.manage(
+        TaskId {
+            tid: ours.pid(),
+            start_time: start,
+        },
+        ours.pid(),
+    )
+    .expect("manage again");
     assert!(matches!(ex.move_to(ours.pid(), pin), Outcome::Moved { .. }));
     let (shell, sleep) = ours.start();
     set_cpus(sleep, &[own[0]]).expect("its own choice");
@@ -1256,7 +1270,17 @@ fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
     // mask, not the pin it inherited.
     let (shell, sleep) = ours.start();
     let start = os_layer::TaskStat::of_tid(sleep).unwrap().start_time;
-    assert_eq!(ex.manage(sleep, sleep, start).expect("manage"), [pin]);
+    assert_eq!(
+        ex.manage(
+            TaskId {
+                tid: sleep,
+                start_time: start
+            },
+            sleep
+        )
+        .expect("manage"),
+        [pin]
+    );
     let forks = tracker.take_forks().expect("forks");
     assert_eq!(ex.undo_inherited(&forks), 2, "{forks:?}");
     assert_eq!(get_cpus(shell).unwrap(), own);

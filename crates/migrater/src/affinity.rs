@@ -33,6 +33,7 @@ use std::time::{Duration, Instant};
 use task_detector::ForkSample;
 use tracing::{debug, info, warn};
 
+use crate::hook::TaskId;
 use os_layer::{cpus_of, parse_cpu_list, to_cpuset, Root, TaskStat};
 
 use crate::journal::{
@@ -186,7 +187,8 @@ impl AffinityExecutor {
     /// Takes a task over: checks it is the expected, non-kernel task, journals its
     /// original mask (before any change), and returns the CPUs it may be pinned to
     /// (original mask ∩ cpuset). Calling it again for a managed task returns the same list.
-    pub fn manage(&mut self, tid: u32, tgid: u32, start_time: u64) -> anyhow::Result<Vec<usize>> {
+    pub fn manage(&mut self, task: TaskId, tgid: u32) -> anyhow::Result<Vec<usize>> {
+        let TaskId { tid, start_time } = task;
         if let Some(m) = self.tasks.get(&tid) {
             if m.start_time == start_time && !m.external {
                 return Ok(m.allowed.clone());

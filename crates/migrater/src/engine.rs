@@ -318,8 +318,8 @@ struct Tasks {
     kept_found: HashMap<TaskId, Mono>,
     /// Managed tasks said once not to be keepable with their completions.
     unkept: HashSet<TaskId>,
-    /// Partners of I/O-bound tasks by tid, with when a sample last saw each.
-    partners: HashMap<u32, (Partner, Mono)>,
+    /// Partners of I/O-bound tasks, with when a sample last saw each.
+    partners: HashMap<TaskId, (Partner, Mono)>,
 }
 
 impl Engine {
@@ -459,7 +459,11 @@ impl Engine {
             };
             self.window.found = out.tasks;
             for p in out.partners {
-                self.tasks.partners.insert(p.tid, (p, now));
+                let id = TaskId {
+                    tid: p.tid,
+                    start_time: p.start_time,
+                };
+                self.tasks.partners.insert(id, (p, now));
             }
             self.window.fresh = true;
             Some(io_seen)

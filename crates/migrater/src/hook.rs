@@ -280,7 +280,7 @@ pub fn anchor_on_held(
         };
         if let Some(ex) = placement.executor.as_mut() {
             if !ex.is_managed(t.tid) {
-                if let Err(e) = ex.manage(t.tid, t.tgid, t.start_time) {
+                if let Err(e) = ex.manage(t.id(), t.tgid) {
                     debug!(tid = t.tid, "not anchoring: {e:#}");
                     continue;
                 }

@@ -42,7 +42,7 @@ impl<S: PlacementSettings> TaskPlacement for LivePlacement<'_, S> {
     }
     fn manage(&mut self, task: TaskId, tgid: u32) -> Result<Vec<usize>> {
         match lock_placement(&self.shared.placement).executor.as_mut() {
-            Some(ex) => ex.manage(task.tid, tgid, task.start_time),
+            Some(ex) => ex.manage(task, tgid),
             None => Ok(self.all_cpus.clone()),
         }
     }

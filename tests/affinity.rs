@@ -288,14 +288,7 @@ fn exited_task_is_gone_not_an_error() {
     assert_eq!(ex.release(tid), Outcome::Gone);
     assert!(AffinityJournal::open(&path).unwrap().is_empty());
     assert!(
-        ex.manage(
-            TaskId {
-                tid,
-                start_time: 1
-            },
-            tgid()
-        )
-        .is_err(),
+        ex.manage(TaskId { tid, start_time: 1 }, tgid()).is_err(),
         "an exited task cannot be managed"
     );
 }

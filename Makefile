@@ -31,10 +31,11 @@ lint: setup
 
 # Unit tests, then the real-kernel tests (root; built by another user, cargo reports them
 # ignored, and run by another user they fail saying so). The integration tests share the
-# CPUs with a steal emulator, so they run one at a time.
+# CPUs with a steal emulator, so they run one at a time. Every test binary runs even when
+# one fails (--no-fail-fast): one failure never hides the rest; the run still fails.
 test: lint lab-setup
 	$(CARGO) build --workspace --bins
-	$(CARGO) test --workspace -- --test-threads=$(TEST_THREADS)
+	$(CARGO) test --workspace --no-fail-fast -- --test-threads=$(TEST_THREADS)
 
 bench-micro: setup
 	$(CARGO) bench -p vmigrater-testbed --bench estimator --bench classifier --bench planner --bench credit_core --bench frame_parse

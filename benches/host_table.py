@@ -7,8 +7,11 @@ Without --detail (the README's table): one row per cell (host policy, vCPUs per 
 vanilla's median IOPS and each shipped mode's and baseline's ratio of medians to vanilla with
 its 95% bootstrap interval, then the other VMs' CPU time under the agent's modes against
 vanilla (the modes that do not weight vCPUs leave it at 1.00x by construction; --detail shows
-them). With --detail: one row per cell and mode, with the worst run, the paired ratio, the
-other VMs' CPU time and the guest's share of its CPUs; for applications also the stalled
+them), then the guest's own co-located work (its CPU hogs) under each of our modes against
+vanilla, per vCPU and in total. With --detail: one row per cell and mode, with the worst
+run and its ratio to the vanilla run of its repetition, the paired ratio, the other VMs' CPU time, the guest's share of its
+CPUs and the guest's own co-located work (a CPU hog pinned on each vCPU) against vanilla's,
+per vCPU where the file has it and in total; for applications also the stalled
 seconds (whole seconds from the first request below 5% of vanilla's median rate in that
 cell, over all runs) and, where the runs sampled it, the share of samples with client and
 server on different vCPUs, in all seconds and in the stalled ones.
@@ -54,6 +57,35 @@ def apart(runs, floor):
     return f"{mean(every)}, {mean(stalled)}"
 
 
+def worst_paired(runs, base):
+    """The lowest ratio of a run to the vanilla run of its repetition (`–` for vanilla)."""
+    by_rep = {r["rep"]: r["value"] for r in base}
+    ratios = [r["value"] / by_rep[r["rep"]] for r in runs if by_rep.get(r["rep"])]
+    return f"{min(ratios):.2f}×" if ratios else "–"
+
+
+def median(v):
+    v = sorted(v)
+    n = len(v)
+    return (v[n // 2] + v[(n - 1) // 2]) / 2 if n else float("nan")
+
+
+def hogs(runs, base):
+    """The guest's own CPU hogs (co-located work) against vanilla's, ratio of medians per
+    vCPU and in total; the total alone in files that did not record them per vCPU."""
+    def ratio(key, i=None):
+        pick = (lambda r: r[key][i]) if i is not None else (lambda r: r[key])
+        b = median([pick(r) for r in base])
+        return f"{median([pick(r) for r in runs]) / b:.2f}×" if b else "–"
+
+    total = ratio("hog_units_per_s")
+    by_cpu = [r.get("hog_units_per_s_by_cpu") for r in runs + base]
+    if not all(by_cpu):
+        return f"total {total}"
+    return ", ".join(ratio("hog_units_per_s_by_cpu", i) for i in range(len(by_cpu[0]))) + \
+        f"; total {total}"
+
+
 def cell_name(name):
     policy, k = name.split(":")
     return f"{POLICY.get(policy, policy)}, {k}:1"
@@ -72,34 +104,41 @@ def main():
     if detail:
         apps = any(r.get("per_s") for r in d["runs"])
         extra = " stalled seconds | client and server apart: all, stalled |" if apps else ""
-        print(f"| cell | mode | {metric} (median) | worst run | vs vanilla | paired vs vanilla "
-              f"| others' CPU vs vanilla | guest share |{extra}")
-        print("|---" * (8 + 2 * apps) + "|")
+        print(f"| cell | mode | {metric} (median) | worst run | worst run / its vanilla run "
+              f"| vs vanilla | paired vs vanilla | others' CPU vs vanilla | guest share "
+              f"| guest's CPU hogs vs vanilla: per vCPU; total |{extra}")
+        print("|---" * (10 + 2 * apps) + "|")
         for name, c in d["cells"].items():
+            base = [r for r in d["runs"] if r["cell"] == name and r["mode"] == "vanilla"]
             for m in ["vanilla"] + modes:
                 e = c["modes"][m]
+                runs = [r for r in d["runs"] if r["cell"] == name and r["mode"] == m]
                 row = (
                     f"| {cell_name(name)} | {m} | {med(e, 'median'):,.0f} | "
-                    f"{med(e, 'worst'):,.0f} | {est(e.get('vs_vanilla'))} | "
+                    f"{med(e, 'worst'):,.0f} | {worst_paired(runs, base) if m != 'vanilla' else '–'} | "
+                    f"{est(e.get('vs_vanilla'))} | "
                     f"{est(e.get('paired_vs_vanilla'))} | {est(e.get('others_vs_vanilla'))} | "
-                    f"{e['guest_share_median']:.3f} |"
+                    f"{e['guest_share_median']:.3f} | {hogs(runs, base)} |"
                 )
                 if apps:
                     floor = 0.05 * med(c["modes"]["vanilla"], "median")
-                    runs = [r for r in d["runs"] if r["cell"] == name and r["mode"] == m]
                     row += f" {stalls(runs, floor)} | {apart(runs, floor)} |"
                 print(row)
         return
     shown = [m for m in modes if m != "liar"]
     weighted = [m for m in ("agent", "both") if m in modes]
+    ours = [m for m in ("vmigrater", "agent", "both") if m in modes]
     head = " | ".join(f"{m} / vanilla" for m in shown)
     others = " | ".join(f"other VMs' CPU, {m}" for m in weighted)
-    print(f"| host, vCPUs per CPU | vanilla {metric} | {head} | {others} |")
-    print("|---" * (2 + len(shown) + len(weighted)) + "|")
+    guest = " | ".join(f"guest's hogs per vCPU; total, {m}" for m in ours)
+    print(f"| host, vCPUs per CPU | vanilla {metric} | {head} | {others} | {guest} |")
+    print("|---" * (2 + len(shown) + len(weighted) + len(ours)) + "|")
     for name, c in d["cells"].items():
         row = [cell_name(name), f"{med(c['modes']['vanilla'], 'median'):,.0f}"]
         row += [est(c["modes"][m].get("vs_vanilla")) for m in shown]
         row += [est(c["modes"][m].get("others_vs_vanilla")) for m in weighted]
+        of = lambda m: [r for r in d["runs"] if r["cell"] == name and r["mode"] == m]
+        row += [hogs(of(m), of("vanilla")) for m in ours]
         print("| " + " | ".join(row) + " |")
 
 

@@ -3,8 +3,8 @@
 //! the same privileged path the daemon uses, and creates a cpuset); built by another user
 //! the tests are reported ignored, and run by another user they fail (`assert_root`).
 
+use migrater::affinity::TaskId;
 use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
-use migrater::hook::TaskId;
 use migrater::journal::{AffinityJournal, JournalEntry, JournalError, SliceChange};
 use os_layer::TaskStat;
 use std::path::{Path, PathBuf};

@@ -1186,8 +1186,8 @@ impl Drop for Starter {
     ignore = "needs root and 2 CPUs"
 )]
 fn the_processes_a_pinned_task_starts_get_its_own_mask_back() {
+    use migrater::affinity::TaskId;
     use migrater::affinity::{get_cpus, set_cpus, AffinityExecutor, Outcome};
-    use migrater::hook::TaskId;
     use migrater::journal::AffinityJournal;
     assert_root();
     let _serial = serial();

@@ -10,7 +10,8 @@
 use std::collections::HashSet;
 use task_detector::IoTaskInfo;
 
-use crate::hook::{TaskEntry, TaskId};
+use crate::affinity::TaskId;
+use crate::hook::TaskEntry;
 
 /// What the user and the daemon itself exclude from management.
 #[derive(Clone, Copy, Debug)]

@@ -33,12 +33,19 @@ use std::time::{Duration, Instant};
 use task_detector::ForkSample;
 use tracing::{debug, info, warn};
 
-use crate::hook::TaskId;
 use os_layer::{cpus_of, parse_cpu_list, to_cpuset, Root, TaskStat};
 
 use crate::journal::{
     mask_is_ours, restore_slice, AffinityJournal, JournalEntry, JournalError, SliceChange,
 };
+
+/// A task as the daemon tells it apart: a tid may be reused by another task, its start
+/// time (clock ticks since boot, `/proc/<tid>/stat` field 22) may not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct TaskId {
+    pub tid: u32,
+    pub start_time: u64,
+}
 
 /// What became of one requested change.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

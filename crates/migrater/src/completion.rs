@@ -18,7 +18,7 @@
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use task_detector::CompletionSite;
 
-use crate::hook::TaskId;
+use crate::affinity::TaskId;
 
 /// What a task's completions say about where it should run.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -24,9 +24,10 @@ use task_detector::{CpuIoSample, ForkSample, IoTaskInfo, Partner};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
 use crate::affinity::Outcome;
+use crate::affinity::TaskId;
 use crate::completion::{CompletionHomes, Home, HomeConfig};
 use crate::guard::{Contention, GuardConfig, MoveGuard};
-use crate::hook::{FoundTask, TaskEntry, TaskId};
+use crate::hook::{FoundTask, TaskEntry};
 use crate::planner::Reason;
 use crate::sampling::{CompletionEstimate, Schedule};
 use decision::UndoInherited;

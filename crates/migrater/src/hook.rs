@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, TryLockError};
 use tracing::debug;
 use vcpu_monitor::{TickEvent, TickHook, VcpuBoard, VcpuSnapshot};
 
-use crate::affinity::{AffinityExecutor, Outcome};
+use crate::affinity::{AffinityExecutor, Outcome, TaskId};
 use crate::anchor::{self, Placed};
 use crate::planner::{Move, Planner, Reason, TaskView, Trigger, VcpuView};
 
@@ -26,14 +26,6 @@ pub struct TaskEntry {
     pub priority: i32,
     pub last_cpu: usize,
     pub allowed: Vec<usize>,
-}
-
-/// A task as the daemon tells it apart: a tid may be reused by another task, its start
-/// time (clock ticks since boot, `/proc/<tid>/stat` field 22) may not.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct TaskId {
-    pub tid: u32,
-    pub start_time: u64,
 }
 
 impl TaskEntry {

@@ -11,8 +11,9 @@ use task_detector::{ForkSample, IoTaskInfo};
 use vcpu_monitor::{Demand, VcpuBoard};
 
 use crate::affinity::Outcome;
+use crate::affinity::TaskId;
 use crate::engine::TaskPlacement;
-use crate::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry, TaskId};
+use crate::hook::{anchor_on_held, lock_placement, FoundTask, Shared, TaskEntry};
 use crate::planner::Reason;
 
 /// What the placement reads from the user's configuration.

@@ -16,10 +16,9 @@ use crate::status::{
     self, AttachReport, DemandReport, GateReport, KeptStatus, PartnerStatus, SeenStatus,
     SourceReport, StatusReport, TaskStatus, VcpuStatus,
 };
+use migrater::affinity::TaskId;
 use migrater::engine::{EngineSnapshot, MoveGate};
-use migrater::hook::{
-    lock_placement, try_lock_placement, FoundTask, Placement, Shared, TaskEntry, TaskId,
-};
+use migrater::hook::{lock_placement, try_lock_placement, FoundTask, Placement, Shared, TaskEntry};
 
 /// Context of the daemon that the control plane and the channel read.
 pub struct Running {

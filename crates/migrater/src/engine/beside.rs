@@ -8,7 +8,8 @@
 use super::decision::{Beside, Keep, Otherwise, Pin};
 use super::tasks::Facts;
 use super::{Engine, PARTNER_GRACE};
-use crate::hook::{FoundTask, TaskId};
+use crate::affinity::TaskId;
+use crate::hook::FoundTask;
 use os_layer::Mono;
 
 impl Engine {

@@ -17,9 +17,10 @@ use vcpu_monitor::Demand;
 use super::decision::{self, Applied, Decision, Keep, Otherwise, Pin, Release, Why};
 use super::{Actuator, Anchored, Engine, KeptTask, MoveGate, SeenTask, TaskPlacement, KEEP_GRACE};
 use crate::admission::{self, Admission};
+use crate::affinity::TaskId;
 use crate::completion::Home;
 use crate::guard::{Burden, Phase};
-use crate::hook::{FoundTask, TaskEntry, TaskId};
+use crate::hook::{FoundTask, TaskEntry};
 
 /// What the step decided about tasks, for its nap.
 pub(super) struct Decided {

@@ -555,15 +555,19 @@ fn reads(mode: &str, data: &Data, s: &Settings, governed: &Governed) -> Result<V
     let elapsed = f(&w["elapsed_s"]);
     let readers = w["readers"].as_array().cloned().unwrap_or_default();
     let ops: f64 = readers.iter().map(|r| f(&r["ops"])).sum();
-    let hog_units: f64 = w["hogs"]
-        .as_array()
-        .map_or(0.0, |h| h.iter().map(|h| f(&h["units"])).sum());
+    // Hog i is pinned to vCPU i (`--pin-hogs`, one per vCPU): the guest's co-located work
+    // per vCPU, beside the reader's gain.
+    let hog_rates: Vec<f64> = w["hogs"].as_array().map_or(Vec::new(), |h| {
+        h.iter().map(|h| f(&h["units"]) / elapsed).collect()
+    });
+    let hog_units: f64 = hog_rates.iter().sum::<f64>() * elapsed;
     Ok(json!({
         "value": ops / elapsed,
         "iops": ops / elapsed,
         "elapsed_s": elapsed,
         "p99_us": readers.iter().map(|r| f(&r["p99_us"])).filter(|x| x.is_finite()).reduce(f64::max),
         "hog_units_per_s": hog_units / elapsed,
+        "hog_units_per_s_by_cpu": hog_rates,
         "reader_last_cpu": readers.iter().map(|r| r["last_cpu"].clone()).collect::<Vec<_>>(),
     }))
 }
@@ -594,7 +598,11 @@ fn app_once(app: App, mode: &str, data: &Data, s: &Settings, governed: &Governed
     let apart = Apart::start(governed.clone());
     let run = apps.run(app, s.secs, &place, &mut on_start);
     let samples = apart.stop();
-    let hog_units: u64 = hogs.into_iter().map(|h| h.stop().unwrap_or(0)).sum();
+    let secs = t0.elapsed().as_secs_f64();
+    let hog_rates: Vec<f64> = hogs
+        .into_iter()
+        .map(|h| h.stop().unwrap_or(0) as f64 / secs)
+        .collect();
     let run = run?;
     let apart_per_s = per_second(&samples, run.first_request_unix_s, run.per_s.len());
     Ok(json!({
@@ -605,7 +613,8 @@ fn app_once(app: App, mode: &str, data: &Data, s: &Settings, governed: &Governed
         "per_s": run.per_s,
         "p99_ms": run.p99_ms,
         "server_start_s": run.server_start_s,
-        "hog_units_per_s": hog_units as f64 / t0.elapsed().as_secs_f64(),
+        "hog_units_per_s": hog_rates.iter().sum::<f64>(),
+        "hog_units_per_s_by_cpu": hog_rates,
         "app": run.extra,
     }))
 }

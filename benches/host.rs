@@ -560,13 +560,12 @@ fn reads(mode: &str, data: &Data, s: &Settings, governed: &Governed) -> Result<V
     let hog_rates: Vec<f64> = w["hogs"].as_array().map_or(Vec::new(), |h| {
         h.iter().map(|h| f(&h["units"]) / elapsed).collect()
     });
-    let hog_units: f64 = hog_rates.iter().sum::<f64>() * elapsed;
     Ok(json!({
         "value": ops / elapsed,
         "iops": ops / elapsed,
         "elapsed_s": elapsed,
         "p99_us": readers.iter().map(|r| f(&r["p99_us"])).filter(|x| x.is_finite()).reduce(f64::max),
-        "hog_units_per_s": hog_units / elapsed,
+        "hog_units_per_s": hog_rates.iter().sum::<f64>(),
         "hog_units_per_s_by_cpu": hog_rates,
         "reader_last_cpu": readers.iter().map(|r| r["last_cpu"].clone()).collect::<Vec<_>>(),
     }))

@@ -9,9 +9,10 @@ its 95% bootstrap interval, then the other VMs' CPU time under the agent's modes
 vanilla (the modes that do not weight vCPUs leave it at 1.00x by construction; --detail shows
 them), then the guest's own co-located work (its CPU hogs) under each of our modes against
 vanilla, per vCPU and in total. With --detail: one row per cell and mode, with the worst
-run and its ratio to the vanilla run of its repetition, the paired ratio, the other VMs' CPU time, the guest's share of its
-CPUs and the guest's own co-located work (a CPU hog pinned on each vCPU) against vanilla's,
-per vCPU where the file has it and in total; for applications also the stalled
+run and its ratio to the vanilla run of its repetition, the paired ratio, the other VMs'
+CPU time, the guest's share of its CPUs and the guest's own co-located work (a CPU hog
+pinned on each vCPU) against vanilla's, per vCPU where the file has it and in total; for
+applications also the stalled
 seconds (whole seconds from the first request below 5% of vanilla's median rate in that
 cell, over all runs) and, where the runs sampled it, the share of samples with client and
 server on different vCPUs, in all seconds and in the stalled ones.
@@ -58,7 +59,7 @@ def apart(runs, floor):
 
 
 def worst_paired(runs, base):
-    """The lowest ratio of a run to the vanilla run of its repetition (`–` for vanilla)."""
+    """The lowest ratio of a run to the vanilla run of its repetition."""
     by_rep = {r["rep"]: r["value"] for r in base}
     ratios = [r["value"] / by_rep[r["rep"]] for r in runs if by_rep.get(r["rep"])]
     return f"{min(ratios):.2f}×" if ratios else "–"

@@ -23,8 +23,7 @@ use std::time::Duration;
 use task_detector::{CpuIoSample, ForkSample, IoTaskInfo, Partner};
 use vcpu_monitor::{Demand, VcpuSnapshot};
 
-use crate::affinity::Outcome;
-use crate::affinity::TaskId;
+use crate::affinity::{Outcome, TaskId};
 use crate::completion::{CompletionHomes, Home, HomeConfig};
 use crate::guard::{Contention, GuardConfig, MoveGuard};
 use crate::hook::{FoundTask, TaskEntry};

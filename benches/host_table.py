@@ -18,6 +18,7 @@ cell, over all runs) and, where the runs sampled it, the share of samples with c
 server on different vCPUs, in all seconds and in the stalled ones.
 """
 import json
+import statistics
 import sys
 
 MODES = ["vmigrater", "agent", "dryrun", "both", "governor", "pinned", "liar"]
@@ -65,19 +66,13 @@ def worst_paired(runs, base):
     return f"{min(ratios):.2f}×" if ratios else "–"
 
 
-def median(v):
-    v = sorted(v)
-    n = len(v)
-    return (v[n // 2] + v[(n - 1) // 2]) / 2 if n else float("nan")
-
-
 def hogs(runs, base):
     """The guest's own CPU hogs (co-located work) against vanilla's, ratio of medians per
     vCPU and in total; the total alone in files that did not record them per vCPU."""
     def ratio(key, i=None):
         pick = (lambda r: r[key][i]) if i is not None else (lambda r: r[key])
-        b = median([pick(r) for r in base])
-        return f"{median([pick(r) for r in runs]) / b:.2f}×" if b else "–"
+        b = statistics.median(pick(r) for r in base)
+        return f"{statistics.median(pick(r) for r in runs) / b:.2f}×" if b else "–"
 
     total = ratio("hog_units_per_s")
     by_cpu = [r.get("hog_units_per_s_by_cpu") for r in runs + base]

@@ -73,6 +73,7 @@ fn agent_period(c: &mut Criterion) {
                 carries_io: v.events > 0,
                 io_free: v.events == 0,
                 always_runnable: true,
+                follows_host: false,
             })
         })
         .collect::<Vec<_>>();

@@ -29,6 +29,7 @@ fn bench(c: &mut Criterion) {
         version: 1,
         agent: "bench".into(),
         vcpus: 16,
+        follows_host: false,
     })
     .to_line();
     c.bench_function("parse_1000_reports_16vcpu", |b| {

@@ -9,8 +9,11 @@
 //! - `vmigrater`: the release daemon, default configuration (no host channel);
 //! - `agent`: `vmigrater-hv-agent` with its `model` backend driving the model's weights
 //!   every period, fed by the guest daemon's reports over the real wire protocol (a pty
-//!   stands in for the virtio-serial port) with the daemon in `--dry-run` (it reports and
-//!   moves nothing): the host half alone;
+//!   stands in for the virtio-serial port) with the daemon in `--follow-host` (it reports,
+//!   and moves I/O-bound tasks only onto the vCPUs the agent holds: every decision is the
+//!   host's);
+//! - `agent_report`: the same agent with the daemon in `--dry-run` (it reports and moves
+//!   nothing): the host's weights alone;
 //! - `dryrun`: the daemon in `--dry-run` alone, no channel, no agent: what the reporting
 //!   daemon of `agent` costs the guest by itself;
 //! - `both`: the daemon moving tasks and reporting, and the agent;
@@ -56,10 +59,11 @@ use vmigrater_testbed::report::{est, f, fmt_est, list};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
-const MODES: [&str; 8] = [
+const MODES: [&str; 9] = [
     "vanilla",
     "vmigrater",
     "agent",
+    "agent_report",
     "dryrun",
     "both",
     "governor",
@@ -79,6 +83,8 @@ struct Settings {
     cells: Vec<(Policy, usize)>,
     modes: Vec<&'static str>,
     duty: Option<Duty>,
+    /// The fair policy's slice, where not the model's default.
+    fair_slice: Option<Duration>,
     work: Work,
     out: PathBuf,
 }
@@ -108,6 +114,7 @@ fn parse_args() -> Result<Settings> {
         cells: parse_cells(CELLS)?,
         modes: MODES.to_vec(),
         duty: None,
+        fair_slice: None,
         work: Work::Reads,
         out: vmigrater_testbed::bench_dir(),
     };
@@ -140,6 +147,9 @@ fn parse_args() -> Result<Settings> {
                     period_ns: p.parse::<u64>()? * 1_000_000,
                     on_ns: on.parse::<u64>()? * 1_000_000,
                 });
+            }
+            "--fair-slice-ms" => {
+                s.fair_slice = Some(Duration::from_secs_f64(val()?.parse::<f64>()? / 1e3))
             }
             "--workload" => s.work = Work::parse(&val()?)?,
             "--out" => s.out = val()?.into(),
@@ -410,11 +420,14 @@ fn run_once(
     let cpus: Vec<usize> = (0..ncpus()).collect();
     let mut cfg = HostConfig::new(policy, k, cpus.clone());
     cfg.duty = s.duty;
+    if let Some(d) = s.fair_slice {
+        cfg.timings.base_slice_ns = d.as_nanos() as u64;
+    }
     cfg.pin_dir = format!("/sys/fs/bpf/vmigrater-bench-host-{tag}").into();
     let model = HostModel::start(&cfg).context("starting the host model")?;
     let reader = model.reader()?;
     let start_ns = model.start_ns();
-    let port = matches!(mode, "agent" | "both" | "liar")
+    let port = matches!(mode, "agent" | "agent_report" | "both" | "liar")
         .then(Port::open)
         .transpose()?;
     let daemon_config =
@@ -422,10 +435,15 @@ fn run_once(
     let (daemon, agent) = match (mode, &port) {
         ("vmigrater", _) => (Some(BenchDaemon::start("", &[])?), None),
         ("dryrun", _) => (Some(BenchDaemon::start("", &["--dry-run"])?), None),
-        ("agent", Some(p)) => {
+        ("agent" | "agent_report", Some(p)) => {
             let agent = BenchAgent::start(&cfg.pin_dir, &p.socket(), k)?;
+            let guest = if mode == "agent" {
+                "--follow-host"
+            } else {
+                "--dry-run"
+            };
             (
-                Some(BenchDaemon::start(&daemon_config(p), &["--dry-run"])?),
+                Some(BenchDaemon::start(&daemon_config(p), &[guest])?),
                 Some(agent),
             )
         }
@@ -884,6 +902,7 @@ fn main() -> Result<()> {
             "steal_for_governor": "the model's per-vCPU out time (entities[cpu][0].wait_ns), not /proc/stat, which does not see the model",
             "governor_scope": "the workload's threads (the reader and the pinned hogs), not every task of the machine",
             "duty": s.duty,
+            "fair_slice_ns": s.fair_slice.map(|d| d.as_nanos() as u64),
             "workload": s.work.name(),
             "metric": s.work.metric(),
             "workload_desc": match s.work {

@@ -21,7 +21,7 @@ import json
 import statistics
 import sys
 
-MODES = ["vmigrater", "agent", "dryrun", "both", "governor", "pinned", "liar"]
+MODES = ["vmigrater", "agent", "agent_report", "dryrun", "both", "governor", "pinned", "liar"]
 POLICY = {"fair": "fair (KVM-like)", "credit": "credit (Xen-like)"}
 
 
@@ -122,7 +122,7 @@ def main():
                 print(row)
         return
     shown = [m for m in modes if m != "liar"]
-    weighted = [m for m in ("agent", "both") if m in modes]
+    weighted = [m for m in ("agent", "agent_report", "both") if m in modes]
     ours = [m for m in ("vmigrater", "agent", "both") if m in modes]
     head = " | ".join(f"{m} / vanilla" for m in shown)
     others = " | ".join(f"other VMs' CPU, {m}" for m in weighted)

@@ -258,6 +258,8 @@ struct VmPeriod<'a> {
     by_kicks: bool,
     observe_schedstat: bool,
     period_ns: u64,
+    /// Its guest moves I/O-bound tasks only where the host holds vCPUs.
+    follows_host: bool,
 }
 
 impl VmPeriod<'_> {
@@ -353,6 +355,7 @@ impl VmPeriod<'_> {
             carries_io,
             io_free: no_tasks_lately,
             always_runnable: track.status.always_runnable,
+            follows_host: self.follows_host,
         }
     }
 }
@@ -624,6 +627,8 @@ impl Agent {
                 by_kicks,
                 observe_schedstat: self.cfg.observe_schedstat,
                 period_ns,
+                follows_host: vm.guest.connected.load(Ordering::Relaxed)
+                    && vm.guest.follows_host.load(Ordering::Relaxed),
             };
             for (cpu, track) in vm.tracks.iter_mut().enumerate() {
                 figures.push(vm_period.vcpu_figures(cpu, track, deltas[cpu], host_events[cpu]));

@@ -38,6 +38,9 @@ pub struct GuestState {
     pub disconnects: AtomicU64,
     /// vCPUs the connected guest announced in its hello (0 while not connected).
     pub vcpus: AtomicU32,
+    /// The connected guest moves its I/O-bound tasks only where the host holds vCPUs
+    /// (its hello's `follows_host`; false while not connected).
+    pub follows_host: AtomicBool,
     /// Connections made to the guest's channel (a flapping guest makes many).
     pub connections: AtomicU64,
     /// Log lines about this guest suppressed by the rate limit.
@@ -291,6 +294,7 @@ pub fn run(
         let session = serve(&socket, stream, min_interval, epoch, &mut log, &stop);
         state.connected.store(false, Ordering::Relaxed);
         state.vcpus.store(0, Ordering::Relaxed);
+        state.follows_host.store(false, Ordering::Relaxed);
         // The guest left: its reports no longer stand for its vCPUs.
         state
             .latest
@@ -366,7 +370,7 @@ fn serve(
             match session.on_line(monotonic_ns(epoch), line) {
                 Ok(Accepted::Hello(h)) => {
                     if log.admit(Said::Hello) {
-                        info!(vm, agent = %h.agent, vcpus = h.vcpus, "guest said hello");
+                        info!(vm, agent = %h.agent, vcpus = h.vcpus, follows_host = h.follows_host, "guest said hello");
                     }
                     state
                         .latest
@@ -374,6 +378,7 @@ fn serve(
                         .unwrap_or_else(PoisonError::into_inner)
                         .clear();
                     state.vcpus.store(h.vcpus, Ordering::Relaxed);
+                    state.follows_host.store(h.follows_host, Ordering::Relaxed);
                     state.reply(
                         vm,
                         &Message::Welcome(Welcome {

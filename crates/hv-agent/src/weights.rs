@@ -55,6 +55,9 @@ pub struct VcpuFigures {
     /// credit1-like host it loses BOOST and waits out other VMs' 30 ms slices), which a
     /// request that crosses it (a database's client) pays at every turn.
     pub always_runnable: bool,
+    /// Its VM's guest moves its I/O-bound tasks only onto the vCPUs the host holds
+    /// (`follows_host` in its hello): it may be asked to gather them (see [`invite`]).
+    pub follows_host: bool,
 }
 
 /// How the plan turns credits into settings.
@@ -78,8 +81,9 @@ pub struct Setting {
     pub iv_credit: f64,
     pub cv_credit: f64,
     pub boost: bool,
-    /// Favoured because it carries its VM's I/O (`vm-funded`): the guest is told to keep
-    /// its I/O-bound tasks there.
+    /// Favoured because it carries its VM's I/O (`vm-funded`), or named for it where the
+    /// guest follows the host ([`invite`]): the guest is told to keep its I/O-bound tasks
+    /// there.
     pub held: bool,
 }
 
@@ -153,8 +157,40 @@ pub fn plan(params: &CreditParams, rules: &Rules, vcpus: &[VcpuFigures]) -> Vec<
             // for any I/O: only the vCPU that carries it is held.
             s.held = d > 0 && f.carries_io;
         }
+        let mut by_vm: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for (i, f) in ordered.iter().enumerate() {
+            by_vm.entry(f.key.0).or_default().push(i);
+        }
+        for members in by_vm.values() {
+            let vm: Vec<&VcpuFigures> = members.iter().map(|&i| ordered[i]).collect();
+            let favoured = members.iter().any(|&i| out[i].weight != 1.0);
+            if let Some(at) = invite(&vm).filter(|_| !favoured) {
+                out[members[at]].held = true;
+            }
+        }
     }
     out
+}
+
+/// Where a guest that follows the host should gather its I/O-bound tasks while nothing
+/// pays for a favour: the vCPU that completes its I/O (at least twice the events of each
+/// of its other vCPUs). A reader left on another vCPU needs both to run for every
+/// request, and neither can pay for the other; once it sits with its completions, the
+/// vCPU it left is free of the VM's I/O and can pay, and the favour follows (`fund`).
+/// Naming a vCPU moves no weight: a guest that claims I/O gains nothing by it. Index into
+/// `vm` (one VM's vCPUs), or None where the guest does not follow the host, it has one
+/// vCPU, or no vCPU dominates.
+pub fn invite(vm: &[&VcpuFigures]) -> Option<usize> {
+    if vm.len() < 2 || !vm.iter().all(|f| f.follows_host) {
+        return None;
+    }
+    let (at, top) = vm.iter().enumerate().max_by_key(|(_, f)| f.events)?;
+    let dominant = top.events > 0
+        && vm
+            .iter()
+            .enumerate()
+            .all(|(i, f)| i == at || top.events >= f.events.saturating_mul(2));
+    dominant.then_some(at)
 }
 
 /// The weights (factors of the default) of the favoured and the paying vCPU of a
@@ -264,6 +300,7 @@ mod tests {
             carries_io: events > 0,
             io_free: events == 0,
             always_runnable: true,
+            follows_host: false,
         }
     }
 
@@ -340,6 +377,7 @@ mod tests {
             carries_io: io,
             io_free: !io,
             always_runnable: true,
+            follows_host: false,
         }
     }
 
@@ -558,5 +596,71 @@ mod tests {
         let s = plan(&CreditParams::default(), &rules, &v);
         assert!(s[1].boost, "the credit core still runs: {s:?}");
         assert_eq!((s[0].nice, s[1].nice), (0, 0));
+    }
+
+    /// A reader on vCPU 0 whose requests complete on vCPU 1 (each on its own CPU, shared
+    /// with VM 1): both carry the VM's I/O, so nothing pays and nothing is favoured.
+    fn split_reader(follows: bool) -> Vec<VcpuFigures> {
+        let mut v = vec![
+            vcpu(0, 0, 0, true),
+            vcpu(0, 1, 1, false),
+            vcpu(1, 0, 0, false),
+            vcpu(1, 1, 1, false),
+        ];
+        v[0].events = 3;
+        v[1].events = 900;
+        v[1].io_free = false;
+        for f in &mut v[..2] {
+            f.follows_host = follows;
+        }
+        v
+    }
+
+    #[test]
+    fn a_follower_is_asked_to_gather_its_io_where_it_completes() {
+        let p = CreditParams::default();
+        let s = plan(&p, &vm_funded(), &split_reader(true));
+        assert!(s.iter().all(|s| s.weight == 1.0), "no weight moves: {s:?}");
+        let held: Vec<VcpuKey> = s.iter().filter(|s| s.held).map(|s| s.key).collect();
+        assert_eq!(held, [(0, 1)], "the completion vCPU: {s:?}");
+        // A guest that does not follow is not asked: it would not move, and a `held`
+        // would stop its own moves.
+        let s = plan(&p, &vm_funded(), &split_reader(false));
+        assert!(s.iter().all(|s| !s.held && s.weight == 1.0), "{s:?}");
+    }
+
+    #[test]
+    fn once_it_sits_with_its_completions_the_favour_follows() {
+        let p = CreditParams::default();
+        let mut v = split_reader(true);
+        // The reader moved to vCPU 1; vCPU 0 is free of the VM's I/O and pays.
+        v[0].carries_io = false;
+        v[0].io_free = true;
+        v[0].events = 0;
+        v[1].carries_io = true;
+        let s = plan(&p, &vm_funded(), &v);
+        assert!(s[1].held && s[1].weight > 1.0, "{s:?}");
+        assert!(!s[0].held && s[0].weight < 1.0, "{s:?}");
+        // Until it is free (its tasks seen lately), the invitation stands, weights alone.
+        v[0].io_free = false;
+        let s = plan(&p, &vm_funded(), &v);
+        assert!(s[1].held && s.iter().all(|s| s.weight == 1.0), "{s:?}");
+    }
+
+    #[test]
+    fn no_invitation_where_no_vcpu_dominates() {
+        let mut v = split_reader(true);
+        v[0].events = 500;
+        let vm: Vec<&VcpuFigures> = v[..2].iter().collect();
+        assert_eq!(invite(&vm), None, "I/O spread over both");
+        v[0].events = 450;
+        let vm: Vec<&VcpuFigures> = v[..2].iter().collect();
+        assert_eq!(invite(&vm), Some(1), "twice the other's");
+        for f in &mut v[..2] {
+            f.events = 0;
+        }
+        let vm: Vec<&VcpuFigures> = v[..2].iter().collect();
+        assert_eq!(invite(&vm), None, "no I/O");
+        assert_eq!(invite(&[&v[1]]), None, "one vCPU");
     }
 }

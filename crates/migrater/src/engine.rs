@@ -77,6 +77,9 @@ pub struct EngineConfig {
     /// Whether the threads a kept task wakes and is woken by are kept beside it
     /// (`engine::beside`).
     pub keep_partners: bool,
+    /// Whether the daemon moves tasks on its own judgement; without, only onto the vCPUs
+    /// the host agent holds (`migration.follow_host`).
+    pub own_moves: bool,
 }
 
 /// What the host agent says, as the channel last heard it.
@@ -210,6 +213,8 @@ pub enum MoveGate {
     Open,
     /// The host agent favours the vCPUs that hold the tasks: they stay there.
     HostHolds,
+    /// The daemon moves tasks only where the host agent holds vCPUs, and it holds none.
+    FollowsHost,
     /// No vCPU was out while another ran, often enough for a move to pay (the contention
     /// gate), and vCPUs were not out all at once either.
     NotContended,

@@ -11,7 +11,10 @@
 //!
 //! Guest → host:
 //! - `{"type":"hello","version":1,"agent":"vmigrater 0.1.0","vcpus":2}` — first line of a
-//!   session.
+//!   session. `follows_host` (optional, absent = false; added after version 1 without a
+//!   version bump, like `held`): the guest moves its I/O-bound tasks only onto the vCPUs
+//!   the host names `held`, and never on its own, so the host may name a vCPU for the
+//!   guest's I/O before anything pays for a favour there.
 //! - `{"type":"report","seq":7,"period_ms":100,"vcpus":[{"cpu":0,"io_completions":1200,
 //!   "io_interval_ema_us":85.5,"io_bound_tasks":1,"inactive_ratio":0.48,
 //!   "slice_estimate_us":9900.0}]}` — per period while the guest has I/O to report,
@@ -69,6 +72,8 @@ pub struct Hello {
     pub version: u32,
     pub agent: String,
     pub vcpus: u32,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub follows_host: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -256,6 +261,13 @@ mod tests {
                 version: 1,
                 agent: "vmigrater 0.1.0".into(),
                 vcpus: 2,
+                follows_host: false,
+            }),
+            Message::Hello(Hello {
+                version: 1,
+                agent: "vmigrater 0.1.0".into(),
+                vcpus: 2,
+                follows_host: true,
             }),
             report(),
             Message::Welcome(Welcome {
@@ -293,6 +305,33 @@ mod tests {
     fn the_documented_example_parses() {
         let line = br#"{"type":"report","seq":7,"period_ms":100,"vcpus":[{"cpu":0,"io_completions":1200,"io_interval_ema_us":85.5,"io_bound_tasks":1,"inactive_ratio":0.48,"slice_estimate_us":9900.0}]}"#;
         assert_eq!(Message::parse(line).unwrap(), report());
+    }
+
+    /// `follows_host` came after version 1: a guest that predates it says nothing (read as
+    /// false), and a hello without it is sent exactly as version 1 did.
+    #[test]
+    fn follows_host_is_compatible_both_ways() {
+        let old_guest = br#"{"type":"hello","version":1,"agent":"vmigrater 0.1.0","vcpus":2}"#;
+        match Message::parse(old_guest).unwrap() {
+            Message::Hello(h) => assert!(!h.follows_host),
+            m => panic!("{m:?}"),
+        }
+        let plain = Message::Hello(Hello {
+            version: 1,
+            agent: "vmigrater 0.1.0".into(),
+            vcpus: 2,
+            follows_host: false,
+        });
+        assert_eq!(plain.to_line().trim_end().as_bytes(), old_guest);
+        let follower = Message::Hello(Hello {
+            follows_host: true,
+            ..match plain {
+                Message::Hello(h) => h,
+                _ => unreachable!(),
+            }
+        })
+        .to_line();
+        assert!(follower.contains(r#""follows_host":true"#), "{follower}");
     }
 
     /// `held` came after version 1: an agent that predates it sends none (read as false),

@@ -159,6 +159,7 @@ mod tests {
             version: 1,
             agent: "t".into(),
             vcpus,
+            follows_host: false,
         })
         .to_line()
         .into_bytes()

@@ -189,6 +189,7 @@ impl LineWriter {
 pub fn run(
     path: &Path,
     period: Duration,
+    follows_host: bool,
     sample: impl Fn() -> Vec<VcpuSample>,
     stats: &ChannelStats,
     stop: &control::Stop,
@@ -221,6 +222,7 @@ pub fn run(
             version: PROTOCOL_VERSION,
             agent: format!("vmigrater {}", env!("CARGO_PKG_VERSION")),
             vcpus,
+            follows_host,
         });
         // A port nobody listens to on the host takes nothing (EAGAIN): no session then,
         // and no report may go out before a whole hello has.

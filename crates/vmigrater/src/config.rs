@@ -152,6 +152,11 @@ pub struct MigrationSection {
     /// vCPU each request would wait for that vCPU's window too. They get the short slice
     /// as well.
     pub keep_partners: bool,
+    /// Move I/O-bound tasks only onto the vCPUs the host agent holds for the guest's I/O,
+    /// never on the daemon's own judgement: for a host that runs vmigrater-hv-agent and
+    /// should make every placement decision. The guest says so in its hello, so the agent
+    /// may name a vCPU for its I/O before anything pays for a favour there.
+    pub follow_host: bool,
 }
 
 impl Default for MigrationSection {
@@ -161,6 +166,7 @@ impl Default for MigrationSection {
             guard: true,
             follow_completions: true,
             keep_partners: true,
+            follow_host: false,
         }
     }
 }
@@ -680,6 +686,7 @@ const KEY_DOCS: &[(&str, &str)] = &[
     ("migration.guard", "Measure whether moves raise the guest's block I/O rate, and hold tasks on\ntheir own masks while they do not."),
     ("migration.follow_completions", "Keep an I/O-bound task on the vCPU that takes its completion interrupts\nwhere that vCPU is fixed; false: always move towards running vCPUs."),
     ("migration.keep_partners", "Keep beside a kept task the threads it wakes many times a second (a\ndatabase backend's client)."),
+    ("migration.follow_host", "Move I/O-bound tasks only onto the vCPUs the host agent holds for the\nguest's I/O, never on the daemon's own judgement (a host running vmigrater-hv-agent)."),
     ("metrics.enabled", "Serve metrics."),
     ("metrics.listen", "Address of the metrics endpoint (localhost only by default)."),
     ("channel.enabled", "Report to the host agent when its port exists."),

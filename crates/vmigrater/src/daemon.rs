@@ -219,12 +219,14 @@ fn spawn_channel(
     }
     let (running, stop, path) = (running.clone(), stop.clone(), cfg.channel.path.clone());
     let period = Duration::from_millis(cfg.advanced.channel.period_ms);
+    let follows_host = cfg.migration.follow_host;
     let handle = std::thread::Builder::new()
         .name("vmigrater-chan".into())
         .spawn(move || {
             channel::run(
                 &path,
                 period,
+                follows_host,
                 || running.channel_sample(),
                 &running.channel,
                 &stop,

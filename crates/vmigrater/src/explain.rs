@@ -45,6 +45,8 @@ pub enum Reason {
     Excluded,
     /// The host agent favours the vCPUs that hold the I/O: tasks stay where they are.
     HostHolds,
+    /// The daemon moves tasks only where the host agent holds vCPUs (`follow_host`).
+    FollowsHost,
     /// No vCPU is out while another runs often enough for a move to pay.
     NotContended,
     /// The move guard measured that moves did not pay; none until its next probe.
@@ -226,6 +228,12 @@ fn left(r: &StatusReport, seen: Option<&SeenStatus>) -> Verdict {
     }
     match r.move_gate {
         // Found or not, nothing would move it: that is what the operator must know first.
+        GateReport::FollowsHost => (
+            Reason::FollowsHost,
+            None,
+            "this daemon moves tasks only onto the vCPUs the host agent holds (migration.follow_host), and it holds none".into(),
+            "the host agent holding a vCPU for the guest's I/O (its replies saying `held`)".into(),
+        ),
         GateReport::NotContended => (
             Reason::NotContended,
             None,
@@ -272,6 +280,12 @@ fn gated(r: &StatusReport, found: &str) -> Verdict {
             None,
             format!("{found}, but the host agent favours the vCPUs that hold the I/O: tasks stay where they are"),
             "the host ending its hold (its replies stop saying `held`)".into(),
+        ),
+        GateReport::FollowsHost => (
+            Reason::FollowsHost,
+            None,
+            format!("{found}, but this daemon moves tasks only onto the vCPUs the host agent holds (migration.follow_host), and it holds none"),
+            "the host agent holding a vCPU for the guest's I/O (its replies saying `held`)".into(),
         ),
         GateReport::NotContended => (
             Reason::NotContended,
@@ -358,6 +372,10 @@ pub fn overall(r: &StatusReport) -> Vec<String> {
         GateReport::Open => "moves: allowed".into(),
         GateReport::HostHolds => {
             "moves: on hold, the host agent favours the vCPUs that hold the I/O".into()
+        }
+        GateReport::FollowsHost => {
+            "moves: only where the host agent holds vCPUs (migration.follow_host); it holds none"
+                .into()
         }
         GateReport::NotContended => {
             "moves: none, no vCPU is out while another runs often enough for a move to pay".into()
@@ -588,6 +606,7 @@ mod tests {
         for (gate, want) in [
             (GateReport::NotContended, Reason::NotContended),
             (GateReport::HostHolds, Reason::HostHolds),
+            (GateReport::FollowsHost, Reason::FollowsHost),
             (GateReport::GuardHolding, Reason::GuardHolding),
             (GateReport::GuardProbing, Reason::GuardProbing),
         ] {

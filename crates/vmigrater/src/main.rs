@@ -59,6 +59,10 @@ struct RunArgs {
     /// Plan and log migrations, but never change any task's CPU mask.
     #[arg(long)]
     dry_run: bool,
+    /// Move tasks only onto the vCPUs the host agent holds (overrides
+    /// `migration.follow_host`).
+    #[arg(long)]
+    follow_host: bool,
     /// Address of the Prometheus `/metrics` endpoint (overrides `metrics.listen`).
     #[arg(long)]
     metrics_addr: Option<SocketAddr>,
@@ -147,6 +151,7 @@ fn main() {
 fn run_config(config: &std::path::Path, explicit: bool, args: &RunArgs) -> Result<Config> {
     let mut cfg = Config::load(config, explicit)?;
     cfg.dry_run |= args.dry_run;
+    cfg.migration.follow_host |= args.follow_host;
     if let Some(a) = args.metrics_addr {
         cfg.metrics.listen = a;
     }

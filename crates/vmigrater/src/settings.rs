@@ -70,6 +70,7 @@ pub fn engine_config(cfg: &Config, measures_contention: bool, cpus: &[usize]) ->
         },
         follow_completions: cfg.migration.follow_completions,
         keep_partners: cfg.migration.keep_partners,
+        own_moves: !cfg.migration.follow_host,
     }
 }
 

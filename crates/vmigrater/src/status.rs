@@ -209,6 +209,7 @@ pub enum GateReport {
     #[default]
     Open,
     HostHolds,
+    FollowsHost,
     NotContended,
     GuardHolding,
     GuardProbing,

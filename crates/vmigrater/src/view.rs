@@ -61,6 +61,7 @@ impl From<MoveGate> for GateReport {
         match g {
             MoveGate::Open => GateReport::Open,
             MoveGate::HostHolds => GateReport::HostHolds,
+            MoveGate::FollowsHost => GateReport::FollowsHost,
             MoveGate::NotContended => GateReport::NotContended,
             MoveGate::GuardHolding { .. } => GateReport::GuardHolding,
             MoveGate::GuardProbing => GateReport::GuardProbing,

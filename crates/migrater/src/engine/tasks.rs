@@ -87,7 +87,9 @@ impl Engine {
                 Burden::Win
             });
         }
-        let moves_allowed = !host_holds && self.moves_allowed(now, progress, !eligible.is_empty());
+        let moves_allowed = self.cfg.own_moves
+            && !host_holds
+            && self.moves_allowed(now, progress, !eligible.is_empty());
         self.snap.moves_allowed = moves_allowed;
         self.snap.gate = self.gate(now, moves_allowed, host_holds, together);
         self.snap.out_together = together;
@@ -575,6 +577,9 @@ impl Engine {
         }
         if host_holds {
             return MoveGate::HostHolds;
+        }
+        if !self.cfg.own_moves {
+            return MoveGate::FollowsHost;
         }
         if !(self.tracking.contended || together) {
             return MoveGate::NotContended;

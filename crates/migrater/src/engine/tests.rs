@@ -244,6 +244,7 @@ fn config() -> EngineConfig {
         completion_prior: crate::completion::Home::Unknown,
         follow_completions: true,
         keep_partners: true,
+        own_moves: true,
     }
 }
 
@@ -666,6 +667,41 @@ fn a_host_hold_anchors_the_io_bound_tasks_and_its_end_hands_them_back() {
     vm.held = Vec::new();
     vm.step(&mut e, &mut f, 5 * MS, 0);
     assert_eq!(f.released, [10]);
+}
+
+#[test]
+fn a_follower_moves_only_onto_what_the_host_holds() {
+    let mut e = Engine::new(
+        EngineConfig {
+            own_moves: false,
+            ..config()
+        },
+        Mono::default(),
+    );
+    let mut f = Fake::new();
+    let mut vm = Vm::new();
+    // Its completions land on vCPU 1: a daemon of its own judgement keeps it there.
+    f.window = vec![io_task_completing_on(10, 1, 1.0)];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    let s = e.snapshot();
+    assert!(!s.moves_allowed);
+    assert_eq!(s.gate, MoveGate::FollowsHost);
+    assert!(f.managed.is_empty(), "nothing taken over: {:?}", f.managed);
+    assert!(f.published.is_empty());
+    vm.held = vec![1];
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(
+        f.managed.get(&10),
+        Some(&Some(1)),
+        "anchored where the host holds"
+    );
+    assert_eq!(e.snapshot().gate, MoveGate::HostHolds);
+    vm.held = Vec::new();
+    vm.step(&mut e, &mut f, 5 * MS, 0);
+    assert_eq!(f.released, [10], "the hold over: handed back, not moved on");
+    assert!(f.published.is_empty());
+    assert_eq!(e.snapshot().gate, MoveGate::FollowsHost);
 }
 
 /// The default sampled tracking: 250 ms of every 2.5 s.

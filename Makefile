@@ -62,8 +62,8 @@ bench-steal: build
 	$(CARGO) bench -p vmigrater-testbed --bench steal -- $(STEAL_ARGS)
 	cp target/bench/steal.json target/bench/steal.png benches/results/
 
-# The host scheduler in the loop (root; ~95 min with the defaults: 6 cells (fair and credit
-# policies, 2, 3 and 4 vCPUs per CPU) x 8 modes x 8 reps x ~14.5 s): bpf/hostmodel.bpf.c
+# The host scheduler in the loop (root; ~105 min with the defaults: 6 cells (fair and credit
+# policies, 2, 3 and 4 vCPUs per CPU) x 9 modes x 8 reps x ~14.5 s): bpf/hostmodel.bpf.c
 # decides online who holds each CPU, the agent drives it through its `model` backend, the
 # steal governor is a baseline. JSON in target/bench/, copied to benches/results/. Shorter:
 # make bench-host HOST_ARGS="--reps 2 --secs 4 --cells fair:2 --modes vanilla,agent".

@@ -37,8 +37,8 @@
 //! Flags (after `--`): --reps N (8), --secs S (10), --warmup-secs S (3), --io-warmup-ms MS
 //! (0: from the first request), --cells LIST (policy:k, default
 //! fair:2,fair:3,fair:4,credit:2,credit:3,credit:4), --modes LIST, --duty PERIOD_MS:ON_MS
-//! (the other VMs compute ON of every PERIOD; default CPU-bound), --workload rand4k|APP
-//! (rand4k), --out DIR (default
+//! (the other VMs compute ON of every PERIOD; default CPU-bound), --fair-slice-ms MS (the
+//! fair policy's slice, 3), --workload rand4k|APP (rand4k), --out DIR (default
 //! `$VMIGRATER_BENCH_DIR` or target/bench).
 
 use anyhow::{Context, Result};

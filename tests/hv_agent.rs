@@ -1039,6 +1039,142 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     }
 }
 
+/// The thread of `pid` whose command starts with `prefix`, waited for up to 5 s.
+fn thread_named(pid: u32, prefix: &str) -> u32 {
+    let t0 = Instant::now();
+    loop {
+        let found = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+            .find(|tid| {
+                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+                    .is_ok_and(|c| c.starts_with(prefix))
+            });
+        match found {
+            Some(t) => return t,
+            None if t0.elapsed() > Duration::from_secs(5) => panic!("no thread {prefix}* in {pid}"),
+            None => std::thread::sleep(Duration::from_millis(10)),
+        }
+    }
+}
+
+/// The real daemon with `migration.follow_host`, this test playing the host agent on the
+/// other end of its pty: it says so in its hello, moves no task while the host holds no
+/// vCPU (its own judgement would keep a reader with its completions), gathers the I/O-bound
+/// reader on the vCPU the host holds, and hands it its own mask back when the hold ends.
+/// Checked from the kernel: the reader's affinity.
+#[test]
+#[cfg_attr(not(vmigrater_root), ignore = "needs root")]
+fn a_guest_that_follows_the_host_moves_only_onto_what_it_holds() {
+    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+    use std::io::BufRead;
+    use std::os::fd::AsFd;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    assert_root();
+    assert_cpus(2);
+    let ncpu = std::thread::available_parallelism().unwrap().get();
+    let all: Vec<usize> = (0..ncpu).collect();
+    let dir = tempfile::tempdir().unwrap();
+    let pty = nix::pty::openpty(None, None).expect("openpty");
+    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
+    cfmakeraw(&mut raw);
+    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
+    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    let config = dir.path().join("vmigrater.toml");
+    // Sleepers: block tracking does not wait for this machine's own deschedules.
+    std::fs::write(
+        &config,
+        format!(
+            "[monitor]\nsource = \"sleepers\"\n\n[migration]\nfollow_host = true\n\n[channel]\npath = {:?}\n\n[advanced.channel]\nperiod_ms = 50\n",
+            slave.display().to_string()
+        ),
+    )
+    .unwrap();
+    let hold = Arc::new(AtomicBool::new(false));
+    let hello = Arc::new(std::sync::Mutex::new(None::<serde_json::Value>));
+    let master = std::fs::File::from(pty.master);
+    {
+        let (hold, hello) = (hold.clone(), hello.clone());
+        let mut out = master.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for line in std::io::BufReader::new(master).lines() {
+                let Ok(line) = line else { return };
+                let Ok(m) = serde_json::from_str::<serde_json::Value>(&line) else {
+                    continue;
+                };
+                let reply = match m["type"].as_str() {
+                    Some("hello") => {
+                        *hello.lock().unwrap() = Some(m.clone());
+                        "{\"type\":\"welcome\",\"version\":1}".to_string()
+                    }
+                    Some("report") => format!(
+                        "{{\"type\":\"applied\",\"seq\":{},\"vcpus\":[{{\"cpu\":0,\"weight\":1.0}},{{\"cpu\":1,\"weight\":1.0,\"held\":{}}}]}}",
+                        m["seq"],
+                        hold.load(Ordering::Relaxed)
+                    ),
+                    _ => continue,
+                };
+                if out.write_all(format!("{reply}\n").as_bytes()).is_err() {
+                    return;
+                }
+            }
+        });
+    }
+    let mut daemon = Reaped(
+        Command::new(workspace_bin("vmigrater"))
+            .arg("--config")
+            .arg(&config)
+            .args(["run", "--no-metrics", "--state-dir"])
+            .arg(dir.path())
+            .env("VMIGRATER_LOG", "info")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let reader = random_reader();
+    let tid = thread_named(reader.0.id(), "reader-");
+    let status = || vmigrater_status(dir.path()).unwrap_or_default();
+    // No hold: found I/O-bound, reported, and left where it is.
+    let t0 = Instant::now();
+    let mut seen = false;
+    while t0.elapsed() < Duration::from_secs(4) {
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(cpus_of(tid), all, "moved without a hold");
+        let s = status();
+        seen |= s["seen"]
+            .as_array()
+            .is_some_and(|v| v.iter().any(|t| t["tid"] == tid));
+    }
+    let s = status();
+    assert!(seen, "the reader was never found I/O-bound: {s:#}");
+    assert_eq!(s["move_gate"], "follows_host", "{s:#}");
+    let h = hello.lock().unwrap().clone().expect("no hello");
+    assert_eq!(h["follows_host"], true, "{h}");
+    // The host holds vCPU 1: the reader goes there.
+    hold.store(true, Ordering::Relaxed);
+    let t0 = Instant::now();
+    while cpus_of(tid) != [1] && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(cpus_of(tid), [1], "not gathered on the held vCPU: {:#}", status());
+    // The hold ends: its own mask back, and no move of the daemon's own after it.
+    hold.store(false, Ordering::Relaxed);
+    let t0 = Instant::now();
+    while cpus_of(tid) != all && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(cpus_of(tid), all, "not handed back: {:#}", status());
+    for _ in 0..20 {
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(cpus_of(tid), all, "moved after the hold");
+    }
+    kill(Pid::from_raw(daemon.0.id() as i32), Signal::SIGTERM).unwrap();
+    assert!(daemon.0.wait().unwrap().success());
+}
+
 /// One O_DIRECT reader of 4 KiB at random offsets in a 64 MiB file, killed when dropped.
 fn random_reader() -> Reaped {
     let data = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("hv-agent-e2e.bin");

@@ -1159,7 +1159,12 @@ fn a_guest_that_follows_the_host_moves_only_onto_what_it_holds() {
     while cpus_of(tid) != [1] && t0.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(cpus_of(tid), [1], "not gathered on the held vCPU: {:#}", status());
+    assert_eq!(
+        cpus_of(tid),
+        [1],
+        "not gathered on the held vCPU: {:#}",
+        status()
+    );
     // The hold ends: its own mask back, and no move of the daemon's own after it.
     hold.store(false, Ordering::Relaxed);
     let t0 = Instant::now();

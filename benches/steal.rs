@@ -345,16 +345,7 @@ fn decisions(log: &str) -> Value {
 /// The I/O threads of a workload process (named `reader-*`), once `n` of them exist.
 fn io_tids(pid: u32, n: usize, deadline: Instant) -> Result<Vec<u32>> {
     loop {
-        let tids: Vec<u32> = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| {
-                std::fs::read_to_string(e.path().join("comm"))
-                    .is_ok_and(|c| c.starts_with("reader-"))
-            })
-            .filter_map(|e| e.file_name().to_str()?.parse().ok())
-            .collect();
+        let tids = vmigrater_testbed::workload::threads_named(pid, "reader-");
         if tids.len() >= n {
             return Ok(tids);
         }

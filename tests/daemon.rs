@@ -50,16 +50,9 @@ impl Reader {
     }
     /// The reader thread's tid: the thread of the workload process named `reader-*`.
     fn tid(&self) -> u32 {
-        let dir = format!("/proc/{}/task", self.0.id());
-        std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-            .find(|tid| {
-                std::fs::read_to_string(format!("/proc/{}/task/{tid}/comm", self.0.id()))
-                    .is_ok_and(|c| c.starts_with("reader-"))
-            })
+        vmigrater_testbed::workload::threads_named(self.0.id(), "reader-")
+            .first()
+            .copied()
             .unwrap_or(0)
     }
 }

@@ -1043,16 +1043,10 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
 fn thread_named(pid: u32, prefix: &str) -> u32 {
     let t0 = Instant::now();
     loop {
-        let found = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-            .find(|tid| {
-                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
-                    .is_ok_and(|c| c.starts_with(prefix))
-            });
-        match found {
+        match vmigrater_testbed::workload::threads_named(pid, prefix)
+            .first()
+            .copied()
+        {
             Some(t) => return t,
             None if t0.elapsed() > Duration::from_secs(5) => panic!("no thread {prefix}* in {pid}"),
             None => std::thread::sleep(Duration::from_millis(10)),

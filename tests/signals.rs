@@ -136,16 +136,7 @@ fn reader(file: &Path) -> (Guarded, u32) {
     let pid = child.id();
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_secs(5) {
-        let tid = std::fs::read_dir(format!("/proc/{pid}/task"))
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
-            .find(|tid| {
-                std::fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
-                    .is_ok_and(|c| c.starts_with("reader-"))
-            });
-        if let Some(tid) = tid {
+        if let Some(&tid) = vmigrater_testbed::workload::threads_named(pid, "reader-").first() {
             return (child, tid);
         }
         std::thread::sleep(Duration::from_millis(10));

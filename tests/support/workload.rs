@@ -390,3 +390,17 @@ pub fn spawn_hog(cpu: Option<usize>) -> Result<Worker> {
         Ok(())
     })
 }
+
+/// The threads of process `pid` whose command starts with `prefix` (a workload's I/O
+/// threads are `reader-*`), in /proc order.
+pub fn threads_named(pid: u32, prefix: &str) -> Vec<u32> {
+    std::fs::read_dir(format!("/proc/{pid}/task"))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm")).is_ok_and(|c| c.starts_with(prefix))
+        })
+        .filter_map(|e| e.file_name().to_str()?.parse().ok())
+        .collect()
+}

@@ -899,6 +899,20 @@ fn relay(mut a: std::fs::File, mut b: UnixStream) {
     std::thread::spawn(move || std::io::copy(&mut b2, &mut a2));
 }
 
+/// A pty in raw mode standing in for the virtio-serial port: its master end, its slave
+/// end (kept open for the test's length, so the master never reads EOF between the
+/// daemon's opens) and the slave's path, the daemon's `channel.path`.
+fn raw_pty() -> (std::fs::File, std::os::fd::OwnedFd, PathBuf) {
+    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+    use std::os::fd::AsFd;
+    let pty = nix::pty::openpty(None, None).expect("openpty");
+    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
+    cfmakeraw(&mut raw);
+    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
+    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    (std::fs::File::from(pty.master), pty.slave, slave)
+}
+
 fn vmigrater_status(state_dir: &Path) -> Option<serde_json::Value> {
     let out = Command::new(workspace_bin("vmigrater"))
         .args(["status", "--json", "--state-dir"])
@@ -913,8 +927,6 @@ fn vmigrater_status(state_dir: &Path) -> Option<serde_json::Value> {
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn guest_daemon_reports_drive_the_agent_end_to_end() {
-    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
-    use std::os::fd::AsFd;
     assert_root();
     let ncpu = std::thread::available_parallelism().unwrap().get();
     // This host plays the guest: its CPUs are "vCPUs" 0..n, and hog thread i stands in
@@ -949,12 +961,8 @@ fn guest_daemon_reports_drive_the_agent_end_to_end() {
     );
     let (host_end, _) = listener.accept().unwrap();
 
-    let pty = nix::pty::openpty(None, None).expect("openpty");
-    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
-    cfmakeraw(&mut raw);
-    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
-    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
-    relay(std::fs::File::from(pty.master), host_end);
+    let (master, _slave_fd, slave) = raw_pty();
+    relay(master, host_end);
     let config = guest_dir.join("vmigrater.toml");
     // The sleeper source: the kernel source would gate block tracking on this machine's
     // own deschedules (an agent can give nothing where no vCPU is out), and this test is
@@ -1062,9 +1070,7 @@ fn thread_named(pid: u32, prefix: &str) -> u32 {
 #[test]
 #[cfg_attr(not(vmigrater_root), ignore = "needs root")]
 fn a_guest_that_follows_the_host_moves_only_onto_what_it_holds() {
-    use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
     use std::io::BufRead;
-    use std::os::fd::AsFd;
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
     assert_root();
@@ -1072,11 +1078,7 @@ fn a_guest_that_follows_the_host_moves_only_onto_what_it_holds() {
     let ncpu = std::thread::available_parallelism().unwrap().get();
     let all: Vec<usize> = (0..ncpu).collect();
     let dir = tempfile::tempdir().unwrap();
-    let pty = nix::pty::openpty(None, None).expect("openpty");
-    let mut raw = tcgetattr(pty.slave.as_fd()).expect("tcgetattr");
-    cfmakeraw(&mut raw);
-    tcsetattr(pty.slave.as_fd(), SetArg::TCSANOW, &raw).expect("tcsetattr");
-    let slave = nix::unistd::ttyname(pty.slave.as_fd()).expect("ttyname");
+    let (master, _slave_fd, slave) = raw_pty();
     let config = dir.path().join("vmigrater.toml");
     // Sleepers: block tracking does not wait for this machine's own deschedules.
     std::fs::write(
@@ -1089,7 +1091,6 @@ fn a_guest_that_follows_the_host_moves_only_onto_what_it_holds() {
     .unwrap();
     let hold = Arc::new(AtomicBool::new(false));
     let hello = Arc::new(std::sync::Mutex::new(None::<serde_json::Value>));
-    let master = std::fs::File::from(pty.master);
     {
         let (hold, hello) = (hold.clone(), hello.clone());
         let mut out = master.try_clone().unwrap();

@@ -264,6 +264,59 @@ fn external_change_stops_management_and_is_never_restored() {
     set_cpus(w2.tid, &cpus).unwrap();
 }
 
+/// A task the daemon keeps where it is gets no next move: the audit finds the outside
+/// change without one, and leaves the tasks nobody touched managed.
+#[test]
+#[cfg_attr(
+    not(all(vmigrater_root, vmigrater_2cpus)),
+    ignore = "needs root and 2 CPUs"
+)]
+fn an_outside_change_is_found_without_a_next_move() {
+    assert_root();
+    let (cpus, a, b) = two_cpus();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut ex, path) = executor(dir.path());
+    let changed = Worker::parked();
+    let kept = Worker::parked();
+    let unmoved = Worker::parked();
+    for w in [&changed, &kept, &unmoved] {
+        ex.manage(
+            TaskId {
+                tid: w.tid,
+                start_time: w.start_time(),
+            },
+            tgid(),
+        )
+        .unwrap();
+    }
+    assert!(matches!(ex.move_to(changed.tid, a), Outcome::Moved { .. }));
+    assert!(matches!(ex.move_to(kept.tid, a), Outcome::Moved { .. }));
+    assert!(
+        ex.hand_off_changed().is_empty(),
+        "nobody changed a mask yet"
+    );
+
+    // Their owner gives the pinned task its whole mask back, and pins the one never moved.
+    set_cpus(changed.tid, &cpus).unwrap();
+    set_cpus(unmoved.tid, &[b]).unwrap();
+    let mut found: Vec<u32> = ex.hand_off_changed().iter().map(|t| t.tid).collect();
+    found.sort_unstable();
+    let mut want = vec![changed.tid, unmoved.tid];
+    want.sort_unstable();
+    assert_eq!(found, want);
+    assert!(!ex.is_managed(changed.tid) && !ex.is_managed(unmoved.tid));
+    assert!(ex.is_managed(kept.tid), "its mask is still ours");
+    assert_eq!(ex.placed_on(kept.tid), Some(a));
+    let journal = AffinityJournal::open(&path).unwrap();
+    assert!(journal.get(changed.tid).is_none() && journal.get(unmoved.tid).is_none());
+    assert!(journal.get(kept.tid).is_some(), "still ours to restore");
+    assert!(ex.hand_off_changed().is_empty(), "each is handed off once");
+    assert_eq!(get_cpus(changed.tid).unwrap(), cpus, "their mask stays");
+    assert!(matches!(ex.release(kept.tid), Outcome::Restored { .. }));
+    assert_eq!(get_cpus(kept.tid).unwrap(), cpus);
+    set_cpus(unmoved.tid, &cpus).unwrap();
+}
+
 #[test]
 #[cfg_attr(
     not(all(vmigrater_root, vmigrater_2cpus)),

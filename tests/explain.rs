@@ -254,6 +254,14 @@ fn explain_gives_each_thread_the_rule_that_decides_it() {
         std::thread::sleep(Duration::from_millis(1));
     }
     os_layer::set_cpus(reader.tid, &[0, 1]).expect("set the reader's mask");
+    // sched_setaffinity has no compare-and-set: a move of the daemon's that read the mask
+    // just before our write overwrites it, and then there is no change left to see. That
+    // window is microseconds wide; where it was hit, write once more.
+    std::thread::sleep(Duration::from_millis(500));
+    if os_layer::get_cpus(reader.tid).unwrap().len() == 1 {
+        eprintln!("our mask was overwritten by a move in flight: setting it again");
+        os_layer::set_cpus(reader.tid, &[0, 1]).expect("set the reader's mask");
+    }
     wait_status(&d, Duration::from_secs(10), "the reader hands off", |s| {
         s["hands_off"]
             .as_array()

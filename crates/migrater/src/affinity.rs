@@ -656,6 +656,38 @@ impl AffinityExecutor {
         true
     }
 
+    /// Hands off every managed task whose mask someone else changed since our last set, and
+    /// returns them. Why: the executor otherwise sees an outside change only at the task's
+    /// next move or release, and a task the planner keeps where it is may never get one; the
+    /// daemon would go on counting it as placed while its owner runs it on its own mask.
+    /// One `sched_getaffinity` per managed task.
+    pub fn hand_off_changed(&mut self) -> Vec<TaskId> {
+        let mut changed = Vec::new();
+        for (&tid, m) in self.tasks.iter_mut().filter(|(_, m)| !m.external) {
+            let Ok(expected) = m.expected() else {
+                continue;
+            };
+            // ESRCH and the like: the next move or release says it.
+            let Ok(current) = sched_getaffinity(Pid::from_raw(tid as i32)) else {
+                continue;
+            };
+            if current != expected {
+                m.external = true;
+                if let Some(change) = m.slice.take() {
+                    give_back_slice(tid, change);
+                }
+                changed.push(TaskId {
+                    tid,
+                    start_time: m.start_time,
+                });
+            }
+        }
+        for t in &changed {
+            self.journal_remove(t.tid);
+        }
+        changed
+    }
+
     /// Releases every task (on exit); returns how many got their original mask back.
     pub fn release_all(&mut self) -> usize {
         let tids: Vec<u32> = self.tasks.keys().copied().collect();

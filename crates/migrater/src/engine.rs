@@ -133,6 +133,9 @@ pub trait TaskPlacement {
     /// Sets back the children that inherited a pin of ours (`AffinityExecutor::undo_inherited`);
     /// returns how many.
     fn undo_inherited(&mut self, forks: &[ForkSample]) -> usize;
+    /// Lets go of the managed tasks whose mask someone else changed since our last set
+    /// (`AffinityExecutor::hand_off_changed`); returns how many.
+    fn hand_off_changed(&mut self) -> usize;
     /// The tasks the monitor threads may move from now on.
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>);
     /// Whether the monitor must track slices precisely.
@@ -401,6 +404,13 @@ impl Engine {
             return self.cfg.idle;
         };
         self.undo_inherited(act.placement());
+        let handed_off = act.placement().hand_off_changed();
+        if handed_off > 0 {
+            tracing::info!(
+                handed_off,
+                "a task's CPU mask was changed by someone else: no longer managed"
+            );
+        }
         // The kernel's own count of completed requests: what the guard judges progress
         // by (it moves whether or not our programs are attached).
         let progress = disk.unwrap_or(self.window.last_completions);

@@ -84,6 +84,16 @@ impl<S: PlacementSettings> TaskPlacement for LivePlacement<'_, S> {
             .as_mut()
             .map_or(0, |ex| ex.undo_inherited(forks))
     }
+    fn hand_off_changed(&mut self) -> usize {
+        let mut placement = lock_placement(&self.shared.placement);
+        let Some(ex) = placement.executor.as_mut() else {
+            return 0;
+        };
+        let changed = ex.hand_off_changed();
+        let n = changed.len();
+        placement.hands_off.extend(changed);
+        n
+    }
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
         self.shared.tasks.store(tasks);
     }

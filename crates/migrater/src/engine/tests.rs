@@ -47,6 +47,8 @@ struct Fake {
     polled_out_ns: Vec<(usize, u64)>,
     /// Tasks whose mask someone else changed.
     hands_off: HashSet<TaskId>,
+    /// Tasks whose mask someone else changes before the next audit.
+    changed_outside: Vec<TaskId>,
     /// Tasks the placement cannot pin (gone, or their mask changed since the decision).
     unpinnable: BTreeSet<u32>,
     /// Every switch, poll and placement act asked for, in order (reads left out).
@@ -183,6 +185,12 @@ impl TaskPlacement for Fake {
             .iter()
             .filter(|f| self.managed.get(&f.parent).is_some_and(|p| p.is_some()))
             .count()
+    }
+    fn hand_off_changed(&mut self) -> usize {
+        let changed = std::mem::take(&mut self.changed_outside);
+        let n = changed.len();
+        self.hands_off.extend(changed);
+        n
     }
     fn publish_tasks(&mut self, tasks: Arc<Vec<TaskEntry>>) {
         self.calls.push("publish".into());
@@ -888,8 +896,9 @@ fn a_failed_pause_or_detach_is_counted_and_tried_again_at_the_next_step() {
 #[test]
 fn a_task_whose_mask_someone_else_changed_is_handed_off_and_never_taken_again() {
     let (mut e, mut f, mut vm) = managing_10_and_11();
-    // Someone else set task 10's mask: it is theirs from now on.
-    f.hands_off.insert(TaskId {
+    // Someone else set task 10's mask: it is theirs from now on, found by the step's
+    // audit (not by a next move: none may come).
+    f.changed_outside.push(TaskId {
         tid: 10,
         start_time: 1,
     });

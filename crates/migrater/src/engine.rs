@@ -168,6 +168,8 @@ pub struct EngineSnapshot {
     pub block_tracking: bool,
     pub block_attached: bool,
     pub guard_verdicts: GuardVerdicts,
+    /// The move guard's probe epochs without moves, in total (ms).
+    pub guard_without_moves_ms: u64,
     pub demand: Demand,
     /// The I/O-bound tasks: managed ones while moves are allowed, every candidate on hold.
     pub io_bound_tasks: usize,
@@ -244,6 +246,7 @@ impl Default for EngineSnapshot {
             block_tracking: true,
             block_attached: true,
             guard_verdicts: GuardVerdicts::default(),
+            guard_without_moves_ms: 0,
             demand: Demand::Idle,
             io_bound_tasks: 0,
             found: Vec::new(),

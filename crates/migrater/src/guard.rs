@@ -125,6 +125,8 @@ pub struct MoveGuard {
     burden: Burden,
     /// No I/O-bound task seen yet: nothing judged.
     fresh: bool,
+    /// Probe epochs run without moves, in total: what probing cost where moves pay.
+    without_moves: Duration,
     /// The next whole epoch is not counted: I/O-bound tasks have just appeared (or come
     /// back), and a task's rate ramps up over its first fraction of a second. On a KVM-like
     /// trace the reader was taken over ~250 ms after its first request and read 2-3k/s
@@ -169,6 +171,7 @@ impl MoveGuard {
             hold,
             burden: Burden::Win,
             fresh: true,
+            without_moves: Duration::ZERO,
             settling,
         }
     }
@@ -192,6 +195,11 @@ impl MoveGuard {
     /// so nothing needs to be tracked either.
     pub fn holds_past(&self, t: Mono) -> bool {
         matches!(self.phase, Phase::Holding { until } if until > t)
+    }
+
+    /// The time its probes ran without moves, epochs measured so far.
+    pub fn time_without_moves(&self) -> Duration {
+        self.without_moves
     }
 
     /// Whether the daemon may move tasks now.
@@ -246,6 +254,7 @@ impl MoveGuard {
                     self.with.push(rate);
                 } else {
                     self.without.push(rate);
+                    self.without_moves += dt;
                 }
                 self.epoch_start = Some((now, completed));
                 // A pair that settles the verdict ends the probe: under `Win` one that
@@ -644,6 +653,23 @@ mod tests {
         g.observe(at(t), c, true);
         let v = probe(&mut g, &mut t, &mut c, |_| 1000);
         assert_eq!(ns(v.lasts), 30 * S);
+    }
+
+    #[test]
+    fn the_time_probes_run_without_moves_adds_up_over_probes() {
+        let (mut g, mut t, mut c) = (guard(), 0, 0);
+        assert_eq!(g.time_without_moves(), Duration::ZERO);
+        // Moves win decisively: two pairs, one epoch of each without moves.
+        assert!(probe(&mut g, &mut t, &mut c, |m| if m { 2000 } else { 1000 }).pays);
+        assert_eq!(g.time_without_moves(), Duration::from_secs(2));
+        // Trusted: no probe, no time without moves.
+        g.observe(at(t + 10 * S), c, true);
+        assert_eq!(g.time_without_moves(), Duration::from_secs(2));
+        // The next probe, lost at its first pair: one more epoch without moves.
+        t += 31 * S;
+        g.observe(at(t), c, true);
+        assert!(!probe(&mut g, &mut t, &mut c, |m| if m { 900 } else { 1000 }).pays);
+        assert_eq!(g.time_without_moves(), Duration::from_secs(3));
     }
 
     #[test]

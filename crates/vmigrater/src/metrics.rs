@@ -120,6 +120,14 @@ pub fn encode(r: &StatusReport, moves: &Moves) -> String {
         "Move-guard probes concluded, by whether moves raised the block I/O rate",
         verdicts,
     );
+    let without: FloatCounter = FloatCounter::default();
+    without.inc_by(r.guard_without_moves_s);
+    reg.register_with_unit(
+        "guard_probe_without_moves",
+        "Time the move guard's probes ran without moves (what probing costs where moves pay)",
+        Unit::Seconds,
+        without,
+    );
     // A gauge of 1, not an OpenMetrics info: the classic text format (promtool, older
     // scrapers) has no info type, and the convention (`prometheus_build_info`) is this.
     let build: Family<BuildLabel, Gauge> = Family::default();
@@ -327,6 +335,7 @@ mod tests {
             detector_errors: 1,
             guard_pays: 4,
             guard_holds: 6,
+            guard_without_moves_s: 3.0,
             vcpus: vec![VcpuStatus {
                 cpu: 1,
                 active: true,
@@ -353,6 +362,7 @@ mod tests {
             "vmigrater_block_programs_attached 1",
             "vmigrater_guard_verdicts_total{pays=\"true\"} 4",
             "vmigrater_guard_verdicts_total{pays=\"false\"} 6",
+            "vmigrater_guard_probe_without_moves_seconds_total 3.0",
             "vmigrater_bpf_attach_mode{mode=\"raw_tp\"} 1",
             "vmigrater_vcpu_monitor_source{source=\"kernel\"} 1",
             "vmigrater_build_info{version=\"9.9.9\",dry_run=\"false\"} 1",

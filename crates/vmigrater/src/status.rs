@@ -142,6 +142,9 @@ pub struct StatusReport {
     pub guard_pays: u64,
     #[serde(default)]
     pub guard_holds: u64,
+    /// Seconds the move guard's probes ran without moves (their price where moves pay).
+    #[serde(default)]
+    pub guard_without_moves_s: f64,
     /// I/O-bound tasks the planner may move (those kept with their completions are in
     /// `kept_with_completions`).
     pub io_tasks: u64,

@@ -161,6 +161,7 @@ impl Running {
             block_attached: engine.block_attached,
             guard_pays: engine.guard_verdicts.pays,
             guard_holds: engine.guard_verdicts.holds,
+            guard_without_moves_s: engine.guard_without_moves_ms as f64 / 1e3,
             demand: match engine.demand {
                 Demand::Idle => DemandReport::Idle,
                 Demand::Active => DemandReport::Active,

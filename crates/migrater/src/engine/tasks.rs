@@ -548,7 +548,9 @@ impl Engine {
             // Guard off: always; dry run with the guard on: where it would move.
             return may_pay;
         };
-        if let Some(v) = g.observe(now, progress, has_candidates && may_pay) {
+        let verdict = g.observe(now, progress, has_candidates && may_pay);
+        self.snap.guard_without_moves_ms = g.time_without_moves().as_millis() as u64;
+        if let Some(v) = verdict {
             if v.pays {
                 self.snap.guard_verdicts.pays += 1;
             } else {

@@ -107,6 +107,17 @@ fn guest_daemon_and_host_agent_work_in_a_real_vm() {
     }
 }
 
+/// Whether the agent's status of a VM shows a favour its rules would pay for: a vCPU that
+/// carries the VM's I/O beside one free of it that never halts (`weights::fund`).
+fn favour_payable(vm: &Value) -> bool {
+    let vcpus = vm["vcpus"].as_array().cloned().unwrap_or_default();
+    let flag = |v: &Value, k: &str| v[k].as_bool().unwrap_or(false);
+    vcpus.iter().any(|v| flag(v, "carries_io"))
+        && vcpus
+            .iter()
+            .any(|v| flag(v, "io_free") && flag(v, "always_runnable") && !flag(v, "carries_io"))
+}
+
 /// The end-to-end scenario; `Err` with the host's picture when the guest froze.
 fn e2e_scenario() -> Result<(), String> {
     let lab = image::lab_dir();
@@ -196,6 +207,11 @@ fn e2e_scenario() -> Result<(), String> {
     let mut host_mid = Value::Null;
     let mut from_guest = false;
     let mut io_vcpu_tweaked = false;
+    // Whether the agent's rules let it favour a vCPU at some period: one vCPU of the lab
+    // VM carried its I/O while another was free of it and never halted, so could pay
+    // (`vm-funded`). Where the daemon keeps the reader on one vCPU and its requests
+    // complete on the other, both carry the VM's I/O and no favour is due.
+    let mut payable = false;
     let t_mid = Instant::now();
     let mut last_guest_look = Instant::now();
     // Up to the workload's last seconds: sampled tracking sees I/O in 250 ms of every 2.5 s,
@@ -219,6 +235,7 @@ fn e2e_scenario() -> Result<(), String> {
             .unwrap()
             .iter()
             .any(|v| v["source"] == "guest" && v["events"].as_u64().unwrap_or(0) > 0);
+        payable |= favour_payable(&host_mid["vms"][0]);
         io_vcpu_tweaked |= vcpus.iter().any(|&t| nice_of(t) != 0);
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -248,6 +265,9 @@ fn e2e_scenario() -> Result<(), String> {
     // watched for a few more seconds, with the VM and the agent still running.
     let t_end = Instant::now();
     while !io_vcpu_tweaked && t_end.elapsed() < Duration::from_secs(10) {
+        if let Some(h) = agent.status() {
+            payable |= favour_payable(&h["vms"][0]);
+        }
         io_vcpu_tweaked |= vcpus.iter().any(|&t| nice_of(t) != 0);
         std::thread::sleep(Duration::from_millis(50));
     }
@@ -311,11 +331,22 @@ fn e2e_scenario() -> Result<(), String> {
         "no vCPU with guest-reported I/O: {}",
         host_mid["vms"]
     );
-    assert!(
-        io_vcpu_tweaked,
-        "no vCPU thread had its nice changed mid-run: {}",
-        host_mid["vms"]
-    );
+    if payable {
+        assert!(
+            io_vcpu_tweaked,
+            "a vCPU could pay for its sibling's I/O and no vCPU thread had its nice changed: {}",
+            host_mid["vms"]
+        );
+    } else if !io_vcpu_tweaked {
+        // The agent's rules held it back the whole run; their outcome on real threads is
+        // asserted every run by tests/hv_agent.rs (the favour and who pays for it).
+        eprintln!(
+            "\n******** NOT EXERCISED: no vCPU of the guest was ever free of its I/O while \
+             another carried it (the reader sat apart from its completions), so the agent \
+             owed no favour and changed no weight; host: {} ********\n",
+            host_mid["vms"]
+        );
+    }
 
     let log = agent.terminate();
     let rejects: Vec<&str> = log.lines().filter(|l| l.contains("reject")).collect();

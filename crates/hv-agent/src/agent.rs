@@ -234,6 +234,7 @@ impl Vm {
         let events: Vec<u64> = figures.iter().map(|f| f.events).collect();
         for (f, free) in figures.iter_mut().zip(io_free(&events)) {
             f.io_free &= free;
+            self.tracks[f.key.1 as usize].status.io_free = f.io_free;
         }
         if favour_dominant(&mut carries, &events) {
             for (f, c) in figures.iter_mut().zip(carries) {

@@ -75,6 +75,11 @@ pub struct VcpuStatus {
     /// vCPU pays under `vm-funded`.
     #[serde(default)]
     pub always_runnable: bool,
+    /// Free of its VM's I/O: no I/O-bound task or partner of one reported on it for 8
+    /// periods, and under a tenth of the VM's busiest vCPU's I/O events. With
+    /// `always_runnable`, what lets it pay for a sibling's favour under `vm-funded`.
+    #[serde(default)]
+    pub io_free: bool,
 }
 
 /// Where the agent learnt of a VM.

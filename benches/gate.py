@@ -2,14 +2,13 @@
 """The bench gate: a few small hard-IRQ cells, judged against stated floors.
 
 Run before any results claim (`make bench-gate`); not in CI, where the machine is shared
-and four repetitions of four seconds are too few to judge by. It reads the `steal.json`
+and a 20-minute measurement cannot fail a build. It reads the `steal.json`
 of `make bench-gate`'s run and exits non-zero, naming each cell and ratio that fell
 below its floor. The floors sit well below what the full benchmark measured (the README's
 hard-IRQ table: anti-phase 4 KiB 4.65x vanilla and 0.97x the oracle, request 9.05x and
 1.00x, none 1.02x and 0.98x), so that a failure says a regression, not noise. Where
-nothing can gain the floor is the one we promise, 0.97x vanilla; four runs of four
-seconds cannot place a median that close, so there the gate fails when the whole 95%
-interval lies below 0.97x (the build is shown to hurt) or the median below 0.90x.
+nothing can gain the floor is the one we promise, 0.97x vanilla, held by the median of
+eight interleaved repetitions of eight seconds.
 
     benches/gate.py STEAL_JSON
 """
@@ -26,10 +25,8 @@ FLOORS = [
     ("anti", "rand4k", "vs_pinned_slice", 0.85, "value"),
     ("anti", "request", "vs_vanilla", 2.0, "value"),
     ("anti", "request", "vs_pinned_slice", 0.85, "value"),
-    ("none", "rand4k", "vs_vanilla", NEVER_HURT, "hi"),
-    ("none", "request", "vs_vanilla", NEVER_HURT, "hi"),
-    ("none", "rand4k", "vs_vanilla", 0.90, "value"),
-    ("none", "request", "vs_vanilla", 0.90, "value"),
+    ("none", "rand4k", "vs_vanilla", NEVER_HURT, "value"),
+    ("none", "request", "vs_vanilla", NEVER_HURT, "value"),
 ]
 
 

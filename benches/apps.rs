@@ -8,11 +8,16 @@
 //! - `vanilla`: Linux alone;
 //! - `vmigrater`: the release daemon, default configuration, started before the
 //!   application (as a service is) and warmed up under the same schedule;
+//! - `vmigrater_no_slice`: the daemon with `advanced.migration.kept_slice_us = 0`: a kept
+//!   task keeps its own scheduler slice, the cap a user sets to leave co-located CPU work
+//!   its share;
 //! - `vmigrater_no_partners`: the daemon with `migration.keep_partners = false` (the kept
 //!   task's client stays where the kernel puts it: the partner rule's ablation);
 //! - `vmigrater_parent`: another build of the daemon (`--parent-bin`), for an A/B;
 //! - `pinned`: the server's processes pinned to the disk's completion CPU from their start;
 //! - `pinned_all`: the server and its client (pgbench, wrk, md5sum) pinned there;
+//! - `pinned_all_slice`: the same, every task of the application with the daemon's default
+//!   100 µs scheduler slice (what the daemon gives a task it keeps there);
 //! - `sched_oracle`: every task of the application moved, just before each window change,
 //!   to the CPU that will run (the completion CPU while it runs), knowing the plan;
 //! - `steal_backoff`: every 100 ms the application kept off the vCPUs stolen most in the
@@ -21,14 +26,16 @@
 //!   host gives an idle vCPU's time away): on a plan fixed in advance it narrowed few
 //!   periods and measured vanilla. The governor is judged in the loop, `make bench-host`.
 //!
-//! The best oracle of a cell is the oracle mode with the highest median there; the daemon
+//! The best oracle of a cell is the oracle mode with the highest median there (the
+//! ceiling: where the daemon beats it, an oracle is missing); the daemon
 //! is reported against it and against vanilla (ratio of medians and paired ratio, 95%
 //! bootstrap intervals, spreads). Time to help: from the first request to the daemon's
 //! first log line that keeps or manages one of the server's tasks.
 //!
 //! Flags (after `--`): --reps N (8), --secs S (60), --warmup-secs S (4), --only SCHEDULES,
 //! --apps LIST (pg_select_c1,pg_tpcb_c1,nginx_c4,backup; see apps.rs for all), --modes
-//! LIST, --out DIR, --seed N, --parent-bin PATH, --accounting absorbed|interrupted,
+//! LIST, --out DIR, --seeds LIST (1,2,3: repetition r of a random schedule draws seed
+//! r mod their number, so the repetitions spread over the seeds), --parent-bin PATH, --accounting absorbed|interrupted,
 //! --tag NAME (file name apps-NAME.json). Writes apps.json (raw runs, cells, the build's
 //! commit) and apps.png, and prints a table. Environment: VMIGRATER_BENCH_LOG (the
 //! daemon's log filter), VMIGRATER_BENCH_KEEP_LOGS=DIR (each daemon's whole log there).
@@ -46,22 +53,28 @@ use vmigrater_testbed::completion::CompletionMap;
 use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::report::{est, f, fmt_est, list};
+use vmigrater_testbed::seeds::Seeds;
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{ncpus, require_root, workload};
 
-const MODES: [&str; 8] = [
+const MODES: [&str; 10] = [
     "vanilla",
     "vmigrater",
+    "vmigrater_no_slice",
     "vmigrater_no_partners",
     "vmigrater_parent",
     "pinned",
     "pinned_all",
+    "pinned_all_slice",
     "sched_oracle",
     "steal_backoff",
 ];
-const ORACLES: [&str; 3] = ["pinned", "pinned_all", "sched_oracle"];
+const ORACLES: [&str; 4] = ["pinned", "pinned_all", "pinned_all_slice", "sched_oracle"];
+/// The daemon's default `advanced.migration.kept_slice_us`, in ns.
+const KEPT_SLICE_NS: u64 = 100_000;
 const DEFAULT_APPS: [&str; 4] = ["pg_select_c1", "pg_tpcb_c1", "nginx_c4", "backup"];
-/// (name, spec) of the schedules, as in benches/steal.rs; `SEED` is replaced by --seed.
+/// (name, spec) of the schedules, as in benches/steal.rs; `SEED` is replaced by the seed of
+/// each repetition (--seeds).
 const SCHEDULES: [(&str, &str); 6] = [
     ("anti", "anti:20000:10000"),
     ("rphase", "rphase:20000:10000:SEED"),
@@ -78,7 +91,9 @@ struct Settings {
     reps: usize,
     secs: f64,
     warmup: Duration,
+    /// (name, spec) with `SEED` left in: `Settings::spec` fills it per repetition.
     schedules: Vec<(String, String)>,
+    seeds: Seeds,
     apps: Vec<App>,
     modes: Vec<&'static str>,
     out: PathBuf,
@@ -96,6 +111,7 @@ fn parse_args() -> Result<Settings> {
         // since boot.
         warmup: Duration::from_secs(4),
         schedules: Vec::new(),
+        seeds: Seeds::default(),
         apps: DEFAULT_APPS
             .iter()
             .map(|a| App::parse(a))
@@ -103,14 +119,21 @@ fn parse_args() -> Result<Settings> {
         modes: MODES
             .iter()
             .copied()
-            .filter(|m| *m != "vmigrater_parent" && *m != "vmigrater_no_partners")
+            .filter(|m| {
+                ![
+                    "vmigrater_parent",
+                    "vmigrater_no_partners",
+                    "vmigrater_no_slice",
+                ]
+                .contains(m)
+            })
             .collect(),
         out: vmigrater_testbed::bench_dir(),
         tag: None,
         parent_bin: None,
         accounting: Accounting::default(),
     };
-    let (mut only, mut seed) = (None, 1u64);
+    let mut only = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -120,7 +143,7 @@ fn parse_args() -> Result<Settings> {
             "--secs" => s.secs = val()?.parse::<f64>()?.max(1.0),
             "--warmup-secs" => s.warmup = Duration::from_secs_f64(val()?.parse()?),
             "--only" => only = Some(list(&val()?)),
-            "--seed" => seed = val()?.parse()?,
+            "--seed" | "--seeds" => s.seeds = Seeds::parse(&a, &val()?)?,
             "--apps" => {
                 s.apps = list(&val()?)
                     .iter()
@@ -148,7 +171,7 @@ fn parse_args() -> Result<Settings> {
     }
     let defaults: Vec<(String, String)> = SCHEDULES
         .iter()
-        .map(|(n, spec)| (n.to_string(), spec.replace("SEED", &seed.to_string())))
+        .map(|(n, spec)| (n.to_string(), spec.to_string()))
         .collect();
     s.schedules = match only {
         None => defaults,
@@ -169,6 +192,22 @@ fn parse_args() -> Result<Settings> {
         "--modes: vmigrater_parent needs --parent-bin PATH"
     );
     Ok(s)
+}
+
+/// Gives every task the application has a scheduler slice of `ns`, those it starts later
+/// too, until `stop` (`pinned_all_slice`).
+fn keep_slices(mut tasks: impl FnMut() -> Vec<u32>, ns: u64, stop: &AtomicBool) -> Result<()> {
+    let mut done = std::collections::HashSet::new();
+    while !stop.load(Ordering::Relaxed) {
+        for tid in tasks() {
+            // A task gone or not fair (none of the applications') keeps its own.
+            if !done.contains(&tid) && os_layer::sched::set_fair_slice(tid, ns).is_ok() {
+                done.insert(tid);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
 }
 
 /// The steal report judged against the plan up to `until_ns` (the run stops the program
@@ -231,6 +270,10 @@ fn run_once(
     let start_ns = steal.start_ns();
     let daemon = match mode {
         "vmigrater" => Some(BenchDaemon::start("", &[])?),
+        "vmigrater_no_slice" => Some(BenchDaemon::start(
+            "[advanced.migration]\nkept_slice_us = 0\n",
+            &[],
+        )?),
         "vmigrater_no_partners" => Some(BenchDaemon::start(
             "[migration]\nkeep_partners = false\n",
             &[],
@@ -252,7 +295,7 @@ fn run_once(
             server_cpu: Some(completion),
             client_cpu: None,
         },
-        "pinned_all" => Placement {
+        "pinned_all" | "pinned_all_slice" => Placement {
             server_cpu: Some(completion),
             client_cpu: Some(completion),
         },
@@ -288,6 +331,9 @@ fn run_once(
                     "steal_backoff" => Some(scope.spawn(move || {
                         backoff::run(plan, start_ns, cpus, tasks, stop, backoff_log)
                     })),
+                    "pinned_all_slice" => {
+                        Some(scope.spawn(move || keep_slices(tasks, KEPT_SLICE_NS, stop)))
+                    }
                     _ => None,
                 };
         };
@@ -320,7 +366,12 @@ fn run_once(
             "time_to_help_s": first.and_then(|t| apps::first_kept_after(&log, app.server_comms(), t)),
             "kept_lines": log.lines().filter(|l| l.contains("kept there")).count(),
             "released_lines": log.lines().filter(|l| l.contains("no longer I/O-bound") || l.contains("restored")).count(),
-            "guard_holds": log.lines().filter(|l| l.contains("pays=false")).count(),
+            "guard_holds_logged": log.lines().filter(|l| l.contains("pays=false")).count(),
+            // The move guard's verdicts in this run and the time its probes ran without
+            // moves (the status at the end of the run).
+            "guard_pays": st["guard_pays"],
+            "guard_holds": st["guard_holds"],
+            "guard_without_moves_s": st["guard_without_moves_s"],
             // Every decision the daemon logged (a line each), for the runs that need a why.
             "log": log
                 .lines()
@@ -439,7 +490,12 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
             e["time_to_help_s_median"] = json!(stats::median(&tth));
             e["daemon_cpu_pct_median"] = json!(stats::median(&d("cpu_pct_of_one_cpu")));
         }
-        for other in ["vmigrater_parent", "vmigrater_no_partners", "steal_backoff"] {
+        for other in [
+            "vmigrater_parent",
+            "vmigrater_no_partners",
+            "vmigrater_no_slice",
+            "steal_backoff",
+        ] {
             if m == "vmigrater" && modes.contains(&other) {
                 e[format!("vs_{other}")] = est(stats::ratio_of_medians(&v, &vals(other, "value")));
                 e[format!("paired_vs_{other}")] = est(paired(m, other));
@@ -495,12 +551,18 @@ fn main() -> Result<()> {
         ncpus() >= 2,
         "the applications benchmark needs at least 2 CPUs"
     );
-    let schedules: Vec<Schedule> = s
+    // Every schedule of every repetition parses before the first run.
+    let schedules: Vec<Vec<Schedule>> = s
         .schedules
         .iter()
         .map(|(n, spec)| {
-            spec.parse()
-                .with_context(|| format!("schedule {n} ({spec})"))
+            (0..s.reps)
+                .map(|rep| {
+                    let (spec, _) = s.seeds.fill(spec, rep);
+                    spec.parse::<Schedule>()
+                        .with_context(|| format!("schedule {n} ({spec})"))
+                })
+                .collect::<Result<Vec<_>>>()
         })
         .collect::<Result<_>>()?;
     std::fs::create_dir_all(&s.out)?;
@@ -524,6 +586,9 @@ fn main() -> Result<()> {
         );
     }
     let build = vmigrater_testbed::commit();
+    if build.ends_with("-dirty") || build == "unknown" {
+        eprintln!("WARNING: build {build}: the results file says so, and no table may cite it");
+    }
     let n = s.reps * s.modes.len() * s.apps.len() * schedules.len();
     eprintln!(
         "apps benchmark at {build}: {} schedules × {} apps × {} modes × {} reps, ~{:.0} min; completion CPU {completion}",
@@ -541,7 +606,7 @@ fn main() -> Result<()> {
     let partial_path = s.out.join(format!("{name}.partial.json"));
     let mut raw = Vec::new();
     let mut cells = Map::new();
-    for ((sname, spec), sched) in s.schedules.iter().zip(&schedules) {
+    for ((sname, spec), per_rep) in s.schedules.iter().zip(&schedules) {
         let mut per_app = Map::new();
         for &app in &s.apps {
             let t0 = std::time::Instant::now();
@@ -555,13 +620,15 @@ fn main() -> Result<()> {
                 t0.elapsed().as_secs_f64()
             );
             let mut runs = Vec::new();
-            for rep in 0..s.reps {
+            for (rep, sched) in per_rep.iter().enumerate() {
                 for k in 0..s.modes.len() {
                     let mode = s.modes[(k + rep) % s.modes.len()];
                     let mut v = run_once(sched, app, mode, &apps, completion, &s)
                         .with_context(|| format!("{sname} {} rep {rep} {mode}", app.name()))?;
                     v["schedule"] = json!(sname);
-                    v["spec"] = json!(spec);
+                    let (filled, seed) = s.seeds.fill(spec, rep);
+                    v["spec"] = json!(filled);
+                    v["seed"] = json!(seed);
                     v["app_name"] = json!(app.name());
                     v["rep"] = json!(rep);
                     v["order"] = json!(k);
@@ -592,7 +659,7 @@ fn main() -> Result<()> {
             // What is done so far survives a benchmark stopped in a later cell.
             let mut so_far = cells.clone();
             so_far.insert(sname.clone(), Value::Object(per_app.clone()));
-            let partial = report(&build, &s, &map, completion, &so_far, &raw);
+            let partial = report(&s, &map, completion, &so_far, &raw);
             std::fs::write(
                 &partial_path,
                 serde_json::to_string_pretty(&partial)? + "\n",
@@ -600,7 +667,7 @@ fn main() -> Result<()> {
         }
         cells.insert(sname.clone(), Value::Object(per_app));
     }
-    let report = report(&build, &s, &map, completion, &cells, &raw);
+    let report = report(&s, &map, completion, &cells, &raw);
     let _ = std::fs::remove_file(&partial_path);
     std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
     print_table(&cells, &s);
@@ -611,23 +678,22 @@ fn main() -> Result<()> {
 }
 
 fn report(
-    build: &str,
     s: &Settings,
     map: &CompletionMap,
     completion: usize,
     cells: &Map<String, Value>,
     raw: &[Value],
 ) -> Value {
-    json!({
+    vmigrater_testbed::report::with_provenance(json!({
         "benchmark": "apps",
-        "commit": build,
-        "daemon_build": vmigrater_testbed::daemon_build(&vmigrater_testbed::workspace_bin("vmigrater")),
         "parent_build": s.parent_bin.as_deref().map(vmigrater_testbed::daemon_build),
         "setup": {
             "cpus": ncpus(),
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
             "accounting": s.accounting,
             "schedules": s.schedules.iter().map(|(n, spec)| json!({"name": n, "spec": spec})).collect::<Vec<_>>(),
+            "seeds": s.seeds,
+            "seed_of_rep": "rep r draws seeds[r mod len] where the spec has SEED",
             "apps": s.apps.iter().map(|a| json!({"name": a.name(), "metric": a.metric()})).collect::<Vec<_>>(),
             "modes": s.modes,
             "oracles": ORACLES,
@@ -645,5 +711,5 @@ fn report(
         },
         "cells": cells,
         "runs": raw,
-    })
+    }))
 }

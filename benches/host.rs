@@ -888,13 +888,8 @@ fn main() -> Result<()> {
         cells.insert(name, summarise(&runs, &modes));
         raw.extend(runs);
     }
-    let report = json!({
+    let report = vmigrater_testbed::report::with_provenance(json!({
         "benchmark": "host",
-        "commit": vmigrater_testbed::commit(),
-        "daemon_build": vmigrater_testbed::daemon_build(&workspace_bin("vmigrater")),
-        "command": std::env::args().collect::<Vec<_>>(),
-        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
-        "cpu_model": std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default().lines().find_map(|l| l.strip_prefix("model name").map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())),
         "setup": {
             "cpus": ncpus(),
             "host": "bpf/hostmodel.bpf.c: per CPU our vCPU and k - 1 other VMs' vCPUs, decided online by the policy; a halted vCPU gives its CPU away, its interrupt wakes it",
@@ -921,7 +916,7 @@ fn main() -> Result<()> {
         },
         "cells": cells,
         "runs": raw,
-    });
+    }));
     let path = s.out.join(match s.work {
         Work::Reads => "host.json".to_string(),
         Work::App(app) => format!("host-{}.json", app.name()),

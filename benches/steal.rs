@@ -43,7 +43,7 @@
 //! Flags (after `--`): --reps N (8), --secs S (8), --warmup-secs S (3), --io-warmup-ms MS
 //! (1000), --only SCHEDULES (names or specs, comma-separated), --workloads LIST,
 //! --modes LIST, --out DIR (default `$VMIGRATER_BENCH_DIR` or target/bench),
-//! --completion-cpu N (instead of reading /proc/irq), --seed N (random schedules, 1),
+//! --completion-cpu N (instead of reading /proc/irq), --seeds LIST (random schedules: repetition r draws seed r mod their number; 1,2,3),
 //! --disk root|loop (where the data lives, root),
 //! --parent-bin PATH (the daemon of `vmigrater_parent`), --accounting absorbed|interrupted
 //! (who is charged a window's time: by default a real-time absorber per CPU, as on a guest
@@ -63,6 +63,7 @@ use vmigrater_testbed::daemon::BenchDaemon;
 use vmigrater_testbed::loopdisk::LoopDisk;
 use vmigrater_testbed::oracle::{self, OracleLog, OracleView};
 use vmigrater_testbed::report::{est, f, fmt_est, list};
+use vmigrater_testbed::seeds::Seeds;
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::SystemCpu;
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
@@ -130,7 +131,8 @@ const WORKLOADS: [Workload; 6] = [
     },
 ];
 
-/// (name, spec) of the default schedules; `SEED` is replaced by --seed. Windows of
+/// (name, spec) of the default schedules; `SEED` is replaced by each repetition's seed
+/// (--seeds). Windows of
 /// 3 ms / 3 ms mean (KVM-like) and 30 ms / 30 ms (Xen-like) are exponential draws.
 const SCHEDULES: [(&str, &str); 6] = [
     ("none", "none"),
@@ -152,7 +154,9 @@ struct Settings {
     secs: f64,
     warmup: Duration,
     io_warmup: Duration,
+    /// (name, spec) with `SEED` left in: `Seeds::fill` fills it per repetition.
     schedules: Vec<(String, String)>,
+    seeds: Seeds,
     workloads: Vec<&'static Workload>,
     modes: Vec<&'static str>,
     out: PathBuf,
@@ -190,6 +194,7 @@ fn parse_args() -> Result<Settings> {
         warmup: Duration::from_secs(3),
         io_warmup: Duration::from_millis(1000),
         schedules: Vec::new(),
+        seeds: Seeds::default(),
         workloads: WORKLOADS.iter().collect(),
         // The A/B mode runs only when asked for (it needs --parent-bin).
         modes: MODES
@@ -204,7 +209,7 @@ fn parse_args() -> Result<Settings> {
         alt_config: None,
         accounting: Accounting::default(),
     };
-    let (mut only, mut seed) = (None, 1u64);
+    let mut only = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut val = || args.next().with_context(|| format!("{a} needs a value"));
@@ -216,7 +221,7 @@ fn parse_args() -> Result<Settings> {
             "--warmup-secs" => s.warmup = Duration::from_secs_f64(val()?.parse()?),
             "--io-warmup-ms" => s.io_warmup = Duration::from_millis(val()?.parse()?),
             "--only" => only = Some(list(&val()?)),
-            "--seed" => seed = val()?.parse()?,
+            "--seed" | "--seeds" => s.seeds = Seeds::parse(&a, &val()?)?,
             "--workloads" => {
                 s.workloads = list(&val()?)
                     .iter()
@@ -263,7 +268,7 @@ fn parse_args() -> Result<Settings> {
     }
     let defaults: Vec<(String, String)> = SCHEDULES
         .iter()
-        .map(|(n, spec)| (n.to_string(), spec.replace("SEED", &seed.to_string())))
+        .map(|(n, spec)| (n.to_string(), spec.to_string()))
         .collect();
     s.schedules = match only {
         None => defaults,
@@ -742,12 +747,18 @@ fn main() -> Result<()> {
     }
     let s = parse_args()?;
     anyhow::ensure!(ncpus() >= 2, "the steal benchmark needs at least 2 CPUs");
-    let schedules: Vec<Schedule> = s
+    // Every schedule of every repetition parses before the first run.
+    let schedules: Vec<Vec<Schedule>> = s
         .schedules
         .iter()
         .map(|(n, spec)| {
-            spec.parse()
-                .with_context(|| format!("schedule {n} ({spec})"))
+            (0..s.reps)
+                .map(|rep| {
+                    let (spec, _) = s.seeds.fill(spec, rep);
+                    spec.parse::<Schedule>()
+                        .with_context(|| format!("schedule {n} ({spec})"))
+                })
+                .collect::<Result<Vec<_>>>()
         })
         .collect::<Result<_>>()?;
     std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
@@ -820,17 +831,19 @@ fn main() -> Result<()> {
 
     let mut raw: Vec<Value> = Vec::new();
     let mut cells = Map::new();
-    for ((sname, spec), sched) in s.schedules.iter().zip(&schedules) {
+    for ((sname, spec), per_rep) in s.schedules.iter().zip(&schedules) {
         let mut per_wl = Map::new();
         for wl in &s.workloads {
             let mut runs = Vec::new();
-            for rep in 0..s.reps {
+            for (rep, sched) in per_rep.iter().enumerate() {
                 for k in 0..modes.len() {
                     let mode = modes[(k + rep) % modes.len()];
                     let mut v = run(sched, wl, mode, &data, &s)
                         .with_context(|| format!("{sname} {} rep {rep} {mode}", wl.name))?;
                     v["schedule"] = json!(sname);
-                    v["spec"] = json!(spec);
+                    let (filled, seed) = s.seeds.fill(spec, rep);
+                    v["spec"] = json!(filled);
+                    v["seed"] = json!(seed);
                     v["workload_name"] = json!(wl.name);
                     v["rep"] = json!(rep);
                     v["order"] = json!(k);
@@ -858,10 +871,8 @@ fn main() -> Result<()> {
         cells.insert(sname.clone(), Value::Object(per_wl));
     }
 
-    let report = json!({
+    let report = vmigrater_testbed::report::with_provenance(json!({
         "benchmark": "steal",
-        "commit": vmigrater_testbed::commit(),
-        "daemon_build": vmigrater_testbed::daemon_build(&vmigrater_testbed::workspace_bin("vmigrater")),
         "parent_build": s.parent_bin.as_deref().map(vmigrater_testbed::daemon_build),
         "alt_config": s.alt_config,
         "setup": {
@@ -869,6 +880,7 @@ fn main() -> Result<()> {
             "steal": "irq-steal: a BPF perf_event program per CPU spinning in hard-IRQ context through each planned window",
             "accounting": s.accounting,
             "schedules": s.schedules.iter().map(|(n, spec)| json!({"name": n, "spec": spec})).collect::<Vec<_>>(),
+            "seeds": s.seeds,
             "workloads": s.workloads.iter().map(|w| json!({"name": w.name, "pattern": w.pattern, "io_threads": w.threads, "metric": w.metric})).collect::<Vec<_>>(),
             "modes": modes,
             "hogs": "one CPU hog pinned on every CPU, every mode",
@@ -887,11 +899,10 @@ fn main() -> Result<()> {
             "bootstrap": {"resamples": stats::RESAMPLES, "seed": stats::SEED, "interval": "95% percentile"},
             "daemon_config": "defaults (empty config file; vmigrater_no_slice: advanced.migration.kept_slice_us = 0), --no-metrics, private --state-dir",
             "oracle_lead_us": oracle::LEAD.as_micros() as u64,
-            "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
         },
         "cells": cells,
         "runs": raw,
-    });
+    }));
     let path = s.out.join("steal.json");
     std::fs::write(&path, serde_json::to_string_pretty(&report)? + "\n")?;
     print_table(&report, &s);

@@ -33,7 +33,7 @@ def main():
     print(
         f"Hard-IRQ deschedules (irq-steal), {setup['cpus']} CPUs, completion CPU "
         f"{setup['completion_cpu']}, a CPU hog pinned on each CPU; {setup['reps']} interleaved "
-        f"repetitions of {setup['seconds_per_run']} s per mode; kernel {setup['kernel']}.\n"
+        f"repetitions of {setup['seconds_per_run']} s per mode; kernel {doc.get('kernel', setup.get('kernel'))}.\n"
     )
     head = " | ".join(modes)
     print(f"| schedule | workload | unit | {head} | vmigrater / vanilla | paired | "

@@ -13,6 +13,7 @@ pub mod loopdisk;
 pub mod oracle;
 pub mod placement;
 pub mod report;
+pub mod seeds;
 pub mod signals;
 pub mod stats;
 pub mod workload;

@@ -34,3 +34,29 @@ pub fn list(v: &str) -> Vec<String> {
         .filter(|s| !s.is_empty())
         .collect()
 }
+
+/// Where a results file came from, merged at the top of every benchmark's JSON: the build
+/// (`-dirty` when the tree had changes), the daemon binary's own build, the exact command,
+/// the kernel and the CPU model. A table drawn from the file names them.
+pub fn provenance() -> Value {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    json!({
+        "commit": crate::commit(),
+        "daemon_build": crate::daemon_build(&crate::workspace_bin("vmigrater")),
+        "command": std::env::args().collect::<Vec<_>>(),
+        "kernel": std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim(),
+        "cpu_model": cpuinfo.lines().find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|m| m.trim_start_matches([' ', '\t', ':']).to_string())
+        }),
+    })
+}
+
+/// `report` with `provenance()` merged in front of its own fields.
+pub fn with_provenance(report: Value) -> Value {
+    let mut out = provenance();
+    if let (Some(o), Value::Object(r)) = (out.as_object_mut(), report) {
+        o.extend(r);
+    }
+    out
+}

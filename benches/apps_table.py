@@ -8,8 +8,16 @@ measured it, the daemon against the steal-backoff baseline; the builds and the r
 head the table. A schedule measured with the interrupted billing is named so.
 Usage:
     apps_table.py [--compact] apps-a.json [apps-b.json ...]
---compact: the README's columns (medians, the steal-backoff baseline's median, ratios of
-medians with their intervals, runs below vanilla, first keep, daemon CPU).
+    apps_table.py --readme apps.json
+--compact: the older README's columns (medians, the steal-backoff baseline's median, ratios
+of medians with their intervals, runs below vanilla, first keep, daemon CPU).
+--readme: the README's table, from one file (one build): a line naming the file's build,
+kernel, repetitions, run length and seeds, then per cell every oracle's median and the
+best, the daemon against vanilla and the best oracle, its worst run against the vanilla
+run of its repetition, the move guard's verdicts and the time its probes ran without
+moves, and the price: the co-located CPU hogs' work per vCPU and in total against
+vanilla's. A cell where the daemon beats every oracle is marked: the ceiling is missing
+an oracle there.
 """
 import json
 import statistics
@@ -102,6 +110,98 @@ def main(paths, compact=False):
                       f"{low} | {below} | {spread} | {helped} | {cpu} | {backoff} |")
 
 
+def median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def hogs_vs_vanilla(runs, mode):
+    """'a×, b×; total c×': the mode's median hog work per CPU and in total over vanilla's."""
+    def per_cpu(m):
+        rows = [r["hog_units_per_s_by_cpu"] for r in runs
+                if r["mode"] == m and r.get("hog_units_per_s_by_cpu")]
+        if not rows:
+            return None
+        return [median([row[i] for row in rows]) for i in range(len(rows[0]))], \
+            median([sum(row) for row in rows])
+    mine, base = per_cpu(mode), per_cpu("vanilla")
+    if not mine or not base:
+        return "–"
+    cpus = ", ".join(f"{a / b:.2f}×" if b else "–" for a, b in zip(mine[0], base[0]))
+    return f"{cpus}; total {mine[1] / base[1]:.2f}×"
+
+
+def worst_paired(runs, mode):
+    """The lowest ratio of a run of `mode` to the vanilla run of its repetition."""
+    by_rep = {}
+    for r in runs:
+        by_rep.setdefault(r["rep"], {})[r["mode"]] = r["value"]
+    ratios = [x[mode] / x["vanilla"] for x in by_rep.values()
+              if mode in x and x.get("vanilla")]
+    return f"{min(ratios):.2f}× ({sum(q < 1 for q in ratios)} of {len(ratios)} below 1)" if ratios else "–"
+
+
+def guard(runs):
+    """'paid P, held H; probes without moves S s (F% of the run)' over the daemon's runs."""
+    ds = [r["daemon"] for r in runs if r["mode"] == "vmigrater" and r.get("daemon")]
+    if not ds or any(d.get("guard_pays") is None for d in ds):
+        return "–"
+    paid = sum(d["guard_pays"] for d in ds)
+    held = sum(d["guard_holds"] for d in ds)
+    without = [d.get("guard_without_moves_s") or 0.0 for d in ds]
+    secs = [r["elapsed_s"] for r in runs if r["mode"] == "vmigrater" and r.get("daemon")]
+    share = 100 * sum(without) / sum(secs) if sum(secs) else 0.0
+    return f"paid {paid}, held {held}; {median(without):.1f} s without moves ({share:.1f}%)"
+
+
+def readme(path):
+    d = json.load(open(path))
+    setup = d["setup"]
+    seeds = setup.get("seeds")
+    print(f"<!-- {path}: commit {d.get('commit', '?')}, kernel {d.get('kernel', setup.get('kernel'))}, "
+          f"{setup['reps']} reps x {setup['seconds_per_run']} s, seeds {seeds or 'one'} -->")
+    oracles = [o for o in setup.get("oracles", []) if o in setup["modes"]]
+    # The daemon as a user may cap it (its kept slice off), where the run has it.
+    capped = [v for v in ("vmigrater_no_slice",) if v in setup["modes"]]
+    print("| schedule | application | vanilla | vmigrater | " +
+          " | ".join(oracles) + " | vmigrater / vanilla | worst run / its vanilla run | "
+          "vmigrater / best oracle (which) | move guard | CPU hogs vs vanilla, vmigrater: per vCPU; total | "
+          "CPU hogs vs vanilla, best oracle | " +
+          "".join(f"{v} / vanilla | CPU hogs vs vanilla, {v} | " for v in capped) +
+          "first keep, s: median (max) | daemon CPU, % |")
+    print("|---" * (12 + len(oracles) + 2 * len(capped)) + "|")
+    billing = setup.get("accounting")
+    order = list(NAMES)
+    for sched, apps in d["cells"].items():
+        label = sched_label(sched) + (", interrupted" if billing == "interrupted" else "")
+        for app, c in sorted(apps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
+            m = c["modes"]
+            runs = [r for r in d["runs"] if r["app_name"] == app and r["schedule"] == sched
+                    and r.get("steal_ok", True)]
+            vm, va = m.get("vmigrater", {}), m.get("vanilla", {})
+            bo = c.get("best_oracle")
+            above = bool(bo and vm.get("median") and m[bo].get("median")
+                         and vm["median"] > m[bo]["median"])
+            versus = f"{est(vm.get('vs_best_oracle'))} ({bo or '–'})" + (
+                " **above every oracle**" if above else "")
+            ds = [r["daemon"] for r in runs if r["mode"] == "vmigrater" and r.get("daemon")]
+            helps = [x["time_to_help_s"] for x in ds if x.get("time_to_help_s") is not None]
+            helped = f"{median(helps):.2f} ({max(helps):.2f})" if helps else "–"
+            cpu = median([x.get("cpu_pct_of_one_cpu") for x in ds])
+            print(f"| {label} | {NAMES.get(app, app)} | {num(va.get('median'))} | {num(vm.get('median'))} | " +
+                  " | ".join(num(m.get(o, {}).get("median")) for o in oracles) +
+                  f" | {est(vm.get('vs_vanilla'))} | {worst_paired(runs, 'vmigrater')} | {versus} | "
+                  f"{guard(runs)} | {hogs_vs_vanilla(runs, 'vmigrater')} | "
+                  f"{hogs_vs_vanilla(runs, bo) if bo else '–'} | " +
+                  "".join(f"{est(m.get(v, {}).get('vs_vanilla'))} | {hogs_vs_vanilla(runs, v)} | "
+                          for v in capped) +
+                  f"{helped} | "
+                  f"{'–' if cpu is None else f'{cpu:.2f}'} |")
+
+
 if __name__ == "__main__":
     args = sys.argv[1:]
-    main([a for a in args if a != "--compact"], compact="--compact" in args)
+    if args[:1] == ["--readme"] and len(args) == 2:
+        readme(args[1])
+    else:
+        main([a for a in args if a != "--compact"], compact="--compact" in args)

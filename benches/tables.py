@@ -15,8 +15,12 @@ neither a table row nor an HTML comment.
     tables.py check [FILE ...]   exit 1, naming file and line, where a block differs
     tables.py write [FILE ...]   rewrite every block from its command
 
-FILE defaults to README.md and benches/RESULTS.md. `make lint` runs `check`.
+FILE defaults to README.md and benches/RESULTS.md. `make lint` runs `check`. `check` also
+holds the README to one build: every results file its tables cite names a clean commit
+(not `-dirty`, not unknown), and the same one (`make results` regenerates them together).
+RESULTS.md, the history, may cite many builds.
 """
+import json
 import shlex
 import subprocess
 import sys
@@ -57,6 +61,27 @@ def blocks(lines):
             yield i, command, i + 1, block_end(lines, i + 1)
 
 
+def cited_builds(name, lines):
+    """(line, results file, its commit) of every results file the tables of `lines` cite."""
+    for marker, command, _, _ in blocks(lines):
+        for arg in shlex.split(command)[1:]:
+            if arg.startswith("benches/results/") and arg.endswith(".json"):
+                commit = json.loads((ROOT / arg).read_text()).get("commit") or "unknown"
+                yield f"{name}:{marker + 1}", arg, commit
+
+
+def one_build(name, lines):
+    """Why the README's tables are not from one clean build; empty when they are."""
+    cited = list(cited_builds(name, lines))
+    errors = [f"{where}: {path} is from build {commit}: a README table needs a clean commit"
+              for where, path, commit in cited if commit.endswith("-dirty") or commit == "unknown"]
+    builds = sorted({commit for _, _, commit in cited})
+    if len(builds) > 1:
+        errors.append(f"{name}: its tables come from {len(builds)} builds ({', '.join(builds)}): "
+                      "`make results` regenerates them from one")
+    return errors
+
+
 def main(argv):
     if not argv or argv[0] not in ("check", "write"):
         print(__doc__.strip(), file=sys.stderr)
@@ -75,13 +100,16 @@ def main(argv):
             out += lines[last:start] + fresh
             last = end
         out += lines[last:]
+        if name == "README.md":
+            stale += one_build(name, lines)
         if mode == "write" and out != lines:
             path.write_text("\n".join(out) + "\n")
     if mode == "check":
         for s in stale:
             print(s, file=sys.stderr)
         if stale:
-            print("run `python3 benches/tables.py write` and commit the result", file=sys.stderr)
+            print("run `python3 benches/tables.py write` (or `make results`) and commit the result",
+                  file=sys.stderr)
             return 1
         print(f"{seen} generated tables agree with their JSON")
     return 0

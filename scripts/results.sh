@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# make results: the README's results tables, measured again from one build and written
+# from their JSON. The plan is fixed here, in the tree, before any run: the repetitions,
+# run lengths, schedules, seeds and modes of every table. A cell is never re-run alone:
+# a re-run is this whole command again, and the first run's files stay in git's history.
+#
+#   RESULTS_PARTS=host,apps   which tables (default: all); every part of one README
+#                             must come from one build (`tables.py check` says so)
+#   RESULTS_DIRTY=1           run on a tree with changes: the files say `-dirty`, and
+#                             `tables.py check` refuses them in the README
+#   RESULTS_SMOKE=1           every part for seconds, into target/results-smoke, the
+#                             README untouched: to see the pipeline work, not a result
+#   RESULTS_AT=COMMIT         measure that commit, built in a worktree of its own under
+#                             target/results-at (what a README of one build needs when
+#                             its parts run on different days; the tree here may have
+#                             moved on, by results and docs), the files written here
+#
+# Root (the benchmarks take CPUs away in hard-IRQ context). Time with the defaults:
+# host ~65 min (6 cells x 6 modes x 8 reps x 10 s), apps ~150 min (2 schedules x
+# 4 modes x 8 reps x 120 s and start-up).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+parts=${RESULTS_PARTS:-host,apps}
+smoke=${RESULTS_SMOKE:-}
+if [ -n "$(git status --porcelain --untracked-files=no)" ] && [ "${RESULTS_DIRTY:-}" != 1 ]; then
+    echo "make results: the tree has uncommitted changes (git status); commit them, or" >&2
+    echo "set RESULTS_DIRTY=1 to measure anyway (the files will say -dirty)" >&2
+    exit 1
+fi
+if [ "$(id -u)" != 0 ]; then
+    echo "make results: needs root (irq-steal and the host model are BPF programs)" >&2
+    exit 1
+fi
+here=$PWD
+commit=$(git rev-parse --short=12 HEAD)
+[ -n "$(git status --porcelain --untracked-files=no)" ] && commit="$commit-dirty"
+if [ -n "${RESULTS_AT:-}" ]; then
+    commit=$(git rev-parse --short=12 "$RESULTS_AT^{commit}")
+    tree=target/results-at/$commit
+    [ -d "$tree" ] || git worktree add --detach "$tree" "$commit"
+    (cd "$tree" && cargo build --release --workspace --bins)
+fi
+out=target/results
+dest=benches/results
+# A smoke never writes where a real result lives.
+[ -n "$smoke" ] && out=target/results-smoke && dest=$out
+mkdir -p "$out"
+
+# A benchmark of the build measured: this tree's, or RESULTS_AT's worktree's.
+bench() {
+    (cd "${tree:-.}" && cargo bench -p vmigrater-testbed --bench "$@")
+}
+
+# part NAME: whether it was asked for.
+part() {
+    case ",$parts," in *",$1,"*) return 0 ;; *) return 1 ;; esac
+}
+
+# The plan. Smoke runs the same cells and modes for a second or two each.
+if [ -n "$smoke" ]; then
+    host_len=(--reps 1 --secs 1 --warmup-secs 1 --cells fair:2,credit:2)
+    apps_len=(--reps 1 --secs 2 --warmup-secs 1)
+else
+    host_len=(--reps 8 --secs 10)
+    apps_len=(--reps 8 --secs 120)
+fi
+written=()
+if part host; then
+    # Both halves with a host that reacts: the 4 KiB reader, k = 2, 3, 4 under both policies.
+    bench host -- "${host_len[@]}" \
+        --modes vanilla,vmigrater,agent,both,governor,pinned --out "$here/$out"
+    cp "$out/host.json" "$dest/results-host-$commit.json"
+    written+=("$dest/results-host-$commit.json")
+fi
+if part apps; then
+    # PostgreSQL under hard-IRQ deschedules: random phase over three seeds, and nothing to
+    # gain; long enough for the move guard to probe inside every run (it trusts a kept
+    # task 30 s first); two pinned oracles, with and without the daemon's kept slice.
+    bench apps -- "${apps_len[@]}" --apps pg_select_c1 --only rphase,none --seeds 1,2,3 \
+        --modes vanilla,vmigrater,pinned_all,pinned_all_slice --tag results --out "$here/$out"
+    cp "$out/apps-results.json" "$dest/results-apps-$commit.json"
+    written+=("$dest/results-apps-$commit.json")
+fi
+if [ -n "$smoke" ]; then
+    # The smoke checks the tables can be drawn, not their numbers.
+    for f in "${written[@]}"; do
+        case "$f" in
+            *results-host-*) python3 benches/host_table.py "$f" > /dev/null ;;
+            *results-apps-*) python3 benches/apps_table.py --readme "$f" > /dev/null ;;
+        esac
+    done
+    echo "make results (smoke): every part ran and its table was drawn; README untouched"
+    exit 0
+fi
+# Point the README's table markers at the new files and write the tables from them.
+for f in "${written[@]}"; do
+    kind=${f#"$dest"/results-}
+    kind=${kind%%-*}
+    if ! grep -q "benches/results/results-$kind-" README.md; then
+        case $kind in
+            host) cmd="benches/host_table.py $f" ;;
+            apps) cmd="benches/apps_table.py --readme $f" ;;
+        esac
+        echo "make results: README.md has no $kind table yet; put the line" >&2
+        echo "  <!-- table: $cmd -->" >&2
+        echo "where it belongs in '## Results' and run: python3 benches/tables.py write README.md" >&2
+        continue
+    fi
+    sed -i -E "s#benches/results/results-$kind-[0-9a-f]+(-dirty)?\.json#$f#g" README.md
+done
+python3 benches/tables.py write README.md
+python3 benches/tables.py check README.md
+echo "make results: ${written[*]} written; README.md's tables regenerated from build $commit"

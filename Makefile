@@ -116,8 +116,9 @@ bench-apps: apps-setup build
 	cp target/bench/apps*.json target/bench/apps*.png benches/results/
 
 # The README's results tables, measured again from one build on the plan fixed in
-# scripts/results.sh, and written from their JSON (root; ~3.5 h; refuses a tree with
-# uncommitted changes). One table: make results RESULTS_PARTS=host (or apps).
+# scripts/results.sh, and written from their JSON (root; ~4 h; refuses a tree with
+# uncommitted changes). One part: make results RESULTS_PARTS=host (apps_random,
+# apps_none); RESULTS_AT=COMMIT measures that commit, built in a worktree.
 results: build apps-setup
 	scripts/results.sh
 

@@ -8,10 +8,10 @@ measured it, the daemon against the steal-backoff baseline; the builds and the r
 head the table. A schedule measured with the interrupted billing is named so.
 Usage:
     apps_table.py [--compact] apps-a.json [apps-b.json ...]
-    apps_table.py --readme apps.json
+    apps_table.py --readme apps-a.json [apps-b.json ...]
 --compact: the older README's columns (medians, the steal-backoff baseline's median, ratios
 of medians with their intervals, runs below vanilla, first keep, daemon CPU).
---readme: the README's table, from one file (one build): a line naming the file's build,
+--readme: the README's table (its files from one build): a line per file naming its build,
 kernel, repetitions, run length and seeds, then per cell every oracle's median and the
 best, the daemon against vanilla and the best oracle, its worst run against the vanilla
 run of its repetition, the move guard's verdicts and the time its probes ran without
@@ -22,6 +22,8 @@ an oracle there.
 import json
 import statistics
 import sys
+
+ORACLES = ["pinned", "pinned_all", "pinned_all_slice", "sched_oracle"]
 
 NAMES = {
     "pg_select_c1": "PostgreSQL select-only, 1 client (tps)",
@@ -154,15 +156,16 @@ def guard(runs):
     return f"paid {paid}, held {held}; {median(without):.1f} s without moves ({share:.1f}%)"
 
 
-def readme(path):
-    d = json.load(open(path))
-    setup = d["setup"]
-    seeds = setup.get("seeds")
-    print(f"<!-- {path}: commit {d.get('commit', '?')}, kernel {d.get('kernel', setup.get('kernel'))}, "
-          f"{setup['reps']} reps x {setup['seconds_per_run']} s, seeds {seeds or 'one'} -->")
-    oracles = [o for o in setup.get("oracles", []) if o in setup["modes"]]
-    # The daemon as a user may cap it (its kept slice off), where the run has it.
-    capped = [v for v in ("vmigrater_no_slice",) if v in setup["modes"]]
+def readme(paths):
+    docs = [(p, json.load(open(p))) for p in paths]
+    for path, d in docs:
+        setup = d["setup"]
+        print(f"<!-- {path}: commit {d.get('commit', '?')}, kernel {d.get('kernel', setup.get('kernel'))}, "
+              f"{setup['reps']} reps x {setup['seconds_per_run']} s, seeds {setup.get('seeds') or 'one'} -->")
+    modes = [m for _, d in docs for m in d["setup"]["modes"]]
+    oracles = [o for o in ORACLES if o in modes]
+    # The daemon as a user may cap it (its kept slice off), where a run has it.
+    capped = [v for v in ("vmigrater_no_slice",) if v in modes]
     print("| schedule | application | vanilla | vmigrater | " +
           " | ".join(oracles) + " | vmigrater / vanilla | worst run / its vanilla run | "
           "vmigrater / best oracle (which) | move guard | CPU hogs vs vanilla, vmigrater: per vCPU; total | "
@@ -170,38 +173,42 @@ def readme(path):
           "".join(f"{v} / vanilla | CPU hogs vs vanilla, {v} | " for v in capped) +
           "first keep, s: median (max) | daemon CPU, % |")
     print("|---" * (12 + len(oracles) + 2 * len(capped)) + "|")
-    billing = setup.get("accounting")
     order = list(NAMES)
-    for sched, apps in d["cells"].items():
-        label = sched_label(sched) + (", interrupted" if billing == "interrupted" else "")
-        for app, c in sorted(apps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
-            m = c["modes"]
-            runs = [r for r in d["runs"] if r["app_name"] == app and r["schedule"] == sched
-                    and r.get("steal_ok", True)]
-            vm, va = m.get("vmigrater", {}), m.get("vanilla", {})
-            bo = c.get("best_oracle")
-            above = bool(bo and vm.get("median") and m[bo].get("median")
-                         and vm["median"] > m[bo]["median"])
-            versus = f"{est(vm.get('vs_best_oracle'))} ({bo or '–'})" + (
-                " **above every oracle**" if above else "")
-            ds = [r["daemon"] for r in runs if r["mode"] == "vmigrater" and r.get("daemon")]
-            helps = [x["time_to_help_s"] for x in ds if x.get("time_to_help_s") is not None]
-            helped = f"{median(helps):.2f} ({max(helps):.2f})" if helps else "–"
-            cpu = median([x.get("cpu_pct_of_one_cpu") for x in ds])
-            print(f"| {label} | {NAMES.get(app, app)} | {num(va.get('median'))} | {num(vm.get('median'))} | " +
-                  " | ".join(num(m.get(o, {}).get("median")) for o in oracles) +
-                  f" | {est(vm.get('vs_vanilla'))} | {worst_paired(runs, 'vmigrater')} | {versus} | "
-                  f"{guard(runs)} | {hogs_vs_vanilla(runs, 'vmigrater')} | "
-                  f"{hogs_vs_vanilla(runs, bo) if bo else '–'} | " +
-                  "".join(f"{est(m.get(v, {}).get('vs_vanilla'))} | {hogs_vs_vanilla(runs, v)} | "
-                          for v in capped) +
-                  f"{helped} | "
-                  f"{'–' if cpu is None else f'{cpu:.2f}'} |")
+    for _, d in docs:
+        billing = d["setup"].get("accounting")
+        for sched, apps in d["cells"].items():
+            label = sched_label(sched) + (", interrupted" if billing == "interrupted" else "")
+            for app, c in sorted(apps.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)):
+                print(readme_row(d, sched, label, app, c, oracles, capped))
+
+
+def readme_row(d, sched, label, app, c, oracles, capped):
+    m = c["modes"]
+    runs = [r for r in d["runs"] if r["app_name"] == app and r["schedule"] == sched
+            and r.get("steal_ok", True)]
+    vm, va = m.get("vmigrater", {}), m.get("vanilla", {})
+    bo = c.get("best_oracle")
+    above = bool(bo and vm.get("median") and m[bo].get("median")
+                 and vm["median"] > m[bo]["median"])
+    versus = f"{est(vm.get('vs_best_oracle'))} ({bo or '–'})" + (
+        " **above every oracle**" if above else "")
+    ds = [r["daemon"] for r in runs if r["mode"] == "vmigrater" and r.get("daemon")]
+    helps = [x["time_to_help_s"] for x in ds if x.get("time_to_help_s") is not None]
+    helped = f"{median(helps):.2f} ({max(helps):.2f})" if helps else "–"
+    cpu = median([x.get("cpu_pct_of_one_cpu") for x in ds])
+    return (f"| {label} | {NAMES.get(app, app)} | {num(va.get('median'))} | {num(vm.get('median'))} | " +
+            " | ".join(num(m.get(o, {}).get("median")) for o in oracles) +
+            f" | {est(vm.get('vs_vanilla'))} | {worst_paired(runs, 'vmigrater')} | {versus} | "
+            f"{guard(runs)} | {hogs_vs_vanilla(runs, 'vmigrater')} | "
+            f"{hogs_vs_vanilla(runs, bo) if bo else '–'} | " +
+            "".join(f"{est(m.get(v, {}).get('vs_vanilla'))} | {hogs_vs_vanilla(runs, v)} | "
+                    for v in capped) +
+            f"{helped} | {'–' if cpu is None else f'{cpu:.2f}'} |")
 
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    if args[:1] == ["--readme"] and len(args) == 2:
-        readme(args[1])
+    if args[:1] == ["--readme"] and len(args) >= 2:
+        readme(args[1:])
     else:
         main([a for a in args if a != "--compact"], compact="--compact" in args)

@@ -4,7 +4,8 @@
 # run lengths, schedules, seeds and modes of every table. A cell is never re-run alone:
 # a re-run is this whole command again, and the first run's files stay in git's history.
 #
-#   RESULTS_PARTS=host,apps   which tables (default: all); every part of one README
+#   RESULTS_PARTS=host,apps_random,apps_none
+#                             which parts (default: all); every part of one README
 #                             must come from one build (`tables.py check` says so)
 #   RESULTS_DIRTY=1           run on a tree with changes: the files say `-dirty`, and
 #                             `tables.py check` refuses them in the README
@@ -16,12 +17,13 @@
 #                             moved on, by results and docs), the files written here
 #
 # Root (the benchmarks take CPUs away in hard-IRQ context). Time with the defaults:
-# host ~65 min (6 cells x 6 modes x 8 reps x 10 s), apps ~150 min (2 schedules x
-# 4 modes x 8 reps x 120 s and start-up).
+# host ~65 min (6 cells x 6 modes x 8 reps x 10 s), apps_random and apps_none ~95 min
+# each (5 modes x 8 reps x 120 s and start-up): ~4 h in all, so the parts may run on
+# different days at one commit (RESULTS_AT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-parts=${RESULTS_PARTS:-host,apps}
+parts=${RESULTS_PARTS:-host,apps_random,apps_none}
 smoke=${RESULTS_SMOKE:-}
 if [ -n "$(git status --porcelain --untracked-files=no)" ] && [ "${RESULTS_DIRTY:-}" != 1 ]; then
     echo "make results: the tree has uncommitted changes (git status); commit them, or" >&2
@@ -73,21 +75,32 @@ if part host; then
     cp "$out/host.json" "$dest/results-host-$commit.json"
     written+=("$dest/results-host-$commit.json")
 fi
-if part apps; then
-    # PostgreSQL under hard-IRQ deschedules: random phase over three seeds, and nothing to
-    # gain; long enough for the move guard to probe inside every run (it trusts a kept
-    # task 30 s first); two pinned oracles, with and without the daemon's kept slice.
-    bench apps -- "${apps_len[@]}" --apps pg_select_c1 --only rphase,none --seeds 1,2,3 \
-        --modes vanilla,vmigrater,pinned_all,pinned_all_slice --tag results --out "$here/$out"
-    cp "$out/apps-results.json" "$dest/results-apps-$commit.json"
-    written+=("$dest/results-apps-$commit.json")
+# PostgreSQL under hard-IRQ deschedules, long enough for the move guard to probe inside
+# every run (it trusts a kept task 30 s first); three oracles: the server and its client
+# pinned to the completion vCPU with and without the daemon's kept slice, and every task
+# moved ahead of each window knowing the plan. Two parts of ~95 min each.
+apps_modes=vanilla,vmigrater,pinned_all,pinned_all_slice,sched_oracle
+if part apps_random; then
+    # Random phase over three seeds, the repetitions spread over them.
+    bench apps -- "${apps_len[@]}" --apps pg_select_c1 --only rphase --seeds 1,2,3 \
+        --modes "$apps_modes" --tag random --out "$here/$out"
+    cp "$out/apps-random.json" "$dest/results-apps_random-$commit.json"
+    written+=("$dest/results-apps_random-$commit.json")
+fi
+if part apps_none; then
+    # Nothing taken away: what the daemon costs where no deschedule gives it anything to
+    # gain (the oracles' pinning may still gain by itself).
+    bench apps -- "${apps_len[@]}" --apps pg_select_c1 --only none \
+        --modes "$apps_modes" --tag none --out "$here/$out"
+    cp "$out/apps-none.json" "$dest/results-apps_none-$commit.json"
+    written+=("$dest/results-apps_none-$commit.json")
 fi
 if [ -n "$smoke" ]; then
     # The smoke checks the tables can be drawn, not their numbers.
     for f in "${written[@]}"; do
         case "$f" in
             *results-host-*) python3 benches/host_table.py "$f" > /dev/null ;;
-            *results-apps-*) python3 benches/apps_table.py --readme "$f" > /dev/null ;;
+            *results-apps_*) python3 benches/apps_table.py --readme "$f" > /dev/null ;;
         esac
     done
     echo "make results (smoke): every part ran and its table was drawn; README untouched"
@@ -100,7 +113,7 @@ for f in "${written[@]}"; do
     if ! grep -q "benches/results/results-$kind-" README.md; then
         case $kind in
             host) cmd="benches/host_table.py $f" ;;
-            apps) cmd="benches/apps_table.py --readme $f" ;;
+            *) cmd="benches/apps_table.py --readme $f" ;;
         esac
         echo "make results: README.md has no $kind table yet; put the line" >&2
         echo "  <!-- table: $cmd -->" >&2

@@ -11,7 +11,7 @@ use steal_emulator::{Emulator, Pattern};
 use vcpu_monitor::{
     monotonic_ns, online_cpus, Demand, KernelMonitor, MonitorConfig, TickEvent, TickHook, VcpuBoard,
 };
-use vmigrater_testbed::{assert_root, workload};
+use vmigrater_testbed::{assert_root, host_steal_ns, workload};
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -50,25 +50,6 @@ impl TickHook for Counter {
             }
         }
     }
-}
-
-/// Steal time per CPU from /proc/stat, in ns (USER_HZ = 100).
-fn steal_ns(cpus: &[usize]) -> Vec<u64> {
-    let stat = std::fs::read_to_string("/proc/stat").expect("/proc/stat");
-    cpus.iter()
-        .map(|c| {
-            let line = stat
-                .lines()
-                .find(|l| l.split_whitespace().next() == Some(&format!("cpu{c}")))
-                .expect("cpu line");
-            let ticks: u64 = line
-                .split_whitespace()
-                .nth(8)
-                .and_then(|f| f.parse().ok())
-                .unwrap_or(0);
-            ticks * 10 * MS
-        })
-        .collect()
 }
 
 /// Root, two CPUs, and the machine to this test alone (the tests share the CPUs with
@@ -134,11 +115,11 @@ fn late_timers_match_the_hypervisors_steal_time() {
         .iter()
         .map(|s| s.deschedules)
         .sum();
-    let steal0 = steal_ns(&cpus);
+    let steal0 = host_steal_ns(&cpus);
     let resumed0 = hook.resumed.load(Relaxed);
     hook.resumed_ns.store(0, Relaxed);
     std::thread::sleep(Duration::from_secs(10));
-    let steal1 = steal_ns(&cpus);
+    let steal1 = host_steal_ns(&cpus);
     // Let the event thread publish what the last interval saw.
     std::thread::sleep(Duration::from_millis(150));
     let snap = board.snapshot(monotonic_ns());
@@ -223,10 +204,10 @@ fn a_steal_emulator_inside_the_kernel_is_invisible_to_kernel_timers() {
         50,
     )
     .expect("steal emulator");
-    let steal0 = steal_ns(&cpus)[0];
+    let steal0 = host_steal_ns(&cpus)[0];
     std::thread::sleep(Duration::from_secs(2));
     let records = emu.stop();
-    let steal = steal_ns(&cpus)[0] - steal0;
+    let steal = host_steal_ns(&cpus)[0] - steal0;
     hog.stop().expect("hog");
     std::thread::sleep(Duration::from_millis(150));
     let s = board.snapshot(monotonic_ns())[0].clone();
@@ -266,9 +247,9 @@ fn hard_irq_deschedules_are_seen_as_gaps_of_their_length() {
         .iter()
         .map(|s| (s.inactive_total_ns, s.deschedules))
         .collect();
-    let steal0 = steal_ns(&cpus);
+    let steal0 = host_steal_ns(&cpus);
     let report = take_cpus("anti:20000:10000", &cpus, 3);
-    let host = steal_ns(&cpus);
+    let host = host_steal_ns(&cpus);
     std::thread::sleep(Duration::from_millis(150));
     let snap = board.snapshot(monotonic_ns());
     for h in hogs {

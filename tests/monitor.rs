@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use steal_emulator::{Emulator, Pattern, StealRecord};
 use vcpu_monitor::{monotonic_ns, Demand, Monitor, MonitorConfig, TickEvent, TickHook, VcpuBoard};
-use vmigrater_testbed::assert_root;
+use vmigrater_testbed::{assert_root, host_steal_ns};
 
 /// The tests in this binary measure the same CPUs: one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -311,12 +311,20 @@ fn detects_emulated_deschedules_and_measures_slices() {
         "needs CPUs 0 and 1 online, have {:?}",
         cfg.cpus
     );
+    let cpus = [0, 1];
     let (rec, board, truth) = with_monitor(&cfg, Demand::Active, |_, _| {
+        let host0 = host_steal_ns(&cpus);
         let emu = Emulator::start(&anti_phase_10ms(), 50).expect("steal emulator");
         std::thread::sleep(Duration::from_secs(3));
-        (emu.stop(), monotonic_ns())
+        let truth = emu.stop();
+        let host: u64 = host_steal_ns(&cpus)
+            .iter()
+            .zip(&host0)
+            .map(|(a, b)| a - b)
+            .sum();
+        (truth, monotonic_ns(), host)
     });
-    let (truth, ended): (Vec<StealRecord>, u64) = truth;
+    let (truth, ended, host_stole): (Vec<StealRecord>, u64, u64) = truth;
     // The first 200 ms: the baseline window fills and the first slices replace the 11 ms
     // default.
     let warmup = truth
@@ -416,12 +424,20 @@ fn detects_emulated_deschedules_and_measures_slices() {
         "detected only {detected}/{bursts}"
     );
     // Gaps outside the emulator's bursts are this machine's own host taking the CPUs away
-    // (a KVM guest on a shared host; a CI run saw 66 in 2.8 s) or the monitor inventing
-    // them. Many of them is a monitor bug; a few more than usual is a noisy host, and the
-    // slices measured then are the host's as much as the emulator's: said, not judged.
+    // (a KVM guest on a shared host: CI runs saw 66, 110 and 123 in 2.8 s, the last two
+    // gaps of 0.35-2 ms) or the monitor inventing them. Many of them is a monitor bug; a
+    // few more than usual is a noisy host, and the slices measured then are the host's as
+    // much as the emulator's: said, not judged. Each ms the host stole (its steal clock,
+    // 10 ms ticks) may be a gap of its own, as in kernel_monitor.rs.
+    let host_gaps = host_stole / MS;
+    eprintln!(
+        "this machine's host stole {:.0} ms meanwhile: up to {host_gaps} gaps of its own",
+        host_stole as f64 / 1e6
+    );
     assert!(
-        false_gaps * 4 <= bursts,
-        "{false_gaps} false gaps for {bursts} bursts"
+        false_gaps * 4 <= bursts + 4 * host_gaps as usize,
+        "{false_gaps} false gaps for {bursts} bursts, the host stealing {:.0} ms",
+        host_stole as f64 / 1e6
     );
     if false_gaps * 20 > bursts {
         eprintln!(

@@ -125,6 +125,26 @@ pub fn bench_dir() -> PathBuf {
     )
 }
 
+/// Each CPU's steal time so far as this machine's own hypervisor reports it
+/// (`/proc/stat`, in 10 ms ticks), ns: deschedules nobody in a test planned.
+pub fn host_steal_ns(cpus: &[usize]) -> Vec<u64> {
+    let stat = std::fs::read_to_string("/proc/stat").expect("/proc/stat");
+    cpus.iter()
+        .map(|c| {
+            let line = stat
+                .lines()
+                .find(|l| l.split_whitespace().next() == Some(&format!("cpu{c}")))
+                .expect("cpu line");
+            let ticks: u64 = line
+                .split_whitespace()
+                .nth(8)
+                .and_then(|f| f.parse().ok())
+                .unwrap_or(0);
+            ticks * 10_000_000
+        })
+        .collect()
+}
+
 /// The build under test, as `git describe` names it (`-dirty` when the tree has changes):
 /// recorded in every results file, so that a table says which code it measured.
 pub fn commit() -> String {

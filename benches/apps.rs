@@ -552,19 +552,7 @@ fn main() -> Result<()> {
         "the applications benchmark needs at least 2 CPUs"
     );
     // Every schedule of every repetition parses before the first run.
-    let schedules: Vec<Vec<Schedule>> = s
-        .schedules
-        .iter()
-        .map(|(n, spec)| {
-            (0..s.reps)
-                .map(|rep| {
-                    let (spec, _) = s.seeds.fill(spec, rep);
-                    spec.parse::<Schedule>()
-                        .with_context(|| format!("schedule {n} ({spec})"))
-                })
-                .collect::<Result<Vec<_>>>()
-        })
-        .collect::<Result<_>>()?;
+    let schedules = s.seeds.schedules(&s.schedules, s.reps)?;
     std::fs::create_dir_all(&s.out)?;
     let apps = Apps::new();
     for &app in &s.apps {

@@ -748,19 +748,7 @@ fn main() -> Result<()> {
     let s = parse_args()?;
     anyhow::ensure!(ncpus() >= 2, "the steal benchmark needs at least 2 CPUs");
     // Every schedule of every repetition parses before the first run.
-    let schedules: Vec<Vec<Schedule>> = s
-        .schedules
-        .iter()
-        .map(|(n, spec)| {
-            (0..s.reps)
-                .map(|rep| {
-                    let (spec, _) = s.seeds.fill(spec, rep);
-                    spec.parse::<Schedule>()
-                        .with_context(|| format!("schedule {n} ({spec})"))
-                })
-                .collect::<Result<Vec<_>>>()
-        })
-        .collect::<Result<_>>()?;
+    let schedules = s.seeds.schedules(&s.schedules, s.reps)?;
     std::fs::create_dir_all(&s.out).with_context(|| format!("creating {}", s.out.display()))?;
     // A file the benchmark owns on the root disk: the read/write workload writes into it;
     // or a loop device over memory that completes on the submitting CPU.

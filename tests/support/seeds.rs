@@ -3,6 +3,7 @@
 //! instead of replaying one draw (`--seeds 1,2,3`).
 
 use anyhow::{ensure, Context, Result};
+use irq_steal::Schedule;
 
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize)]
 pub struct Seeds(Vec<u64>);
@@ -33,6 +34,23 @@ impl Seeds {
         self.0[rep % self.0.len()]
     }
 
+    /// Every named schedule (name, spec with `SEED`) of every repetition, parsed before the
+    /// first run: `[schedule][rep]`; an error names the schedule and its filled spec.
+    pub fn schedules(&self, named: &[(String, String)], reps: usize) -> Result<Vec<Vec<Schedule>>> {
+        named
+            .iter()
+            .map(|(name, spec)| {
+                (0..reps)
+                    .map(|rep| {
+                        let (spec, _) = self.fill(spec, rep);
+                        spec.parse::<Schedule>()
+                            .with_context(|| format!("schedule {name} ({spec})"))
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
     /// `spec` with its `SEED` placeholder filled for repetition `rep`, and the seed where
     /// it had one.
     pub fn fill(&self, spec: &str, rep: usize) -> (String, Option<u64>) {
@@ -61,6 +79,16 @@ mod tests {
             ("anti:20000:10000".to_string(), None)
         );
         assert_eq!(Seeds::default().0, [1, 2, 3]);
+    }
+
+    #[test]
+    fn every_repetition_gets_its_schedule_and_a_bad_spec_names_it() {
+        let named = [("rphase".to_string(), "rphase:20000:10000:SEED".to_string())];
+        let all = Seeds::default().schedules(&named, 4).unwrap();
+        assert_eq!((all.len(), all[0].len()), (1, 4));
+        let bad = [("odd".to_string(), "nonsense:SEED".to_string())];
+        let e = format!("{:#}", Seeds::default().schedules(&bad, 2).unwrap_err());
+        assert!(e.contains("schedule odd (nonsense:1)"), "{e}");
     }
 
     #[test]

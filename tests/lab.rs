@@ -258,7 +258,6 @@ fn e2e_scenario() -> Result<(), String> {
     let mut reader_placed = placed_reader(&mid);
     let mut host_mid = Value::Null;
     let mut from_guest = false;
-    let mut io_vcpu_tweaked = false;
     // Whether the agent's rules let it favour a vCPU at some period: one vCPU of the lab
     // VM carried its I/O while another was free of it and never halted, so could pay
     // (`vm-funded`). Where the daemon keeps the reader on one vCPU and its requests
@@ -272,7 +271,7 @@ fn e2e_scenario() -> Result<(), String> {
     // for the same reason one look at the guest at 6 s may come before the reader's first
     // placement (seen twice on a loaded machine), so the guest is asked again every second.
     while t_mid.elapsed() < Duration::from_secs(22)
-        && !(from_guest && io_vcpu_tweaked && reader_placed)
+        && !(from_guest && watch.seen() && reader_placed)
     {
         if !reader_placed && last_guest_look.elapsed() >= Duration::from_secs(1) {
             last_guest_look = Instant::now();
@@ -288,7 +287,6 @@ fn e2e_scenario() -> Result<(), String> {
             .iter()
             .any(|v| v["source"] == "guest" && v["events"].as_u64().unwrap_or(0) > 0);
         payable |= favour_payable(&host_mid["vms"][0]);
-        io_vcpu_tweaked |= watch.seen();
         std::thread::sleep(Duration::from_millis(50));
     }
     // A guest that stops answering for a minute gets one more wait, the host's picture

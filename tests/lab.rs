@@ -250,11 +250,15 @@ fn e2e_scenario() -> Result<(), String> {
     // period without a report shows no events), so it is polled, not sampled once.
     std::thread::sleep(Duration::from_secs(6));
     let placed_reader = |status: &Value| {
-        status["tasks"].as_array().unwrap().iter().any(|t| {
-            t["comm"].as_str().unwrap_or("").starts_with("reader") && !t["placed_on"].is_null()
+        status["tasks"].as_array().is_some_and(|tasks| {
+            tasks.iter().any(|t| {
+                t["comm"].as_str().unwrap_or("").starts_with("reader") && !t["placed_on"].is_null()
+            })
         })
     };
-    let mut mid = daemon_status(&mut vm).expect("guest status mid-run");
+    // A guest too slow to answer now is asked again every second below (CI: no answer
+    // at 6 s on a loaded machine); only the checks at the end need its answer.
+    let mut mid = daemon_status(&mut vm).unwrap_or(Value::Null);
     let mut reader_placed = placed_reader(&mid);
     let mut host_mid = Value::Null;
     let mut from_guest = false;

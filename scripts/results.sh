@@ -17,9 +17,9 @@
 #                             moved on, by results and docs), the files written here
 #
 # Root (the benchmarks take CPUs away in hard-IRQ context). Time with the defaults:
-# host ~65 min (6 cells x 6 modes x 8 reps x 10 s), apps_random and apps_none ~95 min
-# each (5 modes x 8 reps x 120 s and start-up): ~4 h in all, so the parts may run on
-# different days at one commit (RESULTS_AT).
+# host ~65 min (6 cells x 6 modes x 8 reps x 10 s), apps_random ~112 min (6 modes x 8
+# reps x 120 s and start-up), apps_none ~95 min (5 modes): ~4.5 h in all, so the parts
+# may run on different days at one commit (RESULTS_AT).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -78,12 +78,14 @@ fi
 # PostgreSQL under hard-IRQ deschedules, long enough for the move guard to probe inside
 # every run (it trusts a kept task 30 s first); three oracles: the server and its client
 # pinned to the completion vCPU with and without the daemon's kept slice, and every task
-# moved ahead of each window knowing the plan. Two parts of ~95 min each.
+# moved ahead of each window knowing the plan.
 apps_modes=vanilla,vmigrater,pinned_all,pinned_all_slice,sched_oracle
 if part apps_random; then
-    # Random phase over three seeds, the repetitions spread over them.
+    # Random phase over three seeds, the repetitions spread over them. Beside the plan's
+    # modes, the user's cap on what the daemon takes from co-located work: no kept slice
+    # (vmigrater_no_slice), the row that shows what capping costs and gives back.
     bench apps -- "${apps_len[@]}" --apps pg_select_c1 --only rphase --seeds 1,2,3 \
-        --modes "$apps_modes" --tag random --out "$here/$out"
+        --modes "$apps_modes,vmigrater_no_slice" --tag random --out "$here/$out"
     cp "$out/apps-random.json" "$dest/results-apps_random-$commit.json"
     written+=("$dest/results-apps_random-$commit.json")
 fi

@@ -18,9 +18,13 @@ neither a table row nor an HTML comment.
 FILE defaults to README.md and benches/RESULTS.md. `make lint` runs `check`. `check` also
 holds the README to one build: every results file its tables cite names a clean commit
 (not `-dirty`, not unknown), and the same one (`make results` regenerates them together).
-RESULTS.md, the history, may cite many builds.
+RESULTS.md, the history, may cite many builds. And every file in benches/results must be
+cited by README.md or benches/RESULTS.md (by name, `{a,b}` alternatives or a `*` pattern):
+a result nobody cites leaves the tree (git keeps it).
 """
+import fnmatch
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -82,6 +86,32 @@ def one_build(name, lines):
     return errors
 
 
+def expand_braces(text):
+    """`x-{a,b}.json` as `x-a.json x-b.json`, nested or repeated, as a shell would."""
+    brace = re.compile(r"([A-Za-z0-9_.*/-]*)\{([^{}\s]*)\}([A-Za-z0-9_.*/-]*)")
+    while True:
+        text, n = brace.subn(lambda m: " ".join(m[1] + a + m[3] for a in m[2].split(",")), text)
+        if not n:
+            return text
+
+
+def uncited(docs=("README.md", "benches/RESULTS.md")):
+    """Results files that none of `docs` cites, by name or by a `*` pattern."""
+    text = expand_braces("\n".join((ROOT / d).read_text() for d in docs))
+    names = set(re.findall(r"[A-Za-z0-9_.*-]+\.(?:json|png)", text))
+    # A pattern names a family by its prefix; `*.json` names none.
+    patterns = [n for n in names if "*" in n and not n.startswith("*")]
+
+    def cited(name):
+        return name in names or any(fnmatch.fnmatch(name, p) for p in patterns)
+
+    # A plot goes with the runs it was drawn from.
+    return [f"benches/results/{f.name}: no line of {' or '.join(docs)} cites it; "
+            "remove it (git keeps it) or say what it shows"
+            for f in sorted((ROOT / "benches/results").iterdir())
+            if not cited(f.name) and not (f.suffix == ".png" and cited(f.stem + ".json"))]
+
+
 def main(argv):
     if not argv or argv[0] not in ("check", "write"):
         print(__doc__.strip(), file=sys.stderr)
@@ -104,6 +134,8 @@ def main(argv):
             stale += one_build(name, lines)
         if mode == "write" and out != lines:
             path.write_text("\n".join(out) + "\n")
+    if not argv[1:]:
+        stale += uncited()
     if mode == "check":
         for s in stale:
             print(s, file=sys.stderr)

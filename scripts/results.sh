@@ -11,10 +11,13 @@
 #                             `tables.py check` refuses them in the README
 #   RESULTS_SMOKE=1           every part for seconds, into target/results-smoke, the
 #                             README untouched: to see the pipeline work, not a result
-#   RESULTS_AT=COMMIT         measure that commit, built in a worktree of its own under
-#                             target/results-at (what a README of one build needs when
-#                             its parts run on different days; the tree here may have
-#                             moved on, by results and docs), the files written here
+#   RESULTS_AT=COMMIT         measure that commit (default: HEAD), built in a worktree
+#                             of its own under target/results-at: a README of one build
+#                             whose parts run on different days names it; and the tree
+#                             here may move on while a part runs (a commit here would
+#                             otherwise make the benchmarks refuse the daemon binary
+#                             mid-run as built from another commit). The files are
+#                             written here.
 #
 # Root (the benchmarks take CPUs away in hard-IRQ context). Time with the defaults:
 # host ~65 min (6 cells x 6 modes x 8 reps x 10 s), apps_random ~112 min (6 modes x 8
@@ -25,7 +28,8 @@ cd "$(dirname "$0")/.."
 
 parts=${RESULTS_PARTS:-host,apps_random,apps_none}
 smoke=${RESULTS_SMOKE:-}
-if [ -n "$(git status --porcelain --untracked-files=no)" ] && [ "${RESULTS_DIRTY:-}" != 1 ]; then
+dirty=$(git status --porcelain --untracked-files=no)
+if [ -n "$dirty" ] && [ -z "${RESULTS_AT:-}" ] && [ "${RESULTS_DIRTY:-}" != 1 ]; then
     echo "make results: the tree has uncommitted changes (git status); commit them, or" >&2
     echo "set RESULTS_DIRTY=1 to measure anyway (the files will say -dirty)" >&2
     exit 1
@@ -36,11 +40,19 @@ if [ "$(id -u)" != 0 ]; then
 fi
 here=$PWD
 commit=$(git rev-parse --short=12 HEAD)
-[ -n "$(git status --porcelain --untracked-files=no)" ] && commit="$commit-dirty"
-if [ -n "${RESULTS_AT:-}" ]; then
-    commit=$(git rev-parse --short=12 "$RESULTS_AT^{commit}")
+if [ -z "${RESULTS_AT:-}" ] && { [ -n "$dirty" ] || [ -n "$smoke" ]; }; then
+    # A dirty tree is measured where it is (its changes are in no commit to check out),
+    # and so is a smoke, which checks the pipeline, not a build.
+    if [ -n "$dirty" ]; then commit="$commit-dirty"; fi
+else
+    commit=$(git rev-parse --short=12 "${RESULTS_AT:-HEAD}^{commit}")
     tree=target/results-at/$commit
     [ -d "$tree" ] || git worktree add --detach "$tree" "$commit"
+    # The crates.io dependencies built here serve the worktree too (its own crates build
+    # again, under its own path): minutes instead of a cold release build.
+    if [ ! -d "$tree/target/release" ] && [ -d target/release ]; then
+        mkdir -p "$tree/target" && cp -a target/release "$tree/target/"
+    fi
     (cd "$tree" && cargo build --release --workspace --bins)
 fi
 out=target/results

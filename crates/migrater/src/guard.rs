@@ -130,7 +130,7 @@ pub struct MoveGuard {
     epoch_start: Option<(Mono, u64)>,
     with: Vec<f64>,
     without: Vec<f64>,
-    /// What the next paying verdict trusts moves for, and the next losing one holds them.
+    /// How long the next paying verdict trusts moves: doubles while verdicts keep paying.
     trust: Duration,
     hold: Duration,
     burden: Burden,
@@ -696,7 +696,7 @@ mod tests {
     fn pins_that_keep_paying_cost_at_most_two_percent_of_ten_minutes() {
         // As the daemon runs a kept reader: trusted first, then probed under NotLose,
         // every probe ending at its first pair. The probes' epochs without moves are the
-        // gain given up; issue 54 asks for <= 2% in a 10-minute steady state.
+        // gain given up; the steady-state target is <= 2% of 10 minutes.
         let mut g = MoveGuard::new(GuardConfig {
             settle: false,
             ..GuardConfig::default()

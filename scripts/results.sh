@@ -138,4 +138,8 @@ for f in "${written[@]}"; do
 done
 python3 benches/tables.py write README.md
 python3 benches/tables.py check README.md
-echo "make results: ${written[*]} written; README.md's tables regenerated from build $commit"
+if [ ${#written[@]} -eq 0 ]; then
+    echo "make results: no part asked for ($parts): nothing measured, README.md checked"
+else
+    echo "make results: ${written[*]} written; README.md's tables regenerated from build $commit"
+fi

@@ -103,10 +103,17 @@ fn work_unit(acc: u64) -> u64 {
 
 /// Units of [`work_unit`] that take `target` of CPU on this machine: the fastest of many
 /// short trials, so an interrupt or deschedule during calibration does not inflate it.
+/// A warm-up spin comes first so a CPU still ramping its clock does not either. It stays
+/// an estimate: a busy SMT sibling or another tenant's load during the trials still makes
+/// a unit read slower than it later runs (CI measured a request 12% under its target).
 pub fn work_units_for(target: Duration) -> u64 {
     const TRIAL: u64 = 200;
-    let mut best = Duration::MAX;
     let mut acc = 1u64;
+    let warm = Instant::now();
+    while warm.elapsed() < Duration::from_millis(20) {
+        acc = work_unit(acc);
+    }
+    let mut best = Duration::MAX;
     for _ in 0..200 {
         let t = Instant::now();
         for _ in 0..TRIAL {

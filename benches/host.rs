@@ -21,6 +21,11 @@
 //!   steal the model publishes for our vCPUs, over the workload's threads;
 //! - `pinned`: the reader pinned to the disk's completion CPU (the open-loop testbed's
 //!   oracle, kept as a reference point);
+//! - `host_oracle`: the host-side oracle, the best the agent's own rules allow held from
+//!   the first instant by a host that knows where the guest's I/O completes: the reader
+//!   pinned to the completion vCPU, and the model's weights set once to the agent's
+//!   steady exchange (`io_boost_nice` steps to that vCPU, paid by the guest's other vCPU
+//!   and balanced by another VM's vCPUs on both CPUs, as `hv_agent::weights::fund` does);
 //! - `liar`: the agent, fed by a hostile guest that claims maximal I/O on every vCPU every
 //!   25 ms: its guest share against vanilla says whether claiming I/O buys CPU.
 //!
@@ -59,7 +64,7 @@ use vmigrater_testbed::report::{est, f, fmt_est, list};
 use vmigrater_testbed::stats::{self, Estimate};
 use vmigrater_testbed::{ncpus, require_root, workload, workspace_bin};
 
-const MODES: [&str; 9] = [
+const MODES: [&str; 10] = [
     "vanilla",
     "vmigrater",
     "agent",
@@ -68,6 +73,7 @@ const MODES: [&str; 9] = [
     "both",
     "governor",
     "pinned",
+    "host_oracle",
     "liar",
 ];
 const CELLS: &str = "fair:2,fair:3,fair:4,credit:2,credit:3,credit:4";
@@ -425,6 +431,9 @@ fn run_once(
     }
     cfg.pin_dir = format!("/sys/fs/bpf/vmigrater-bench-host-{tag}").into();
     let model = HostModel::start(&cfg).context("starting the host model")?;
+    if mode == "host_oracle" {
+        hold_the_agents_exchange(&cfg.pin_dir, data.completion, k)?;
+    }
     let reader = model.reader()?;
     let start_ns = model.start_ns();
     let port = matches!(mode, "agent" | "agent_report" | "both" | "liar")
@@ -541,6 +550,46 @@ fn run_once(
     Ok(v)
 }
 
+/// `host_oracle`'s weights: the exchange the agent settles on (its status reads
+/// [0.58, 1.42] for our guest in every fair cell), written into the model's `control` map
+/// before the workload starts. The completion vCPU is favoured and our other vCPU pays;
+/// the other VM in slot 1 pays on the completion CPU and is paid back on the other, so no
+/// VM's share and no CPU's balance moves. Only the guest's first two vCPUs take part, as
+/// in the agent's exchange.
+fn hold_the_agents_exchange(pin_dir: &Path, completion: usize, k: usize) -> Result<()> {
+    use hv_agent::model::{key, Control, DEFAULT_WEIGHT};
+    use libbpf_rs::{MapCore, MapFlags, MapHandle};
+    anyhow::ensure!(
+        k >= 2,
+        "host_oracle needs another VM on each CPU to trade with (k = {k})"
+    );
+    let other = usize::from(completion == 0);
+    let steps = hv_agent::config::Config::default().io_boost_nice;
+    let (favoured, paying) = hv_agent::weights::exchange_weights(steps);
+    let path = pin_dir.join("control");
+    let control = MapHandle::from_pinned_path(&path)
+        .with_context(|| format!("opening the host model's {}", path.display()))?;
+    for (cpu, slot, factor) in [
+        (completion, 0, favoured),
+        (completion, 1, paying),
+        (other, 1, favoured),
+        (other, 0, paying),
+    ] {
+        let c = Control {
+            weight: (f64::from(DEFAULT_WEIGHT) * factor).round() as u32,
+            boost: 0,
+        };
+        control
+            .update(
+                &key(cpu as u32, slot).to_ne_bytes(),
+                &c.to_bytes(),
+                MapFlags::ANY,
+            )
+            .with_context(|| format!("host_oracle: writing control[cpu {cpu}, slot {slot}]"))?;
+    }
+    Ok(())
+}
+
 /// The 4 KiB reader and a hog per vCPU (`vmigrater-workload`): IOPS from its first request.
 fn reads(mode: &str, data: &Data, s: &Settings, governed: &Governed) -> Result<Value> {
     let workload_ms = (s.io_warmup + Duration::from_secs_f64(s.secs)).as_millis() as u64;
@@ -555,7 +604,7 @@ fn reads(mode: &str, data: &Data, s: &Settings, governed: &Governed) -> Result<V
         .arg(workload_ms.to_string())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
-    if mode == "pinned" {
+    if matches!(mode, "pinned" | "host_oracle") {
         cmd.arg("--pin").arg(data.completion.to_string());
     }
     let child = cmd.spawn().context("starting vmigrater-workload")?;
@@ -600,7 +649,7 @@ fn app_once(app: App, mode: &str, data: &Data, s: &Settings, governed: &Governed
     let hogs: Vec<workload::Worker> = (0..ncpus())
         .map(|c| workload::spawn_hog(Some(c)))
         .collect::<Result<_>>()?;
-    let place = if mode == "pinned" {
+    let place = if matches!(mode, "pinned" | "host_oracle") {
         Placement {
             server_cpu: Some(data.completion),
             client_cpu: Some(data.completion),
@@ -755,7 +804,7 @@ fn summarise(runs: &[Value], modes: &[&str]) -> Value {
             "guest_share_median": stats::median(&vals(m, "guest_share")),
             "hog_units_per_s_median": stats::median(&vals(m, "hog_units_per_s")),
         });
-        for base in ["vanilla", "pinned", "governor"] {
+        for base in ["vanilla", "pinned", "host_oracle", "governor"] {
             if m == base || !modes.contains(&base) {
                 continue;
             }

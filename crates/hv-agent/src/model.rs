@@ -53,7 +53,8 @@ impl Control {
         }
     }
 
-    fn to_bytes(self) -> [u8; CONTROL_SIZE as usize] {
+    /// The map value's bytes (`struct hm_control`).
+    pub fn to_bytes(self) -> [u8; CONTROL_SIZE as usize] {
         let mut b = [0; CONTROL_SIZE as usize];
         b[..4].copy_from_slice(&self.weight.to_ne_bytes());
         b[4..].copy_from_slice(&self.boost.to_ne_bytes());

@@ -10,8 +10,8 @@ repetition, then the other VMs' CPU time under the agent's modes against
 vanilla (the modes that do not weight vCPUs leave it at 1.00x by construction; --detail shows
 them), then the guest's own co-located work (its CPU hogs) under each of our modes against
 vanilla, per vCPU and in total. Where the file has more than one oracle, the best (the
-higher median) is named and our modes are given against it. With --detail: one row per cell and mode, with the worst
-run and its ratio to the vanilla run of its repetition, the paired ratio, the other VMs'
+higher median) is named and our modes are given against it. With --detail: one row per
+cell and mode, with the worst run and its ratio to the vanilla run of its repetition, the paired ratio, the other VMs'
 CPU time, the guest's share of its CPUs and the guest's own co-located work (a CPU hog
 pinned on each vCPU) against vanilla's, per vCPU where the file has it and in total; for
 applications also the stalled

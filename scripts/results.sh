@@ -23,6 +23,10 @@
 # host ~75 min (6 cells x 7 modes x 8 reps x 10 s), apps_random ~112 min (6 modes x 8
 # reps x 120 s and start-up), apps_none ~95 min (5 modes): ~4.7 h in all, so the parts
 # may run on different days at one commit (RESULTS_AT).
+# The whole script is one brace group, read in full before any of it runs: bash reads a
+# script as it goes, so an edit or checkout of this file during a part's hours would
+# otherwise change what the running command does next.
+{
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -145,3 +149,5 @@ if [ ${#written[@]} -eq 0 ]; then
 else
     echo "make results: ${written[*]} written; README.md's tables regenerated from build $commit"
 fi
+exit
+}
